@@ -1,0 +1,31 @@
+"""collectives: MPI collective-communication algorithms for data-parallel training.
+
+    import collectives as coll
+    g = coll.allreduce(grad, op="avg")                       # new array, auto-selected algorithm
+    coll.allreduce(grad, out=grad, algorithm="ring")         # in place
+    req = coll.iallreduce(grad, out=grad); ...; req.wait()   # non-blocking
+
+See DESIGN.md for the architecture; ``collectives.algorithms(name)`` lists the algorithms.
+"""
+from collectives.api import (
+    algorithms,
+    allgather,
+    allreduce,
+    broadcast,
+    iallgather,
+    iallreduce,
+    ibroadcast,
+    ireduce_scatter,
+    reduce,
+    reduce_scatter,
+)
+from collectives.errors import CollectiveError, CollectiveTimeout, MessageSizeError, MismatchError
+from collectives.progress import Request
+
+__all__ = [
+    "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
+    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast",
+    "algorithms", "Request",
+    "CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,356 @@
+"""The public API: argument checks, buffer wrapping, algorithm selection, running.
+
+Every collective goes through the same four steps:
+
+1. *Check and wrap* (``_prepare``): the arguments are checked with the facts every rank has, so
+   a bad call raises the same ``ValueError``/``TypeError`` on every rank before a byte moves;
+   ``x`` and ``out`` become flat zero-copy views (``collectives.buffers``).
+2. *Choose* the algorithm: by name, or ``auto`` from the tuning table (``collectives.select``).
+3. *Validate across ranks* when ``COLLECTIVES_CHECK=1`` or ``check=True`` (``collectives.check``).
+4. *Run*: a schedule algorithm is built once per shape (cached), bound to the buffers and run by
+   the executor; a direct algorithm (``native``, ``shm``) is launched as it is. Blocking calls run
+   in the caller's thread; ``i*`` calls return a ``Request`` driven by the progress thread.
+
+Without ``out`` the input is never modified and a new array of x's kind is returned; ``out=x``
+is in place. On error the input is untouched; ``out`` may be partly written if the error came
+from the network after the collective started (checks happen before).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import check as _check
+from . import select
+from .buffers import Buffer, wrap
+from .executor import Run, context, segment_elems
+from .ops import resolve
+from .progress import Done, Request
+
+__all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
+           "iallreduce", "ireduce", "ibroadcast", "ireduce_scatter", "iallgather",
+           "algorithms", "Call"]
+
+
+def algorithms(collective: str) -> tuple[str, ...]:
+    """Names that ``algorithm=`` accepts for ``collective`` (besides ``"auto"``)."""
+    return select.algorithms(collective)
+
+
+class Call:
+    """One collective call, checked and wrapped: what an algorithm's ``launch`` receives.
+
+    ``x``/``out`` are ``Buffer``s (``out`` is x itself when in place, scratch on non-root ranks
+    of ``reduce``); ``counts`` are per-rank element counts (reduce_scatter, allgather).
+    """
+
+    __slots__ = ("collective", "ctx", "x", "out", "op", "root", "counts", "algorithm",
+                 "inplace", "seq", "blocking")
+
+    def __init__(self, collective, ctx, x, out, op=None, *, root=0, counts=None,
+                 inplace=False):
+        self.collective, self.ctx, self.x, self.out, self.op = collective, ctx, x, out, op
+        self.root, self.counts, self.inplace = root, counts, inplace
+        self.algorithm = None
+        self.seq = -1
+        self.blocking = True
+
+    @property
+    def count(self) -> int:
+        """Elements of the per-rank input."""
+        return self.x.count
+
+    def describe(self) -> str:
+        return (f"{self.collective} #{self.seq} ({self.algorithm}, {self.count} x "
+                f"{self.x.dtype.name}{'' if self.op is None else ', ' + self.op.name})")
+
+
+# -- step 1: checks and buffers ---------------------------------------------------------------
+def _context(comm):
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    return context(comm)
+
+
+def _address(buf: Buffer) -> tuple[int, int]:
+    iface = getattr(buf.flat, "__cuda_array_interface__", None) or \
+        buf.flat.__array_interface__
+    start = iface["data"][0]
+    return start, start + buf.flat.nbytes
+
+
+def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
+    """Wrap ``out`` (or make one of ``shape``); returns ``(buffer, in_place)``."""
+    if out is None:
+        return x.new(shape), False
+    o = wrap(out, what)
+    if o.kind != x.kind or o.dtype != x.dtype or o.device != x.device:
+        raise TypeError(f"{what} is {o.describe()}, expected a {x.kind} {x.dtype.name} buffer "
+                        f"on {x.device}")
+    if o.count != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"{what} has shape {list(o.shape)}, expected {list(shape)}")
+    if o.readonly:
+        raise ValueError(f"{what} is read-only")
+    xa, oa = _address(x), _address(o)
+    same = xa == oa and x.count > 0
+    if not same and x.count and o.count and xa[0] < oa[1] and oa[0] < xa[1]:
+        raise ValueError(f"{what} partly overlaps x; pass out=x for in place or a separate "
+                         f"buffer")
+    return o, same
+
+
+def _root(root, size) -> int:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"root {root!r} out of range for a communicator of {size} ranks")
+    return int(root)
+
+
+# -- step 2-4: choose, validate, run ----------------------------------------------------------
+@functools.lru_cache(maxsize=512)
+def _schedule(collective, name, rank, size, count, counts, root, seg, extra):
+    builder = select.get(collective, name)
+    kwargs = dict(extra)
+    if collective == "allreduce":
+        s = builder(rank, size, count, seg=seg, **kwargs)
+    elif collective in ("reduce", "broadcast"):
+        s = builder(rank, size, count, root, seg=seg, **kwargs)
+    else:
+        s = builder(rank, size, counts, seg=seg, **kwargs)
+    s.validate()
+    s.plan()
+    return s
+
+
+def _transport(call: Call):
+    if call.x.is_device:
+        from . import cuda
+        return cuda.transport(call.ctx, call.x)
+    return call.ctx.transport
+
+
+def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
+    """Choose, validate and run ``call``; returns the result or a ``Request``."""
+    ctx = call.ctx
+    nbytes = call.count * call.x.dtype.itemsize
+    name = select.auto(call.collective, nbytes, ctx.size) if algorithm == "auto" else algorithm
+    builder = select.get(call.collective, name)
+    call.algorithm = name
+    call.blocking = blocking
+    call.seq = ctx.next_seq()
+    if _check.enabled(check):
+        _check.verify(ctx.comm, collective=call.collective, elements=call.count,
+                      dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
+                      root=call.root, algorithm=name, counts=call.counts, sequence=call.seq)
+    total = sum(call.counts) if call.counts is not None else call.count
+    if ctx.size == 1 or total == 0:
+        work = _trivial(call)
+    elif builder == select.NATIVE or hasattr(builder, "launch"):
+        work = (_native if builder == select.NATIVE else builder.launch)(call)
+    else:
+        work = _run_schedule(call, name, builder)
+    if blocking:
+        work.wait()
+        if finalize is not None:
+            finalize()
+        return result
+    return Request(work, result, finalize, description=call.describe())
+
+
+def _trivial(call: Call):
+    """One rank, or nothing to move: the result is the input (or nothing)."""
+    if call.collective != "broadcast" and not call.inplace and call.out is not None:
+        n = min(call.out.count, call.x.count)
+        if n:
+            call.out.flat[:n] = call.x.flat[:n]
+    return Done()
+
+
+def _run_schedule(call: Call, name, builder):
+    ctx = call.ctx
+    x, out = call.x, call.out
+    seg = segment_elems(x.dtype.itemsize)
+    extra = builder.context_kwargs(call) if hasattr(builder, "context_kwargs") else ()
+    counts = None if call.counts is None else tuple(call.counts)
+    schedule = _schedule(call.collective, name, ctx.rank, ctx.size, x.count, counts,
+                         call.root, seg, extra)
+    key = (x.kind, x.device, x.dtype)
+    tmp = ctx.take_scratch(key, schedule.tmp, lambda n: x.new((n,)).flat)
+    taken = [tmp]
+    if out is None:  # reduce on a non-root rank: OUT is scratch
+        out_flat = ctx.take_scratch(key, x.count, lambda n: x.new((n,)).flat)[:x.count]
+        taken.append(out_flat.base if out_flat.base is not None else out_flat)
+    else:
+        out_flat = out.flat
+    in_flat = out_flat if call.inplace else x.flat
+
+    def release():
+        for arr in taken:
+            ctx.give_scratch(key, arr)
+
+    run = Run(schedule.plan(), in_flat, out_flat, tmp, call.op, _transport(call),
+              ctx.tag(call.seq), info=call.describe(), on_done=release)
+    return run.start()
+
+
+def _native(call: Call):
+    from . import native
+    comm, x, blocking = call.ctx.comm, call.x.flat, call.blocking
+    out = None if call.out is None else call.out.flat
+    if call.collective == "allreduce":
+        return native.allreduce(comm, out if call.inplace else x, out, call.op, blocking)
+    if call.collective == "reduce":
+        if out is None:
+            out = x
+        return native.reduce(comm, out if call.inplace else x, out, call.op, call.root,
+                             blocking)
+    if call.collective == "broadcast":
+        return native.broadcast(comm, out, call.root, blocking)
+    if call.collective == "reduce_scatter":
+        return native.reduce_scatter(comm, x, out, call.counts, call.op, blocking)
+    return native.allgather(comm, x, out, call.counts, blocking)
+
+
+def _avg(call: Call):
+    """The finalizer of ``op="avg"``: one division of the summed result by the rank count."""
+    if call.op is None or not call.op.is_avg or call.out is None:
+        return None
+    size, flat = call.ctx.size, call.out.flat
+    return lambda: np.divide(flat, size, out=flat) if size > 1 else None
+
+
+# -- the collectives --------------------------------------------------------------------------
+def _allreduce(x, op, out, comm, algorithm, check, blocking):
+    ctx = _context(comm)
+    xb = wrap(x, "x")
+    opr = resolve(op, xb.dtype)
+    outb, inplace = _output(xb, out, xb.shape)
+    call = Call("allreduce", ctx, xb, outb, opr, inplace=inplace)
+    return _start(call, algorithm, check, blocking, outb.obj, _avg(call))
+
+
+def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
+    """Reduce ``x`` over all ranks of ``comm``; every rank gets the result (like x)."""
+    return _allreduce(x, op, out, comm, algorithm, check, True)
+
+
+def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None) -> Request:
+    """Non-blocking ``allreduce``: ``Request.wait()`` returns the result."""
+    return _allreduce(x, op, out, comm, algorithm, check, False)
+
+
+def _reduce(x, op, root, out, comm, algorithm, check, blocking):
+    ctx = _context(comm)
+    root = _root(root, ctx.size)
+    xb = wrap(x, "x")
+    opr = resolve(op, xb.dtype)
+    if ctx.rank == root:
+        outb, inplace = _output(xb, out, xb.shape)
+        result = outb.obj
+    else:  # out is ignored off the root
+        outb, inplace, result = None, False, None
+    call = Call("reduce", ctx, xb, outb, opr, root=root, inplace=inplace)
+    return _start(call, algorithm, check, blocking, result, _avg(call))
+
+
+def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
+    """Reduce ``x`` over all ranks onto ``root``: the result there, None elsewhere."""
+    return _reduce(x, op, root, out, comm, algorithm, check, True)
+
+
+def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
+            check=None) -> Request:
+    """Non-blocking ``reduce``."""
+    return _reduce(x, op, root, out, comm, algorithm, check, False)
+
+
+def _broadcast(x, root, comm, algorithm, check, blocking):
+    ctx = _context(comm)
+    root = _root(root, ctx.size)
+    xb = wrap(x, "x")
+    if xb.readonly and ctx.rank != root:
+        raise ValueError("x is read-only: broadcast fills it in place")
+    call = Call("broadcast", ctx, xb, xb, root=root, inplace=True)
+    return _start(call, algorithm, check, blocking, xb.obj)
+
+
+def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
+    """Fill ``x`` on every rank with root's ``x``, in place; returns x."""
+    return _broadcast(x, root, comm, algorithm, check, True)
+
+
+def ibroadcast(x, root=0, *, comm=None, algorithm="auto", check=None) -> Request:
+    """Non-blocking ``broadcast``."""
+    return _broadcast(x, root, comm, algorithm, check, False)
+
+
+def _balanced(count: int, size: int) -> tuple[int, ...]:
+    q, r = divmod(count, size)
+    return tuple(q + 1 if k < r else q for k in range(size))
+
+
+def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking):
+    ctx = _context(comm)
+    xb = wrap(x, "x")
+    opr = resolve(op, xb.dtype)
+    if counts is None:
+        counts = _balanced(xb.count, ctx.size)
+    else:
+        counts = tuple(int(c) for c in counts)
+        if len(counts) != ctx.size or min(counts, default=0) < 0:
+            raise ValueError(f"counts must have {ctx.size} non-negative entries, got {counts}")
+        if sum(counts) != xb.count:
+            raise ValueError(f"counts add up to {sum(counts)}, but x has {xb.count} elements")
+    outb, inplace = _output(xb, out, (counts[ctx.rank],))
+    if inplace:
+        raise ValueError("reduce_scatter cannot run in place: out must not be x")
+    call = Call("reduce_scatter", ctx, xb, outb, opr, counts=counts)
+    return _start(call, algorithm, check, blocking, outb.obj, _avg(call))
+
+
+def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
+                   check=None):
+    """Reduce flat ``x`` over all ranks; rank r gets block r (``counts[r]`` elements, 1-D)."""
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, True)
+
+
+def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
+                    check=None) -> Request:
+    """Non-blocking ``reduce_scatter``."""
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, False)
+
+
+def _allgather_counts(ctx, xb: Buffer) -> tuple[tuple[int, ...], int]:
+    """Every rank's element count, from one small Allgather of (rows, elements per row)."""
+    from mpi4py import MPI
+    rows = xb.shape[0] if xb.shape else 1
+    row = int(np.prod(xb.shape[1:], dtype=np.int64)) if xb.shape else 1
+    table = np.empty((ctx.size, 2), dtype=np.int64)
+    ctx.comm.Allgather([np.array([rows, row], np.int64), MPI.INT64_T], [table, MPI.INT64_T])
+    if (table[:, 1] != row).any():
+        shapes = ", ".join(f"rank {r}: {int(e)} per row" for r, e in enumerate(table[:, 1]))
+        raise ValueError(f"allgather: x's trailing axes must agree on every rank ({shapes})")
+    return tuple(int(r) * row for r in table[:, 0]), int(table[:, 0].sum())
+
+
+def _allgather(x, out, comm, algorithm, check, blocking):
+    ctx = _context(comm)
+    xb = wrap(x, "x")
+    counts, rows = _allgather_counts(ctx, xb)
+    shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
+    outb, inplace = _output(xb, out, shape)
+    if inplace:
+        raise ValueError("allgather cannot run in place: out must not be x")
+    call = Call("allgather", ctx, xb, outb, counts=counts)
+    return _start(call, algorithm, check, blocking, outb.obj)
+
+
+def allgather(x, *, out=None, comm=None, algorithm="auto", check=None):
+    """Concatenate every rank's ``x`` along axis 0 (ranks may differ in that axis' length)."""
+    return _allgather(x, out, comm, algorithm, check, True)
+
+
+def iallgather(x, *, out=None, comm=None, algorithm="auto", check=None) -> Request:
+    """Non-blocking ``allgather``."""
+    return _allgather(x, out, comm, algorithm, check, False)

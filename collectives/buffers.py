@@ -1,0 +1,145 @@
+"""Buffer adaptors: one per array kind, each giving a flat zero-copy view the executor works on.
+
+``wrap(x)`` returns a ``Buffer``: the caller's object, a flat 1-D *view* of its memory as a numpy
+array (or a cupy array for device memory), its dtype, shape, device and whether it may be written.
+Nothing is copied: a reduction written into ``Buffer.flat`` lands in the caller's array. The
+executor only ever sees ``flat`` (numpy or cupy: both accept numpy's ufuncs with ``out=``) and
+``Buffer.new`` to make a result of the caller's kind.
+
+Adaptors are tried in order; ``register`` adds one (the CUDA module registers cupy and CUDA
+tensors). Accepted dtypes: bool, int8-64, uint8-64, float16, bfloat16 (ml_dtypes), float32,
+float64, complex64, complex128. Buffers must be C-contiguous: a strided view would need a hidden
+copy, so it is refused with a ``ValueError`` instead.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["Buffer", "wrap", "register", "DTYPES", "bfloat16"]
+
+try:
+    from ml_dtypes import bfloat16
+except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency
+    bfloat16 = None
+
+DTYPES = tuple(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+)) + ((np.dtype(bfloat16),) if bfloat16 is not None else ())
+
+
+class Buffer:
+    """A caller's array seen as a flat typed view (``flat``) plus what it takes to mirror it."""
+
+    __slots__ = ("obj", "flat", "shape", "dtype", "kind", "device", "readonly", "_new")
+
+    def __init__(self, obj, flat, shape, kind, *, device="cpu", readonly=False, new=None):
+        self.obj = obj
+        self.flat = flat
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(flat.dtype)
+        self.kind = kind
+        self.device = device
+        self.readonly = readonly
+        self._new = new
+
+    @property
+    def count(self) -> int:
+        return int(self.flat.shape[0])
+
+    @property
+    def is_device(self) -> bool:
+        return self.device != "cpu"
+
+    def new(self, shape) -> Buffer:
+        """A fresh, writable buffer of the same kind, dtype and device with ``shape``."""
+        return self._new(tuple(shape))
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.dtype.name}{list(self.shape)} on {self.device}"
+
+
+_ADAPTORS: list = []
+
+
+def register(adaptor, *, first: bool = False) -> None:
+    """Add ``adaptor(x) -> Buffer | None`` (None: not mine) to the ones ``wrap`` tries."""
+    if first:
+        _ADAPTORS.insert(0, adaptor)
+    else:
+        _ADAPTORS.append(adaptor)
+
+
+def check_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in DTYPES:
+        raise TypeError(f"unsupported dtype {dtype.name}; supported: "
+                        f"{', '.join(d.name for d in DTYPES)}")
+    return dtype
+
+
+def wrap(x, what: str = "x") -> Buffer:
+    """The ``Buffer`` for a numpy array, torch tensor or cupy array; TypeError/ValueError else."""
+    for adaptor in _ADAPTORS:
+        buf = adaptor(x)
+        if buf is not None:
+            check_dtype(buf.dtype)
+            return buf
+    raise TypeError(f"{what}: expected a numpy array, torch tensor or cupy array, "
+                    f"got {type(x).__name__}")
+
+
+def _contiguous(ok: bool, x, what="buffer") -> None:
+    if not ok:
+        raise ValueError(f"{what} of shape {tuple(x.shape)} is not C-contiguous; pass a "
+                         f"contiguous copy (numpy.ascontiguousarray / tensor.contiguous())")
+
+
+# -- numpy --------------------------------------------------------------------------------------
+def _numpy(x):
+    if not isinstance(x, np.ndarray):
+        return None
+    _contiguous(x.flags.c_contiguous, x, "numpy array")
+    check_dtype(x.dtype)
+    return Buffer(x, x.reshape(-1), x.shape, "numpy", readonly=not x.flags.writeable,
+                  new=lambda shape: _numpy(np.empty(shape, x.dtype)))
+
+
+register(_numpy)
+
+
+# -- torch (CPU; CUDA tensors are taken by collectives.cuda when it is usable) -----------------
+def _torch_module():
+    import sys
+    return sys.modules.get("torch")  # never import torch just to look at a buffer
+
+
+def torch_dtype_to_numpy(dtype):
+    import torch
+    if dtype == torch.bfloat16:
+        return np.dtype(bfloat16)
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _torch(x):
+    torch = _torch_module()
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    if x.device.type != "cpu":
+        raise TypeError(f"{x.device.type} tensors need the CUDA path (cupy and a CUDA device): "
+                        f"install the 'cuda' extra; got a tensor on {x.device}")
+    _contiguous(x.is_contiguous(), x, "torch tensor")
+    t = x.detach()
+    if t.dtype == torch.bfloat16:
+        flat = t.view(torch.int16).numpy().view(bfloat16).reshape(-1)
+    elif t.dtype in (torch.float16, torch.float32, torch.float64, torch.complex64,
+                     torch.complex128, torch.bool, torch.int8, torch.int16, torch.int32,
+                     torch.int64, torch.uint8):
+        flat = t.numpy().reshape(-1)
+    else:
+        raise TypeError(f"unsupported torch dtype {x.dtype}")
+    return Buffer(x, flat, x.shape, "torch", device="cpu", readonly=False,
+                  new=lambda shape: _torch(torch.empty(shape, dtype=x.dtype)))
+
+
+register(_torch)

@@ -1,0 +1,345 @@
+"""The MPI executor: runs any ``Schedule`` over an ``MPI.Comm``.
+
+One ``Run`` is one collective in flight. It is a state machine over the schedule's ``Plan``:
+an op whose dependencies have completed is *ready*; a ready reduce/copy runs at once (numpy or
+cupy with ``out=``), a ready send/recv is posted non-blocking as soon as every earlier message
+to/from the same peer has been posted (messages between a pair match in program order, MPI's
+non-overtaking rule, under one tag per collective). ``wait()`` blocks in ``Waitany`` when
+nothing is ready; ``test()`` advances without blocking. Because algorithms emit every chunk as
+several segments, the DAG lets the reduction of segment k run while segment k+1 is still on the
+wire, and receives are posted ahead of the matching sends.
+
+Collectives run on a private ``Dup`` of the caller's communicator (``context(comm)``), cached
+on it as an MPI attribute, so their messages never match the caller's own. Each collective
+takes the next tag of that context, the same on every rank because collectives are called in
+the same order everywhere, so overlapping non-blocking collectives never match each other's
+messages. Scratch (``TMP``) comes from a pool on the context and is reused between calls.
+
+The transport is passed in: ``MPITransport`` posts ``Isend``/``Irecv`` on byte views; the CUDA
+module wraps it to stage device memory through host buffers; the in-process simulator
+(``collectives.sim``) implements it with mailboxes. ``Run`` only needs ``isend``, ``irecv``,
+``waitany``, ``testsome`` and ``finish``.
+
+Knob: ``SEGMENT_BYTES`` (env ``COLLECTIVES_SEGMENT_BYTES``) is the largest message an algorithm
+emits; tests set it small so that short arrays walk the multi-segment paths.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+from .errors import CollectiveError, MessageSizeError
+from .schedule import COPY, RECV, REDUCE, SEND
+
+__all__ = ["Context", "context", "Run", "MPITransport", "SEGMENT_BYTES", "segment_elems",
+           "set_segment_bytes"]
+
+SEGMENT_BYTES = int(os.environ.get("COLLECTIVES_SEGMENT_BYTES", 4 << 20))
+
+
+def set_segment_bytes(nbytes: int) -> int:
+    """Set the segment size (bytes) for later calls; returns the previous value."""
+    global SEGMENT_BYTES
+    if nbytes <= 0:
+        raise ValueError(f"segment size must be positive, got {nbytes}")
+    old, SEGMENT_BYTES = SEGMENT_BYTES, int(nbytes)
+    return old
+
+
+def segment_elems(itemsize: int) -> int:
+    return max(1, SEGMENT_BYTES // max(1, itemsize))
+
+
+# -- per-communicator context -------------------------------------------------------------------
+class Context:
+    """What the toolkit keeps per user communicator: a private Dup, the tag counter, scratch."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        if comm.Is_inter():
+            raise TypeError("intercommunicators are not supported; pass an intracommunicator")
+        self.user_comm = comm
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        self.tag_ub = int(tag_ub)
+        self.seq = 0
+        self.lock = threading.Lock()
+        self._scratch: dict = {}
+        self.stash: dict = {}  # other modules' per-communicator state (topology, windows, ...)
+        self.transport = MPITransport(self.comm)
+
+    def next_seq(self) -> int:
+        """The sequence number of the next collective (the same on every rank)."""
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def tag(self, seq: int) -> int:
+        return seq % self.tag_ub
+
+    def take_scratch(self, key, n: int, alloc):
+        """A scratch array of at least ``n`` elements for ``key``; give it back with ``give``."""
+        with self.lock:
+            free = self._scratch.setdefault(key, [])
+            for i, arr in enumerate(free):
+                if arr.shape[0] >= n:
+                    return free.pop(i)
+        return alloc(max(n, 1))
+
+    def give_scratch(self, key, arr) -> None:
+        with self.lock:
+            free = self._scratch.setdefault(key, [])
+            free.append(arr)
+            free.sort(key=lambda a: a.shape[0])
+            del free[:-4]  # keep the four largest
+
+    def free(self) -> None:
+        self._scratch.clear()
+        for fn in list(self.stash.values()):
+            close = getattr(fn, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - best effort at teardown
+                    pass
+        self.stash.clear()
+        from mpi4py import MPI
+        if not MPI.Is_finalized() and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+_KEYVAL = None
+_KEYVAL_LOCK = threading.Lock()
+
+
+def _delete_context(comm, keyval, ctx):
+    try:
+        ctx.free()
+    except Exception:  # noqa: BLE001 - never raise out of an MPI callback
+        pass
+
+
+def context(comm) -> Context:
+    """The toolkit's ``Context`` for ``comm`` (created on first use, cached on the comm)."""
+    global _KEYVAL
+    from mpi4py import MPI
+    with _KEYVAL_LOCK:
+        if _KEYVAL is None:
+            _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_context)
+        ctx = comm.Get_attr(_KEYVAL)
+        if ctx is None:
+            ctx = Context(comm)
+            comm.Set_attr(_KEYVAL, ctx)
+    return ctx
+
+
+# -- transport -----------------------------------------------------------------------------------
+class MPITransport:
+    """Non-blocking byte transfers on one communicator."""
+
+    __slots__ = ("comm", "_byte", "_status", "_mpi")
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.comm = comm
+        self._mpi = MPI
+        self._byte = MPI.BYTE
+        self._status = MPI.Status()
+
+    def isend(self, view, peer: int, tag: int):
+        return self.comm.Isend([view, self._byte], peer, tag)
+
+    def irecv(self, view, peer: int, tag: int):
+        return self.comm.Irecv([view, self._byte], peer, tag)
+
+    def finish(self, handle, status, view, op) -> None:
+        """Called when ``handle`` completed: verify a receive got exactly ``view``'s bytes."""
+        if status is not None and op[0] == RECV:
+            got = status.Get_count(self._byte)
+            if got != view.nbytes:
+                raise MessageSizeError(
+                    f"rank {self.comm.Get_rank()}: expected {view.nbytes} bytes from rank "
+                    f"{op[1]}, received {got}; do all ranks pass the same length and dtype?")
+
+    def waitany(self, handles):
+        """Block until one of ``handles`` completes: ``(index, status)``."""
+        k = self._mpi.Request.Waitany(handles, self._status)
+        return k, self._status
+
+    def testsome(self, handles):
+        """The ``(index, status)`` of the handles complete now (maybe none)."""
+        statuses = []
+        done = self._mpi.Request.Testsome(handles, statuses)
+        if not done:
+            return ()
+        return list(zip(done, statuses))
+
+
+def _bytes(arr):
+    """A flat uint8 view of a 1-D contiguous array (numpy or cupy)."""
+    return arr.view(np.uint8) if arr.dtype != np.uint8 else arr
+
+
+class Run:
+    """One schedule in flight on one rank (see the module doc)."""
+
+    __slots__ = ("plan", "typed", "raw", "op", "transport", "tag", "pending", "ready",
+                 "posted", "next", "handles", "hops", "left", "done", "itemsize", "info",
+                 "error", "on_done", "started")
+
+    def __init__(self, plan, in_flat, out_flat, tmp_flat, op, transport, tag, *,
+                 info: str = "", on_done=None):
+        self.plan = plan
+        self.typed = (in_flat, out_flat, tmp_flat)
+        self.raw = tuple(None if a is None else _bytes(a) for a in self.typed)
+        self.itemsize = out_flat.dtype.itemsize
+        self.op = op
+        self.transport = transport
+        self.tag = tag
+        self.info = info
+        self.on_done = on_done
+        self.pending = list(plan.ndeps)
+        self.ready = deque(plan.roots)
+        self.posted = [False] * len(plan.ops)   # comm op ready (deps done) - may still wait its turn
+        self.next = dict.fromkeys(plan.queues, 0)
+        self.handles: list = []   # outstanding MPI requests ...
+        self.hops: list = []      # ... and the op index of each
+        self.left = len(plan.ops)
+        self.done = False
+        self.error = None
+        self.started = False
+
+    # -- the state machine ------------------------------------------------------------------
+    def _region(self, region, raw=False):
+        buf, a, b = region
+        if raw:
+            s = self.itemsize
+            return self.raw[buf][a * s:b * s]
+        return self.typed[buf][a:b]
+
+    def _complete(self, i: int) -> None:
+        self.left -= 1
+        pending, ready = self.pending, self.ready
+        for u in self.plan.users[i]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+
+    def _post_turns(self, key) -> None:
+        """Post the ops of one (kind, peer) queue whose turn has come and whose deps are done."""
+        queue = self.plan.queues[key]
+        pos = self.next[key]
+        posted = self.posted
+        while pos < len(queue) and posted[queue[pos]]:
+            i = queue[pos]
+            kind, peer, dst, srcs = self.plan.ops[i]
+            if kind == SEND:
+                h = self.transport.isend(self._region(srcs[0], True), peer, self.tag)
+            else:
+                h = self.transport.irecv(self._region(dst, True), peer, self.tag)
+            self.handles.append(h)
+            self.hops.append(i)
+            pos += 1
+        self.next[key] = pos
+
+    def _drain(self) -> None:
+        """Run every ready local op and post every ready message whose turn has come."""
+        ops = self.plan.ops
+        ready = self.ready
+        while ready:
+            i = ready.popleft()
+            kind, peer, dst, srcs = ops[i]
+            if kind == REDUCE:
+                self.op.reduce(self._region(dst), self._region(srcs[0]), self._region(srcs[1]))
+                self._complete(i)
+            elif kind == COPY:
+                self._region(dst)[...] = self._region(srcs[0])
+                self._complete(i)
+            else:
+                self.posted[i] = True
+                if self.plan.order[i] == self.next[(kind, peer)]:
+                    self._post_turns((kind, peer))
+
+    def _finished(self, k: int, status) -> None:
+        """Request ``k`` of ``handles`` completed."""
+        i = self.hops[k]
+        h = self.handles[k]
+        last = len(self.handles) - 1
+        self.handles[k] = self.handles[last]
+        self.hops[k] = self.hops[last]
+        self.handles.pop()
+        self.hops.pop()
+        kind, peer, dst, srcs = self.plan.ops[i]
+        view = self._region(dst if kind == RECV else srcs[0], True)
+        self.transport.finish(h, status, view, self.plan.ops[i])
+        self._complete(i)
+
+    def _check_stuck(self) -> None:
+        if self.left and not self.handles and not self.ready:
+            raise CollectiveError(f"{self.info}: schedule cannot progress "
+                                  f"({self.left} ops left, nothing in flight)")
+
+    def start(self) -> Run:
+        self.started = True
+        self._advance(block=False)
+        return self
+
+    def _advance(self, block: bool) -> bool:
+        try:
+            while True:
+                self._drain()
+                if self.left == 0:
+                    self._finish_run()
+                    return True
+                self._check_stuck()
+                if block:
+                    k, status = self.transport.waitany(self.handles)
+                    self._finished(k, status)
+                else:
+                    done = self.transport.testsome(self.handles)
+                    if not done:
+                        return False
+                    # Finish from the highest index down: swap-removal keeps lower ones valid.
+                    for k, status in sorted(done, key=lambda t: -t[0]):
+                        self._finished(k, status)
+        except BaseException as exc:
+            self.error = exc
+            self.done = True
+            raise
+
+    def _finish_run(self) -> None:
+        if not self.done:
+            self.done = True
+            if self.on_done is not None:
+                self.on_done()
+
+    def wait(self):
+        """Run to completion (blocking)."""
+        if self.error is not None:
+            raise self.error
+        if not self.done:
+            self._advance(block=True)
+        return self
+
+    def test(self) -> bool:
+        """Advance without blocking; True when complete."""
+        if self.error is not None:
+            raise self.error
+        if self.done:
+            return True
+        return self._advance(block=False)
+
+    def waiting_for(self) -> str:
+        """What this run waits on now (for the watchdog)."""
+        parts = []
+        for i in self.hops:
+            kind, peer, dst, srcs = self.plan.ops[i]
+            parts.append(f"{'send to' if kind == SEND else 'recv from'} rank {peer} "
+                         f"(op {i} of {len(self.plan.ops)})")
+        return "; ".join(parts) or "nothing in flight"
+

@@ -1,0 +1,128 @@
+"""``algorithm="native"``: the MPI library's own collectives, blocking or not.
+
+Built-in MPI datatypes and ops are used where the library defines the pair (sum of float32,
+bxor of int64, lor of bool, ...); other pairs (float16, bfloat16, sum of bool, ...) run with a
+commutative user-defined ``MPI.Op`` over a contiguous datatype of one element, whose kernel is
+``collectives.ops``. Data-movement collectives move bytes (``MPI.BYTE``), so every dtype works.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .ops import Op
+from .progress import NativeWork
+
+__all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "mpi_type_op"]
+
+_CACHE: dict = {}
+
+# (op name, numpy kind) pairs MPI defines on the matching builtin type.
+_BUILTIN = {
+    "sum": "iufc", "avg": "iufc", "prod": "iufc", "min": "iuf", "max": "iuf",
+    "band": "iu", "bor": "iu", "bxor": "iu",
+}
+_MPI_TYPES = {
+    "i1": "INT8_T", "i2": "INT16_T", "i4": "INT32_T", "i8": "INT64_T",
+    "u1": "UINT8_T", "u2": "UINT16_T", "u4": "UINT32_T", "u8": "UINT64_T",
+    "f4": "FLOAT", "f8": "DOUBLE", "c8": "C_FLOAT_COMPLEX", "c16": "C_DOUBLE_COMPLEX",
+}
+_BOOL = {"sum": "LOR", "max": "LOR", "bor": "LOR", "prod": "LAND", "min": "LAND",
+         "band": "LAND", "bxor": "LXOR"}
+
+
+def mpi_type_op(op: Op):
+    """``(MPI datatype, MPI.Op)`` that reduce ``op.dtype`` with ``op``."""
+    key = (op.name, op.dtype)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    from mpi4py import MPI
+    dtype, kind = op.dtype, op.dtype.kind
+    result = None
+    if kind == "b":
+        result = (MPI.C_BOOL, getattr(MPI, _BOOL[op.name]))
+    elif kind in _BUILTIN[op.name] and not (kind == "f" and dtype.itemsize < 4):
+        mpitype = getattr(MPI, _MPI_TYPES.get(dtype.str[1:], "DATATYPE_NULL"))
+        if mpitype != MPI.DATATYPE_NULL:
+            name = "SUM" if op.name == "avg" else op.name.upper()
+            result = (mpitype, getattr(MPI, name))
+    if result is None:
+        mpitype = MPI.BYTE.Create_contiguous(dtype.itemsize).Commit()
+
+        def kernel(inbuf, inoutbuf, datatype, _op=op, _dtype=dtype):
+            a = np.frombuffer(inbuf, _dtype)
+            b = np.frombuffer(inoutbuf, _dtype)
+            _op.reduce(b, a, b)
+
+        result = (mpitype, MPI.Op.Create(kernel, commute=True))
+    _CACHE[key] = result
+    return result
+
+
+def _work(request, blocking, info):
+    work = NativeWork(request, info)
+    return work.wait() if blocking else work
+
+
+def _send(x, out, mpitype):
+    """The send argument: ``MPI.IN_PLACE`` when x and out are one array."""
+    from mpi4py import MPI
+    return MPI.IN_PLACE if x is out else [x, x.shape[0], mpitype]
+
+
+def allreduce(comm, x, out, op: Op, blocking: bool):
+    mpitype, mpiop = mpi_type_op(op)
+    recv = [out, out.shape[0], mpitype]
+    if blocking:
+        comm.Allreduce(_send(x, out, mpitype), recv, mpiop)
+        return _done()
+    return _work(comm.Iallreduce(_send(x, out, mpitype), recv, mpiop), False, "Iallreduce")
+
+
+def reduce(comm, x, out, op: Op, root: int, blocking: bool):
+    """``out`` is only written on ``root`` (pass ``out=x`` there for in place)."""
+    mpitype, mpiop = mpi_type_op(op)
+    is_root = comm.Get_rank() == root
+    send = _send(x, out, mpitype) if is_root else [x, x.shape[0], mpitype]
+    recv = [out, out.shape[0], mpitype] if is_root else None
+    if blocking:
+        comm.Reduce(send, recv, mpiop, root)
+        return _done()
+    return _work(comm.Ireduce(send, recv, mpiop, root), False, "Ireduce")
+
+
+def broadcast(comm, buf, root: int, blocking: bool):
+    from mpi4py import MPI
+    view = [buf.view(np.uint8), MPI.BYTE]
+    if blocking:
+        comm.Bcast(view, root)
+        return _done()
+    return _work(comm.Ibcast(view, root), False, "Ibcast")
+
+
+def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
+    mpitype, mpiop = mpi_type_op(op)
+    recv = [out, list(counts), mpitype]
+    if blocking:
+        comm.Reduce_scatter([x, sum(counts), mpitype], recv, counts, mpiop)
+        return _done()
+    return _work(comm.Ireduce_scatter([x, sum(counts), mpitype], recv, counts, mpiop),
+                 False, "Ireduce_scatter")
+
+
+def allgather(comm, x, out, counts, blocking: bool):
+    from mpi4py import MPI
+    isz = out.dtype.itemsize
+    nbytes = [c * isz for c in counts]
+    displs = list(np.cumsum([0] + nbytes[:-1]).tolist())
+    send = [x.view(np.uint8), MPI.BYTE]
+    recv = [out.view(np.uint8), (nbytes, displs), MPI.BYTE]
+    if blocking:
+        comm.Allgatherv(send, recv)
+        return _done()
+    return _work(comm.Iallgatherv(send, recv), False, "Iallgatherv")
+
+
+def _done():
+    from .progress import Done
+    return Done()

@@ -1,0 +1,166 @@
+"""Non-blocking collectives: ``Request`` and the background progress thread.
+
+An ``i*`` call posts its first messages in the caller's thread, then hands the running collective
+(a ``Run``, or a native MPI request) to one daemon *progress thread* that drives the collectives
+to completion in the order they were started: the same order on every rank, so the thread never
+waits on a collective that another rank's thread has not reached. It blocks inside MPI (which
+releases the GIL), so the caller keeps computing (autograd, say) while the bytes move.
+
+``Request.wait()`` returns the result; ``Request.test()`` says whether it is complete. Several
+requests may be outstanding and waited on in any order. With ``COLLECTIVES_PROGRESS_THREAD=0``
+no thread is started and ``test()``/``wait()`` advance the collective in the caller's thread.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+__all__ = ["Request", "Done", "NativeWork", "use_thread"]
+
+
+def use_thread() -> bool:
+    return os.environ.get("COLLECTIVES_PROGRESS_THREAD", "1") not in ("0", "false", "no", "")
+
+
+class Done:
+    """Work that completed at once (one rank, no elements)."""
+
+    __slots__ = ()
+    done = True
+    error = None
+
+    def start(self):
+        return self
+
+    def wait(self):
+        return self
+
+    def test(self) -> bool:
+        return True
+
+    def waiting_for(self) -> str:
+        return "nothing"
+
+
+class NativeWork:
+    """A non-blocking collective of the MPI library itself, seen as work."""
+
+    __slots__ = ("request", "done", "error", "info")
+
+    def __init__(self, request, info=""):
+        self.request = request
+        self.done = False
+        self.error = None
+        self.info = info
+
+    def start(self):
+        return self
+
+    def wait(self):
+        if not self.done:
+            self.request.Wait()
+            self.done = True
+        return self
+
+    def test(self) -> bool:
+        if not self.done:
+            self.done = bool(self.request.Test())
+        return self.done
+
+    def waiting_for(self) -> str:
+        return f"the MPI library's own collective ({self.info})"
+
+
+class _Thread:
+    """The progress thread: drives started work to completion, first started first."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="collectives-progress",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            req = self.queue.get()
+            try:
+                req._work.wait()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+                req._error = exc
+            req._event.set()
+
+
+_THREAD = None
+_THREAD_LOCK = threading.Lock()
+
+
+def _progress_thread() -> _Thread:
+    global _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None or not _THREAD.thread.is_alive():
+            _THREAD = _Thread()
+    return _THREAD
+
+
+class Request:
+    """A collective in flight. ``wait()`` returns its result; ``test()`` polls it."""
+
+    __slots__ = ("_work", "_result", "_finalize", "_event", "_error", "_lock", "_final",
+                 "description", "__weakref__")
+
+    def __init__(self, work, result=None, finalize=None, *, description="", thread=None):
+        self._work = work
+        self._result = result
+        self._finalize = finalize
+        self._error = None
+        self._lock = threading.Lock()
+        self._final = False
+        self.description = description
+        if thread is None:
+            thread = use_thread()
+        if thread and not work.done:
+            self._event = threading.Event()
+            _progress_thread().queue.put(self)
+        else:
+            self._event = None
+
+    def _complete(self):
+        with self._lock:
+            if not self._final:
+                self._final = True
+                if self._finalize is not None:
+                    self._finalize()
+        return self._result
+
+    def wait(self, timeout: float | None = None):
+        """Block until complete and return the result (the output array, or None)."""
+        if self._event is not None:
+            if not self._event.wait(timeout):
+                raise TimeoutError(f"{self.description} not complete after {timeout} s")
+            if self._error is not None:
+                raise self._error
+        else:
+            self._work.wait()
+        return self._complete()
+
+    def test(self) -> bool:
+        """True once complete (then ``wait()`` returns at once); never blocks."""
+        if self._event is not None:
+            done = self._event.is_set()
+            if done and self._error is not None:
+                raise self._error
+        else:
+            done = self._work.test()
+        if done:
+            self._complete()
+        return done
+
+    def is_completed(self) -> bool:
+        """torch-style alias of ``test()``."""
+        return self.test()
+
+    def __repr__(self):
+        state = "done" if self._final or (self._event is not None and self._event.is_set()) \
+            else "in flight"
+        return f"<collectives.Request {self.description} {state}>"

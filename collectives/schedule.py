@@ -1,0 +1,229 @@
+"""The Schedule: what one rank does in one collective, as a small DAG of operations.
+
+An algorithm is a pure function ``(rank, size, count, ...) -> Schedule``. It appends operations in
+*program order*, as if it were a sequential program that blocks on nothing:
+
+- ``send(peer, region)``            the bytes of ``region`` go to ``peer``
+- ``recv(peer, region)``            the next message from ``peer`` lands in ``region``
+- ``reduce(dst, a, b)``             ``dst = a (op) b`` element-wise (``dst`` may be ``a`` or ``b``)
+- ``copy(dst, src)``                ``dst = src``
+
+A region is ``(buffer, start, stop)`` in *elements* of one of three buffers: ``IN`` (the caller's
+input, never written), ``OUT`` (the result) and ``TMP`` (scratch owned by the executor, sized by
+``Schedule.tmp``). When a schedule is run in place, ``IN`` and ``OUT`` are the same memory, so for
+schedules whose ``IN`` and ``OUT`` have the same length the two are treated as one buffer when
+dependencies are computed (``alias``); an algorithm must therefore never read ``IN[k]`` after it
+wrote ``OUT[k]`` expecting the original input.
+
+Dependencies are not written by hand: ``deps()`` derives them from region overlaps (read after
+write, write after read, write after write) in program order, so the DAG allows exactly the
+reordering that cannot change the result. Messages between a pair of ranks match in program
+order: the executors post the sends to one peer, and the receives from one peer, in the order the
+schedule lists them. Empty regions are dropped at construction, identically on both sides of a
+message, so chunk splits may leave empty chunks (``count < size``).
+"""
+from __future__ import annotations
+
+__all__ = [
+    "IN", "OUT", "TMP", "SEND", "RECV", "REDUCE", "COPY",
+    "Schedule", "Op", "split", "segments",
+]
+
+IN, OUT, TMP = 0, 1, 2
+BUFFER_NAMES = ("IN", "OUT", "TMP")
+SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
+KIND_NAMES = ("send", "recv", "reduce", "copy")
+
+
+def split(count: int, parts: int) -> list[int]:
+    """Boundaries of ``count`` elements split in ``parts`` balanced chunks (numpy.array_split).
+
+    Returns ``parts + 1`` offsets; chunk ``k`` is ``[b[k], b[k+1])``. The first ``count % parts``
+    chunks are one element longer; chunks may be empty.
+    """
+    q, r = divmod(count, parts)
+    bounds = [0] * (parts + 1)
+    for k in range(parts):
+        bounds[k + 1] = bounds[k] + q + (1 if k < r else 0)
+    return bounds
+
+
+def offsets(counts) -> list[int]:
+    """Prefix sums of ``counts``: ``parts + 1`` boundaries."""
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def segments(start: int, stop: int, seg: int | None):
+    """Yield ``(a, b)`` pieces of ``[start, stop)`` no longer than ``seg`` (None: one piece)."""
+    if seg is None or seg <= 0 or stop - start <= seg:
+        if stop > start:
+            yield start, stop
+        return
+    for a in range(start, stop, seg):
+        yield a, min(a + seg, stop)
+
+
+class Op(tuple):
+    """One operation: ``(kind, peer, dst, srcs)``; regions are ``(buffer, start, stop)``."""
+
+    __slots__ = ()
+
+    kind = property(lambda self: self[0])
+    peer = property(lambda self: self[1])
+    dst = property(lambda self: self[2])
+    srcs = property(lambda self: self[3])
+
+    def nelems(self) -> int:
+        region = self[2] if self[2] is not None else self[3][0]
+        return region[2] - region[1]
+
+    def __repr__(self):
+        def reg(r):
+            return f"{BUFFER_NAMES[r[0]]}[{r[1]}:{r[2]}]"
+        kind, peer, dst, srcs = self
+        if kind == SEND:
+            return f"send({reg(srcs[0])} -> rank {peer})"
+        if kind == RECV:
+            return f"recv({reg(dst)} <- rank {peer})"
+        if kind == REDUCE:
+            return f"reduce({reg(dst)} = {reg(srcs[0])} op {reg(srcs[1])})"
+        return f"copy({reg(dst)} = {reg(srcs[0])})"
+
+
+class Schedule:
+    """The operations of one rank in one collective, in program order (see the module doc).
+
+    ``count_in``/``count_out`` are the element counts of ``IN`` and ``OUT``; ``tmp`` the scratch
+    elements needed. ``alias`` says IN and OUT may be the same memory (same length).
+    """
+
+    __slots__ = ("rank", "size", "count_in", "count_out", "tmp", "alias", "ops", "_plan", "name")
+
+    def __init__(self, rank: int, size: int, count_in: int, count_out: int | None = None,
+                 *, name: str = ""):
+        self.rank, self.size, self.name = rank, size, name
+        self.count_in = count_in
+        self.count_out = count_in if count_out is None else count_out
+        self.alias = self.count_out == self.count_in
+        self.tmp = 0
+        self.ops: list[Op] = []
+        self._plan = None
+
+    # -- building -------------------------------------------------------------------------
+    def scratch(self, n: int) -> int:
+        """Reserve ``n`` more TMP elements; returns their offset."""
+        start = self.tmp
+        self.tmp += n
+        return start
+
+    def send(self, peer: int, region) -> None:
+        if region[2] > region[1]:
+            assert peer != self.rank and 0 <= peer < self.size, (peer, self.rank)
+            self.ops.append(Op((SEND, peer, None, (tuple(region),))))
+
+    def recv(self, peer: int, region) -> None:
+        if region[2] > region[1]:
+            assert peer != self.rank and 0 <= peer < self.size, (peer, self.rank)
+            self.ops.append(Op((RECV, peer, tuple(region), ())))
+
+    def reduce(self, dst, a, b) -> None:
+        if dst[2] > dst[1]:
+            assert dst[2] - dst[1] == a[2] - a[1] == b[2] - b[1], (dst, a, b)
+            self.ops.append(Op((REDUCE, -1, tuple(dst), (tuple(a), tuple(b)))))
+
+    def copy(self, dst, src) -> None:
+        if dst[2] > dst[1] and tuple(dst) != tuple(src):
+            assert dst[2] - dst[1] == src[2] - src[1], (dst, src)
+            self.ops.append(Op((COPY, -1, tuple(dst), (tuple(src),))))
+
+    # -- analysis ---------------------------------------------------------------------------
+    def _key(self, buf: int) -> int:
+        return OUT if (buf == IN and self.alias) else buf
+
+    def deps(self) -> list[tuple[int, ...]]:
+        """For each op, the earlier ops it must wait for (derived from region overlaps)."""
+        # Per buffer: list of (start, stop, op index, writes) of earlier accesses.
+        history: dict[int, list[tuple[int, int, int, bool]]] = {}
+        result = []
+        for i, (kind, _peer, dst, srcs) in enumerate(self.ops):
+            need = set()
+            accesses = [(r, False) for r in srcs]
+            if dst is not None:
+                accesses.append((dst, True))
+            for (buf, a, b), writes in accesses:
+                for (c, d, j, wrote) in history.get(self._key(buf), ()):
+                    if (writes or wrote) and a < d and c < b:
+                        need.add(j)
+            for (buf, a, b), writes in accesses:
+                past = history.setdefault(self._key(buf), [])
+                if writes:
+                    # An access inside this write is ordered before it, and whatever later
+                    # overlaps the access overlaps this write too: it need not be kept.
+                    past[:] = [e for e in past if not (a <= e[0] and e[1] <= b)]
+                past.append((a, b, i, writes))
+            result.append(tuple(sorted(need)))
+        return result
+
+    def plan(self):
+        """The compiled form executors run (cached): see ``Plan``."""
+        if self._plan is None:
+            self._plan = Plan(self)
+        return self._plan
+
+    def validate(self) -> None:
+        """Check regions lie inside their buffers and IN is never written."""
+        limits = (self.count_in, self.count_out, self.tmp)
+        for op in self.ops:
+            regions = list(op.srcs) + ([op.dst] if op.dst is not None else [])
+            for buf, a, b in regions:
+                if not (0 <= a < b <= limits[buf]):
+                    raise ValueError(f"{self.name}: {op!r} outside {BUFFER_NAMES[buf]} "
+                                     f"of {limits[buf]} elements")
+            if op.dst is not None and op.dst[0] == IN:
+                raise ValueError(f"{self.name}: {op!r} writes the input")
+
+    def messages(self) -> tuple[int, int]:
+        """(messages sent, elements sent) by this rank."""
+        sends = [op for op in self.ops if op.kind == SEND]
+        return len(sends), sum(op.nelems() for op in sends)
+
+    def __len__(self):
+        return len(self.ops)
+
+    def __repr__(self):
+        lines = [f"Schedule {self.name} rank {self.rank}/{self.size} in={self.count_in} "
+                 f"out={self.count_out} tmp={self.tmp}"]
+        lines += [f"  {i:3d} {op!r}" for i, op in enumerate(self.ops)]
+        return "\n".join(lines)
+
+
+class Plan:
+    """A schedule compiled for execution: dependency counts, dependents, per-peer order.
+
+    ``ndeps[i]``: how many ops op ``i`` waits for; ``users[i]``: the ops waiting for ``i``;
+    ``order[i]``: the position of a send/recv in its (peer, direction) queue; ``queues``:
+    ``{(kind, peer): [op indices in program order]}``.
+    """
+
+    __slots__ = ("ops", "ndeps", "users", "order", "queues", "roots", "schedule")
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.ops = schedule.ops
+        deps = schedule.deps()
+        self.ndeps = [len(d) for d in deps]
+        self.users: list[list[int]] = [[] for _ in self.ops]
+        for i, d in enumerate(deps):
+            for j in d:
+                self.users[j].append(i)
+        self.queues: dict[tuple[int, int], list[int]] = {}
+        self.order = [0] * len(self.ops)
+        for i, op in enumerate(self.ops):
+            if op[0] in (SEND, RECV):
+                q = self.queues.setdefault((op[0], op[1]), [])
+                self.order[i] = len(q)
+                q.append(i)
+        self.roots = [i for i, n in enumerate(self.ndeps) if n == 0]

@@ -1,0 +1,150 @@
+"""Which algorithms exist for each collective, and what ``algorithm="auto"`` picks.
+
+The registry maps ``(collective, name)`` to a schedule builder, or to ``NATIVE`` (the MPI
+library's own collective). ``get`` fails loudly on an unknown name, listing the known ones.
+
+``auto`` reads a *tuning table*: for each collective, rules ``[max_bytes, algorithm]`` per
+communicator size, tried in order; the first rule whose ``max_bytes`` (null: no limit) is at
+least the message size wins. The table is ``DEFAULT_TABLE`` below, measured on this project's
+CI machine kind (2 cores, MPICH from the package index, n = 2 and 3), unless a JSON file of the
+same shape is named by ``COLLECTIVES_TUNING`` (or found at ``~/.cache/collectives/tuning.json``;
+``python -m bench tune`` writes one). Schema::
+
+    {"version": 1, "signature": "...", "tables": {
+        "allreduce": {"2": [[4096, "native"], [null, "ring"]], "default": [[null, "ring"]]},
+        ...}}
+
+A communicator size without rules of its own uses the nearest smaller size that has them, then
+``"default"``. Sizes are message bytes (count x itemsize) of the per-rank input.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+__all__ = ["NATIVE", "register", "get", "algorithms", "auto", "load_table", "DEFAULT_TABLE",
+           "COLLECTIVES", "tuning_path"]
+
+COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
+NATIVE = "native"
+
+_REGISTRY: dict[str, dict[str, object]] = {c: {NATIVE: NATIVE} for c in COLLECTIVES}
+_LOADED = False
+
+
+def register(collective: str, name: str, builder) -> None:
+    """Make ``builder`` available as ``algorithm=name`` for ``collective``."""
+    _REGISTRY[collective][name] = builder
+
+
+def _load_builtin() -> None:
+    """Register the algorithms that ship with the toolkit (imported on first use)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from collectives import ring, tree
+    register("allreduce", "ring", ring.allreduce)
+    register("reduce_scatter", "ring", ring.reduce_scatter)
+    register("allgather", "ring", ring.allgather)
+    register("broadcast", "ring", ring.broadcast)
+    for collective, name, attr in (
+        ("allreduce", "tree", "allreduce"),
+        ("allreduce", "binomial", "binomial_allreduce"),
+        ("allreduce", "double_binary_tree", "double_binary_tree_allreduce"),
+        ("allreduce", "recursive_doubling", "recursive_doubling_allreduce"),
+        ("allreduce", "rabenseifner", "rabenseifner_allreduce"),
+        ("reduce", "tree", "reduce"),
+        ("reduce", "binomial", "binomial_reduce"),
+        ("broadcast", "tree", "broadcast"),
+        ("broadcast", "binomial", "binomial_broadcast"),
+        ("reduce_scatter", "recursive_halving", "recursive_halving_reduce_scatter"),
+        ("allgather", "recursive_doubling", "recursive_doubling_allgather"),
+    ):
+        builder = getattr(tree, attr, None)
+        if builder is not None:
+            register(collective, name, builder)
+    for module in ("collectives.hierarchical", "collectives.shm"):
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)  # each registers its own algorithms on import
+
+
+def get(collective: str, name: str):
+    """The builder registered as ``name`` for ``collective`` (``NATIVE`` for the library's)."""
+    _load_builtin()
+    table = _REGISTRY.get(collective)
+    if table is None:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown algorithm {name!r} for {collective}; expected 'auto' or one "
+                         f"of {', '.join(sorted(table))}") from None
+
+
+def algorithms(collective: str) -> tuple[str, ...]:
+    """The names ``algorithm=`` accepts for ``collective`` (besides ``"auto"``)."""
+    _load_builtin()
+    if collective not in _REGISTRY:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    return tuple(sorted(_REGISTRY[collective]))
+
+
+# Measured on the CI machine kind (see the module doc and README: "How auto chooses").
+DEFAULT_TABLE = {
+    "allreduce": {"default": [[4096, NATIVE], [None, "ring"]]},
+    "reduce": {"default": [[None, NATIVE]]},
+    "broadcast": {"default": [[None, NATIVE]]},
+    "reduce_scatter": {"default": [[4096, NATIVE], [None, "ring"]]},
+    "allgather": {"default": [[None, NATIVE]]},
+}
+
+
+def tuning_path() -> Path | None:
+    """The tuning file ``auto`` reads, if any."""
+    env = os.environ.get("COLLECTIVES_TUNING")
+    if env:
+        return Path(env)
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / \
+        "collectives" / "tuning.json"
+    return default if default.exists() else None
+
+
+_TABLE_CACHE: dict = {}
+
+
+def load_table() -> dict:
+    """The tuning table in force: the file's tables over ``DEFAULT_TABLE``."""
+    path = tuning_path()
+    key = (str(path), path.stat().st_mtime if path is not None and path.exists() else None)
+    if key in _TABLE_CACHE:
+        return _TABLE_CACHE[key]
+    table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
+    if path is not None:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"COLLECTIVES_TUNING={path}: cannot read tuning table: {exc}") \
+                from None
+        for collective, rules in data.get("tables", {}).items():
+            table.setdefault(collective, {}).update(rules)
+    _TABLE_CACHE.clear()
+    _TABLE_CACHE[key] = table
+    return table
+
+
+def auto(collective: str, nbytes: int, size: int) -> str:
+    """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks."""
+    rules_by_size = load_table().get(collective, {})
+    rules = rules_by_size.get(str(size))
+    if rules is None:
+        smaller = [int(k) for k in rules_by_size if k.isdigit() and int(k) < size]
+        rules = rules_by_size[str(max(smaller))] if smaller else rules_by_size.get("default")
+    _load_builtin()
+    for limit, name in rules or ():
+        if (limit is None or nbytes <= limit) and name in _REGISTRY[collective]:
+            return name
+    return NATIVE
