@@ -1,0 +1,40 @@
+"""Helpers for MPI tests: agree on failure before asserting, exact rank-dependent data."""
+import numpy as np
+
+__all__ = ["world", "assert_all", "rank_data", "exact_sum", "DTYPES", "FLOAT_DTYPES"]
+
+from collectives.buffers import DTYPES  # noqa: E402
+
+FLOAT_DTYPES = tuple(d for d in DTYPES if d.kind in "fcV")
+
+
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def assert_all(ok: bool, message: str = "", comm=None) -> None:
+    """Fail on every rank if ``ok`` is false on any (nccl-tests: allreduce the error count)."""
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    bad = comm.allreduce(0 if ok else 1, op=MPI.SUM)
+    if bad:
+        ranks = comm.allgather(None if ok else comm.Get_rank())
+        raise AssertionError(f"failed on {bad} rank(s) {[r for r in ranks if r is not None]}: "
+                             f"{message}")
+
+
+def rank_data(rank: int, n: int, dtype, *, base: int = 1) -> np.ndarray:
+    """Exact small integers that depend on rank and index: (rank + base) * 3 + i % 5."""
+    dtype = np.dtype(dtype)
+    vals = (rank + base) * 3 + (np.arange(n) % 5)
+    if dtype.kind == "b":
+        return ((vals + rank) % 3 == 0)
+    if dtype.kind == "u" or dtype.kind == "i":
+        vals = vals % 50
+    return vals.astype(dtype)
+
+
+def exact_sum(size: int, n: int, dtype, *, base: int = 1) -> np.ndarray:
+    """Sum over ranks of ``rank_data`` in float64 (exact for these small integers)."""
+    return sum(rank_data(r, n, dtype, base=base).astype(np.float64) for r in range(size))
