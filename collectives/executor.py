@@ -142,16 +142,19 @@ def context(comm) -> Context:
 class MPITransport:
     """Non-blocking byte transfers on one communicator."""
 
-    __slots__ = ("comm", "_byte", "_status", "_mpi")
+    __slots__ = ("comm", "_byte", "_status", "_mpi", "counter")
 
     def __init__(self, comm):
         from mpi4py import MPI
         self.comm = comm
+        self.counter = None  # collectives.topology.count_traffic installs a LinkTraffic here
         self._mpi = MPI
         self._byte = MPI.BYTE
         self._status = MPI.Status()
 
     def isend(self, view, peer: int, tag: int):
+        if self.counter is not None:
+            self.counter.add(peer, view.nbytes)
         return self.comm.Isend([view, self._byte], peer, tag)
 
     def irecv(self, view, peer: int, tag: int):
