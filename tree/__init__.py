@@ -8,4 +8,18 @@ if __name__ != "collectives.tree":
                       "pip install the project (pip install -e .) instead of importing tree/ "
                       "from the source tree")
 
-__all__: list[str] = []
+from collectives.tree.binomial import binomial_allreduce, binomial_broadcast, binomial_reduce
+from collectives.tree.double_binary import double_binary_tree_allreduce
+from collectives.tree.pipelined import allreduce, broadcast, reduce
+from collectives.tree.rabenseifner import rabenseifner_allreduce
+from collectives.tree.recursive_doubling import (recursive_doubling_allgather,
+                                                 recursive_doubling_allreduce)
+from collectives.tree.recursive_halving import recursive_halving_reduce_scatter
+
+__all__ = [
+    "allreduce", "reduce", "broadcast",
+    "binomial_allreduce", "binomial_reduce", "binomial_broadcast",
+    "double_binary_tree_allreduce",
+    "recursive_doubling_allreduce", "rabenseifner_allreduce",
+    "recursive_halving_reduce_scatter", "recursive_doubling_allgather",
+]
