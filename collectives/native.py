@@ -102,7 +102,7 @@ def broadcast(comm, buf, root: int, blocking: bool):
 
 def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
     mpitype, mpiop = mpi_type_op(op)
-    recv = [out, list(counts), mpitype]
+    recv = [out, counts[comm.Get_rank()], mpitype]
     if blocking:
         comm.Reduce_scatter([x, sum(counts), mpitype], recv, counts, mpiop)
         return _done()

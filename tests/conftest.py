@@ -21,6 +21,14 @@ def _mpi_world():
     return MPI.COMM_WORLD
 
 
+_CONFIG = None
+
+
+def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
     if not report.failed or os.environ.get("COLLECTIVES_TEST_NO_ABORT"):
@@ -28,6 +36,9 @@ def pytest_runtest_logreport(report):
     world = _mpi_world()
     if world is None or world.Get_size() == 1:
         return
+    capture = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG else None
+    if capture is not None:
+        capture.suspend_global_capture(in_=False)  # so the report reaches the terminal
     sys.stderr.write(f"\n[rank {world.Get_rank()}] FAILED {report.nodeid} ({report.when})\n"
                      f"{report.longreprtext}\n[rank {world.Get_rank()}] aborting the job\n")
     sys.stderr.flush()

@@ -1,0 +1,251 @@
+"""MPI tier: every collective x algorithm x dtype x op under mpiexec (any rank count).
+
+Data are exact, rank-dependent small integers, so every result has a closed form computed
+locally from all ranks' inputs; float results are also checked bitwise identical across ranks.
+"""
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives.buffers import DTYPES
+from collectives.executor import set_segment_bytes
+from collectives.ops import NAMES, _ACCEPTS, dtype_kind
+from tests.mpiutil import assert_all, world
+
+pytestmark = pytest.mark.mpi
+
+LENGTHS = (0, 1, 5, 97)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_segments():
+    """Tiny segments so short arrays walk the multi-segment paths (STYLE 13)."""
+    old = set_segment_bytes(24)
+    yield
+    set_segment_bytes(old)
+
+
+def inputs(size, n, dtype, op):
+    """Every rank's input (so each rank knows the exact answer)."""
+    dtype = np.dtype(dtype)
+    out = []
+    for r in range(size):
+        i = np.arange(n)
+        if op == "prod":
+            v = 1 + (r + i) % 2
+        elif dtype.kind == "b":
+            v = (r + i) % 3 == 0
+        else:
+            v = (r + 1) * 3 + i % 5
+        out.append(np.asarray(v).astype(dtype))
+    return out
+
+
+def reference(xs, op, dtype):
+    dtype = np.dtype(dtype)
+    stack = np.stack(xs) if xs[0].size else np.empty((len(xs), 0), dtype)
+    if dtype.kind == "b":
+        fn = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or,
+              "prod": np.logical_and, "min": np.logical_and, "band": np.logical_and,
+              "bxor": np.logical_xor}[op]
+        return fn.reduce(stack, axis=0)
+    if op == "avg":
+        return (stack.astype(np.complex128 if dtype.kind == "c" else np.float64).sum(0)
+                / len(xs))
+    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+    if dtype_kind(dtype) in "fc":  # exact small integers: reduce in float64
+        return fn.reduce(stack.astype(np.complex128 if dtype.kind == "c" else np.float64),
+                         axis=0)
+    return fn.reduce(stack, axis=0, dtype=dtype)
+
+
+def close(got, want, dtype):
+    got = np.asarray(got)
+    if np.dtype(dtype).kind in "bui":
+        return got.shape == want.shape and np.array_equal(got, want)
+    g = got.astype(np.complex128 if np.dtype(dtype).kind == "c" else np.float64)
+    tol = 1e-2 if np.dtype(dtype).itemsize <= 2 else 1e-6
+    return g.shape == want.shape and np.allclose(g, want, rtol=tol, atol=tol)
+
+
+def pairs():
+    for dtype in DTYPES:
+        for op in NAMES:
+            if dtype_kind(dtype) in _ACCEPTS[op]:
+                yield dtype, op
+
+
+def identical(arr, comm) -> bool:
+    """The same bytes on every rank."""
+    mine = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+    everyone = np.empty((comm.Get_size(), mine.size), np.uint8)
+    comm.Allgather(mine, everyone)
+    return bool((everyone == everyone[0]).all())
+
+
+@pytest.mark.parametrize("algorithm", coll.algorithms("allreduce"))
+def test_allreduce(algorithm):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if algorithm == "shm":
+        pytest.skip("shm has its own suite")
+    bad = []
+    for dtype, op in pairs():
+        for n in LENGTHS:
+            xs = inputs(size, n, dtype, op)
+            x = xs[rank].copy()
+            want = reference(xs, op, dtype)
+            got = coll.allreduce(x, op, algorithm=algorithm)
+            if not (close(got, want, dtype) and np.array_equal(x, xs[rank])
+                    and got.dtype == x.dtype):
+                bad.append(f"{dtype.name} {op} n={n} out-of-place")
+            y = x.copy()
+            res = coll.allreduce(y, op, out=y, algorithm=algorithm)
+            if res is not y or not close(y, want, dtype):
+                bad.append(f"{dtype.name} {op} n={n} in place")
+    assert_all(not bad, f"{algorithm}: {bad[:5]}")
+
+
+@pytest.mark.parametrize("algorithm", coll.algorithms("allreduce"))
+def test_allreduce_bitwise_identical_floats(algorithm):
+    if algorithm == "shm":
+        pytest.skip("shm has its own suite")
+    comm = world()
+    rng = np.random.default_rng(1234 + comm.Get_rank())
+    ok = True
+    for dtype in (np.float32, np.float64, np.float16, coll.buffers.bfloat16):
+        for n in (1, 31, 1000):
+            x = rng.standard_normal(n).astype(dtype).reshape(-1, 1) if n > 1 else \
+                rng.standard_normal(n).astype(dtype)
+            for _ in range(2):  # also the same from run to run
+                got = coll.allreduce(x, algorithm=algorithm)
+                ok &= identical(got, comm) and got.shape == x.shape
+            ok &= identical(coll.allreduce(x, "avg", algorithm=algorithm), comm)
+    assert_all(ok, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", coll.algorithms("reduce"))
+def test_reduce_every_root(algorithm):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    for root in range(size):
+        for dtype, op in pairs():
+            for n in (0, 1, 13):
+                xs = inputs(size, n, dtype, op)
+                x = xs[rank].copy()
+                got = coll.reduce(x, op, root=root, algorithm=algorithm)
+                if rank == root:
+                    if not close(got, reference(xs, op, dtype), dtype):
+                        bad.append(f"root {root} {dtype.name} {op} n={n}")
+                elif got is not None:
+                    bad.append(f"root {root}: non-root got {type(got)}")
+                if not np.array_equal(x, xs[rank]):
+                    bad.append("input modified")
+    assert_all(not bad, f"{algorithm}: {bad[:5]}")
+
+
+@pytest.mark.parametrize("algorithm", coll.algorithms("broadcast"))
+def test_broadcast_every_root(algorithm):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ok = True
+    for root in range(size):
+        for dtype in DTYPES:
+            for shape in ((0,), (1,), (7, 3), (101,)):
+                n = int(np.prod(shape))
+                want = inputs(size, n, dtype, "sum")[root].reshape(shape)
+                x = want.copy() if rank == root else np.zeros(shape, dtype)
+                res = coll.broadcast(x, root=root, algorithm=algorithm)
+                ok &= res is x and np.array_equal(x, want)
+    assert_all(ok, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", coll.algorithms("reduce_scatter"))
+def test_reduce_scatter(algorithm):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    for dtype, op in pairs():
+        for n in LENGTHS:
+            xs = inputs(size, n, dtype, op)
+            want = reference(xs, op, dtype)
+            blocks = np.array_split(want, size)
+            got = coll.reduce_scatter(xs[rank].copy(), op, algorithm=algorithm)
+            if not close(got, blocks[rank], dtype):
+                bad.append(f"{dtype.name} {op} n={n}")
+    # ragged counts with empty blocks; out= given
+    counts = [(3 * r) % 4 for r in range(size)]
+    xs = inputs(size, sum(counts), np.int64, "sum")
+    out = np.empty(counts[rank], np.int64)
+    res = coll.reduce_scatter(xs[rank], counts=counts, out=out, algorithm=algorithm)
+    start = sum(counts[:rank])
+    if res is not out or not np.array_equal(out, sum(xs)[start:start + counts[rank]]):
+        bad.append(f"ragged {counts}")
+    assert_all(not bad, f"{algorithm}: {bad[:5]}")
+
+
+@pytest.mark.parametrize("algorithm", coll.algorithms("allgather"))
+def test_allgather_ragged(algorithm):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ok = True
+    for dtype in DTYPES:
+        rows = [(r * 2 + 1) % 3 for r in range(size)]  # includes ranks with no rows
+        xs = [inputs(size, rows[r] * 2, dtype, "sum")[r].reshape(rows[r], 2)
+              for r in range(size)]
+        got = coll.allgather(xs[rank].copy(), algorithm=algorithm)
+        ok &= got.shape == (sum(rows), 2) and np.array_equal(got, np.concatenate(xs))
+        one = coll.allgather(np.full(5, rank, dtype=np.int32), algorithm=algorithm)
+        ok &= np.array_equal(one, np.repeat(np.arange(size, dtype=np.int32), 5))
+    assert_all(ok, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "native"])
+def test_sub_communicators(algorithm):
+    comm = world()
+    rank = comm.Get_rank()
+    sub = comm.Split(rank % 2, rank)
+    try:
+        members = [r for r in range(comm.Get_size()) if r % 2 == rank % 2]
+        x = np.full(11, rank + 1, np.int64)
+        got = coll.allreduce(x, comm=sub, algorithm=algorithm)
+        g = coll.allgather(np.array([rank]), comm=sub, algorithm="auto")
+        assert_all(np.array_equal(got, np.full(11, sum(m + 1 for m in members)))
+                   and np.array_equal(g, members), f"sub-communicator {algorithm}")
+    finally:
+        sub.Free()
+
+
+def test_non_blocking_out_of_order():
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    total = size * (size + 1) // 2
+    reqs = [coll.iallreduce(np.full(1000 + k, rank + 1 + k, np.int64),
+                            algorithm=("ring", "native")[k % 2]) for k in range(6)]
+    rs = coll.ireduce_scatter(np.full(10 * size, rank, np.int64))
+    ag = coll.iallgather(np.array([rank, rank]))
+    b = np.arange(4.0) if rank == 0 else np.zeros(4)
+    bc = coll.ibroadcast(b)
+    ok = all(np.array_equal(reqs[k].wait(), np.full(1000 + k, total + size * k))
+             for k in reversed(range(6)))
+    ok &= np.array_equal(bc.wait(), np.arange(4.0)) and bc.test()
+    ok &= np.array_equal(ag.wait(), np.repeat(np.arange(size), 2))
+    ok &= np.array_equal(rs.wait(), np.full(10, size * (size - 1) // 2))
+    assert_all(ok, "non-blocking")
+
+
+def test_torch_tensors_round_trip():
+    torch = pytest.importorskip("torch")
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        t = torch.full((3, 4), rank + 1, dtype=dtype)
+        got = coll.allreduce(t, algorithm="ring")
+        ok &= isinstance(got, torch.Tensor) and got.dtype == dtype and got.shape == t.shape
+        ok &= bool((got == size * (size + 1) // 2).all())
+        coll.allreduce(t, out=t, op="max")
+        ok &= bool((t == size).all())
+    assert_all(ok, "torch")
