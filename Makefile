@@ -1,0 +1,46 @@
+# The two commands of the README:
+#   make demo   the bandwidth benchmark and the example training jobs under mpiexec
+#   make test   the whole test suite: in-process tier, then the MPI tier under mpiexec -n $(NP)
+# Both create and fill .venv on first use (MPICH from the package index, mpi4py, numpy, torch).
+
+PYTHON ?= python3
+VENV   ?= .venv
+NP     ?= 3
+# A CPU build of torch; override (e.g. TORCH="torch>=2.1") where another build is wanted.
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+MPIEXEC = $(BIN)/mpiexec
+# Last guard against a hung job (seconds); each test also has its own timeout.
+export MPIEXEC_TIMEOUT ?= 1800
+export PYTHONUNBUFFERED = 1
+
+.PHONY: demo test test-inprocess test-mpi bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[mpich,torch,test,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(MPIEXEC) -n 2 $(BIN)/python -m bench allreduce -b 8 -e 64M -f 8 --plot busbw.png
+	$(MPIEXEC) -n 3 $(BIN)/python examples/train_numpy.py
+	$(MPIEXEC) -n 3 $(BIN)/python examples/train_ddp.py
+
+test: test-inprocess test-mpi
+
+test-inprocess: $(STAMP)
+	$(BIN)/python -m pytest -m "not mpi" -q -p no:cacheprovider tests
+
+test-mpi: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(BIN)/python -m pytest --with-mpi -m mpi -q -p no:cacheprovider $(TESTS)
+
+TESTS ?= tests
+
+bench: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(BIN)/python -m bench allreduce
+
+clean:
+	rm -rf $(VENV) build *.egg-info
