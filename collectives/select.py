@@ -116,12 +116,16 @@ def tuning_path() -> Path | None:
 _TABLE_CACHE: dict = {}
 
 
-def load_table() -> dict:
-    """The tuning table in force: the file's tables over ``DEFAULT_TABLE``."""
-    path = tuning_path()
-    key = (str(path), path.stat().st_mtime if path is not None and path.exists() else None)
-    if key in _TABLE_CACHE:
+def load_table(reload: bool = False) -> dict:
+    """The tuning table in force: the file's tables over ``DEFAULT_TABLE``.
+
+    Read once per process (and again when ``COLLECTIVES_TUNING`` changes or ``reload``), so
+    that ``auto`` costs no file-system call per collective.
+    """
+    key = os.environ.get("COLLECTIVES_TUNING")
+    if not reload and key in _TABLE_CACHE:
         return _TABLE_CACHE[key]
+    path = tuning_path()
     table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
     if path is not None:
         try:
