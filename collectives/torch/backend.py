@@ -1,0 +1,226 @@
+"""The ``"collectives"`` backend of ``torch.distributed``: torch's own API on our algorithms.
+
+    import collectives.torch.backend as cb
+    cb.init_process_group()              # ranks and size from MPI.COMM_WORLD; no store needed
+    dist.all_reduce(t)                   # -> collectives.iallreduce
+    model = torch.nn.parallel.DistributedDataParallel(module)   # torch's Reducer, our wire
+
+Importing this module registers the backend (``Backend.register_backend("collectives", ...,
+extended_api=True, devices=["cpu"])``); ``dist.init_process_group("collectives", store=...,
+rank=..., world_size=...)`` works as well, provided torch's ranks are the ``COMM_WORLD`` ranks
+(mpiexec starts the processes; there is no rendezvous to do). The process group is a Python
+subclass of ``torch.distributed.ProcessGroup``: each operation starts the toolkit's
+non-blocking collective and returns a ``Work`` built on a ``torch.futures.Future``, which one
+*completer* thread per group completes in start order (waiting on the collectives' requests),
+so torch's C++ Reducer can chain its callbacks on them as it does with gloo.
+
+Supported: all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter,
+reduce_scatter_tensor, barrier, send and recv, on CPU tensors (and CUDA ones once the toolkit
+accepts them). Limits (see docs/torch.md): a comm hook registered on torch's DDP whose future
+callbacks start further collectives (torch's PowerSGD) would start them from the completer
+thread, out of order with the main thread's; use ``collectives.torch.DistributedDataParallel``
+for such hooks.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+import collectives as coll
+
+from .functional import op_name
+
+__all__ = ["ProcessGroupCollectives", "init_process_group", "register", "BACKEND"]
+
+BACKEND = "collectives"
+
+
+class _Completer:
+    """One daemon thread completing a group's futures in the order the work was started."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="collectives-torch-completer",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            wait, fut, result = self.queue.get()
+            try:
+                wait()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+
+def _work_from_future(fut):
+    from torch._C._distributed_c10d import _create_work_from_future
+    return _create_work_from_future(fut)
+
+
+class ProcessGroupCollectives(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose collectives run on ``collectives``."""
+
+    def __init__(self, comm, algorithm: str = "auto"):
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._comm = comm
+        self._p2p = comm.Dup()  # send/recv never match the collectives' messages
+        self._algorithm = algorithm
+        self._completer = _Completer()
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self):
+        return f"<ProcessGroupCollectives rank {self.rank()} of {self.size()}>"
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _submit(self, requests, result, then=None):
+        """A Work completed (in start order) once ``requests`` are and ``then()`` ran."""
+        fut = torch.futures.Future()
+
+        def wait():
+            for r in requests:
+                r.wait()
+            if then is not None:
+                then()
+
+        self._completer.queue.put((wait, fut, result))
+        return _work_from_future(fut)
+
+    def _kw(self):
+        return {"comm": self._comm, "algorithm": self._algorithm}
+
+    # -- collectives ----------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = op_name(opts.reduceOp if opts is not None else "sum")
+        reqs = [coll.iallreduce(t, op, out=t, **self._kw()) for t in tensors]
+        return self._submit(reqs, tensors)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        reqs = [coll.ibroadcast(t, root, **self._kw()) for t in tensors]
+        return self._submit(reqs, tensors)
+
+    def reduce(self, tensors, opts=None):
+        op = op_name(opts.reduceOp)
+        root = opts.rootRank
+        # The toolkit's reduce is blocking only; run it now, hand back a completed Work.
+        for t in tensors:
+            coll.reduce(t, op, root, out=t if self.rank() == root else None, **self._kw())
+        return self._submit([], tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        req = coll.iallgather(input.reshape(-1), out=output, **self._kw())
+        return self._submit([req], [output])
+
+    _allgather_base = all_gather_single  # the name before torch 2.12
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        reqs, copies = [], []
+        for outs, inp in zip(output_tensors, input_tensors):
+            flat = inp.new_empty(self.size() * inp.numel())
+            reqs.append(coll.iallgather(inp.reshape(-1), out=flat, **self._kw()))
+            copies.append((outs, flat, inp.numel()))
+
+        def unpack():
+            for outs, flat, n in copies:
+                for r, o in enumerate(outs):
+                    o.copy_(flat[r * n:(r + 1) * n].view(o.shape))
+
+        return self._submit(reqs, output_tensors, unpack)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = op_name(opts.reduceOp if opts is not None else "sum")
+        counts = (output.numel(),) * self.size()
+        req = coll.ireduce_scatter(input, op, counts=counts, out=output, **self._kw())
+        return self._submit([req], [output])
+
+    _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.12
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = op_name(opts.reduceOp if opts is not None else "sum")
+        reqs = []
+        for out, ins in zip(output_tensors, input_tensors):
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            counts = tuple(t.numel() for t in ins)
+            reqs.append(coll.ireduce_scatter(flat, op, counts=counts, out=out, **self._kw()))
+        return self._submit(reqs, output_tensors)
+
+    def barrier(self, opts=None):
+        token = torch.zeros(1, dtype=torch.int32)
+        return self._submit([coll.iallreduce(token, out=token, **self._kw())], [])
+
+    def send(self, tensors, dst, tag=0):
+        from collectives.buffers import wrap
+        reqs = [self._p2p.Isend(wrap(t).flat.view("u1"), dst, tag) for t in tensors]
+        return self._submit([_MPIWait(r) for r in reqs], tensors)
+
+    def recv(self, tensors, src, tag=0):
+        from collectives.buffers import wrap
+        reqs = [self._p2p.Irecv(wrap(t).flat.view("u1"), src, tag) for t in tensors]
+        return self._submit([_MPIWait(r) for r in reqs], tensors)
+
+
+class _MPIWait:
+    __slots__ = ("request",)
+
+    def __init__(self, request):
+        self.request = request
+
+    def wait(self):
+        self.request.Wait()
+
+
+def _create(dist_opts, backend_options=None):
+    """``register_backend``'s creator: the group's MPI communicator and its process group."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    ranks = list(dist_opts.global_ranks_in_group or range(dist_opts.group_size))
+    if len(ranks) == world.Get_size() and ranks == list(range(world.Get_size())):
+        comm = world
+        if dist_opts.group_rank != world.Get_rank():
+            raise ValueError(f"the collectives backend needs torch's ranks to be MPI's: torch "
+                             f"says rank {dist_opts.group_rank}, MPI.COMM_WORLD says "
+                             f"{world.Get_rank()} (pass rank=MPI.COMM_WORLD.Get_rank())")
+    else:
+        if max(ranks) >= world.Get_size():
+            raise ValueError(f"group ranks {ranks} do not exist in MPI.COMM_WORLD of size "
+                             f"{world.Get_size()}")
+        comm = world.Create_group(world.Get_group().Incl(ranks))
+    if comm.Get_size() != dist_opts.group_size:
+        raise ValueError(f"torch's group has {dist_opts.group_size} ranks, MPI.COMM_WORLD "
+                         f"{comm.Get_size()}; launch with mpiexec -n {dist_opts.group_size}")
+    return ProcessGroupCollectives(comm)
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register ``"collectives"`` with ``torch.distributed`` (done on import; idempotent)."""
+    global _REGISTERED
+    if not _REGISTERED and BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    _REGISTERED = True
+
+
+def init_process_group(comm=None, **kwargs) -> None:
+    """``dist.init_process_group("collectives")`` with ranks from MPI and a local store."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if comm is not None and comm != world:
+        raise ValueError("the default group spans MPI.COMM_WORLD; use dist.new_group(ranks) "
+                         "for a subset")
+    register()
+    kwargs.setdefault("store", dist.HashStore())  # nothing to rendezvous: MPI started us
+    dist.init_process_group(BACKEND, rank=world.Get_rank(), world_size=world.Get_size(),
+                            **kwargs)
+
+
+register()

@@ -1,0 +1,455 @@
+"""``DistributedDataParallel``: data-parallel training with gradient buckets on autograd hooks.
+
+    model = DistributedDataParallel(module)          # every rank: same module, its shard of data
+    loss_fn(model(x), y).backward()                  # gradients averaged over ranks on return
+    optimizer.step()
+
+It works the way torch's Reducer does, over the toolkit's collectives:
+
+1. *Construction.* The parameters' names, shapes and dtypes are compared across ranks (a
+   mismatch is a ``ValueError`` on every rank naming the first differing parameter and the
+   ranks), then rank 0's parameters and buffers are broadcast to all ranks.
+2. *Buckets.* Parameters are packed into flat buffers (``collectives.torch.buckets``): in
+   reverse order at first, a small first bucket, at most ``bucket_cap_mb`` each. Each
+   parameter's ``.grad`` is a view into its bucket (``gradient_as_bucket_view``), so autograd
+   accumulates straight into the buffer that is reduced: no copies.
+3. *Backward.* A ``register_post_accumulate_grad_hook`` per parameter marks it ready; when a
+   bucket's last gradient lands, the comm hook (default: divide, then non-blocking
+   ``collectives.iallreduce``) starts on it while backward goes on. Buckets start strictly in
+   bucket order -- a bucket that is complete early waits for the ones before it -- so every
+   rank starts the same collectives in the same order. A callback queued on the autograd
+   engine runs when backward is over: it waits for every bucket in order and copies each
+   hook's result into its bucket.
+4. *Rebuild.* After the first synchronized backward the buckets are rebuilt once, in the order
+   gradients actually became ready (rank 0's order, broadcast, so the same on every rank).
+
+``no_sync()`` accumulates gradients locally (the flag is restored in ``finally``);
+``find_unused_parameters=True`` lets parameters that got no gradient take part with zeros
+(a parameter unused on every rank keeps ``grad=None``, as in one process). Hooks hold weak
+references to the DDP object, never strong ones (STYLE 10). ``state_dict()`` is the module's
+own (no ``module.`` prefix) and ``load_state_dict`` accepts both forms.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import time
+import weakref
+
+import torch
+from torch import nn
+
+import collectives as coll
+
+from . import functional
+from .buckets import Bucket, GradBucket, assign
+from .hooks import DefaultState, allreduce_hook
+
+__all__ = ["DistributedDataParallel", "CommStats"]
+
+_BROADCAST_CHUNK_BYTES = 64 << 20  # construction/buffer broadcasts are coalesced up to this
+
+
+class CommStats:
+    """Gradient communication of one DDP: bytes handed to collectives and the time exposed.
+
+    Per synchronized backward, the *span* runs from the first bucket's launch to the moment
+    every bucket is reduced; the *exposed* part is what remains after backward's computation
+    ended (the end-of-backward callback's wait). ``hidden_fraction()`` = 1 - exposed / span.
+    """
+
+    __slots__ = ("steps", "wire_bytes", "span_s", "exposed_s", "last_span_s",
+                 "last_exposed_s")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.steps = 0
+        self.wire_bytes = 0
+        self.span_s = self.exposed_s = 0.0
+        self.last_span_s = self.last_exposed_s = 0.0
+
+    def hidden_fraction(self) -> float:
+        """The fraction of the communication span that overlapped backward (1.0 if none)."""
+        return 1.0 - self.exposed_s / self.span_s if self.span_s > 0 else 1.0
+
+    def __repr__(self):
+        return (f"CommStats(steps={self.steps}, wire_bytes={self.wire_bytes}, "
+                f"span_s={self.span_s:.4f}, exposed_s={self.exposed_s:.4f}, "
+                f"hidden={self.hidden_fraction():.2f})")
+
+
+def _on_grad_ready(ref, index, param):
+    ddp = ref()
+    if ddp is not None:
+        ddp._grad_ready(index)
+
+
+def _on_backward_end(ref):
+    ddp = ref()
+    if ddp is not None:
+        ddp._end_backward()
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _accept_unprefixed(state_dict, prefix, local_metadata, strict, missing, unexpected,
+                       errors):
+    """Load pre-hook: keys saved without the ``module.`` level are moved under it."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is None:
+        return
+    for key in list(meta):
+        if prefix == "":
+            rel = key
+        elif key == prefix[:-1]:
+            rel = ""
+        elif key.startswith(prefix):
+            rel = key[len(prefix):]
+        else:
+            continue
+        if rel == "module" or rel.startswith("module."):
+            continue
+        meta.setdefault(inner[:-1] + ("." + rel if rel else ""), meta[key])
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` so that backward averages its gradients over the ranks of ``comm``."""
+
+    def __init__(self, module, comm=None, bucket_cap_mb=25, algorithm="auto",
+                 find_unused_parameters=False, gradient_as_bucket_view=True,
+                 broadcast_buffers=True, comm_hook=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        if algorithm != "auto" and algorithm not in coll.algorithms("allreduce"):
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected 'auto' or "
+                             f"one of {', '.join(coll.algorithms('allreduce'))}")
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        self.module = module
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.algorithm = algorithm
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.stats = CommStats()
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for n, p in named:
+            if p.layout != torch.strided:
+                raise TypeError(f"parameter {n!r} has layout {p.layout}; only dense "
+                                f"parameters are supported")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+
+        # 1. Agree on the parameters, then start from rank 0's values.
+        self._verify_params()
+        with torch.no_grad():
+            self._broadcast_coalesced(list(self._params) + list(module.buffers()))
+
+        # 2. Buckets, and 3. one hook per parameter (a weak reference back to us).
+        self._build_buckets(None)
+        ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(
+            functools.partial(_on_grad_ready, ref, i)) for i, p in enumerate(self._params)]
+        weakref.finalize(self, _remove_handles, self._handles)
+        self._register_load_state_dict_pre_hook(_accept_unprefixed)
+
+        self._require_sync = True
+        self._rebuild_pending = self.size > 1
+        self._order: list[int] = []
+        self._used = bytearray(len(self._params))   # got a gradient since the last sync
+        self._none_before: list[int] = []            # unused here and grad was None
+        self._reset_iteration()
+        self._hook = allreduce_hook
+        self._hook_state = DefaultState(comm, algorithm)
+        if comm_hook is not None:
+            if isinstance(comm_hook, tuple):
+                self.register_comm_hook(*comm_hook)
+            else:
+                self.register_comm_hook(None, comm_hook)
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _verify_params(self) -> None:
+        """Same parameter names, shapes and dtypes on every rank, or a ValueError on every rank."""
+        sig = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+               for n, p in zip(self._names, self._params)]
+        digest = hashlib.sha256(repr(sig).encode()).hexdigest()
+        if self.size == 1 or len(set(self.comm.allgather(digest))) == 1:
+            return
+        sigs = self.comm.allgather(sig)  # metadata, once: only when the digests differ
+
+        def show(e):
+            return "no such parameter" if e is None else f"{e[0]!r} of shape {list(e[1])} {e[2]}"
+
+        for k in range(max(len(s) for s in sigs)):
+            entries = [s[k] if k < len(s) else None for s in sigs]
+            bad = [r for r in range(1, len(sigs)) if entries[r] != entries[0]]
+            if bad:
+                first = (entries[0] or entries[bad[0]])[0]
+                detail = "; ".join(f"rank {r} has {show(entries[r])}" for r in [0] + bad[:3])
+                raise ValueError(f"DistributedDataParallel: parameter {k} ({first!r}) differs "
+                                 f"across ranks {[0] + bad}: {detail}; every rank must wrap "
+                                 f"the same model")
+        raise AssertionError("parameter digests differ but the signatures agree")
+
+    def _broadcast_coalesced(self, tensors) -> None:
+        """Rank 0's values into ``tensors`` on every rank, one broadcast per dtype and chunk."""
+        if self.size == 1 or not tensors:
+            return
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for group in groups.values():
+            chunk, nbytes = [], 0
+            for t in group + [None]:
+                if t is not None and (nbytes == 0 or nbytes + t.numel() * t.element_size()
+                                      <= _BROADCAST_CHUNK_BYTES):
+                    chunk.append(t)
+                    nbytes += t.numel() * t.element_size()
+                    continue
+                flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+                functional.broadcast(flat, 0, comm=self.comm)
+                offset = 0
+                for c in chunk:
+                    c.detach().copy_(flat[offset:offset + c.numel()].view(c.shape))
+                    offset += c.numel()
+                chunk, nbytes = ([t], t.numel() * t.element_size()) if t is not None \
+                    else ([], 0)
+
+    def _build_buckets(self, order) -> None:
+        """(Re)make the buckets for ``order``; gradients so far move into the new buffers."""
+        params = self._params
+        groups = assign([p.numel() * p.element_size() for p in params],
+                        [(p.dtype, p.device) for p in params],
+                        max(1, int(self.bucket_cap_mb * (1 << 20))), order)
+        buckets = [Bucket(k, members, params) for k, members in enumerate(groups)]
+        slots = [None] * len(params)
+        for b in buckets:
+            for pos, i in enumerate(b.members):
+                slots[i] = (b, pos)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                b, pos = slots[i]
+                g = p.grad
+                if g is not None:
+                    b.views[pos].copy_(g)
+                    if self.gradient_as_bucket_view:
+                        p.grad = b.views[pos]
+        self._buckets, self._slots = buckets, slots
+
+    def bucket_layout(self) -> list[list[str]]:
+        """The parameter names of each bucket, in launch order."""
+        return [[self._names[i] for i in b.members] for b in self._buckets]
+
+    # -- public API ---------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the module (after broadcasting rank 0's buffers if ``broadcast_buffers``)."""
+        if self._in_backward:  # the last backward raised before its end callback ran
+            self._reset_iteration()
+        if self.broadcast_buffers and self.size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with torch.no_grad():
+                    self._broadcast_coalesced(buffers)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Within this context backward accumulates gradients locally, without communicating."""
+        old = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future`` (state None: DDP's comm)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        self._hook = hook
+        self._hook_state = DefaultState(self.comm, self.algorithm) if state is None else state
+
+    @property
+    def comm_state(self):
+        """The state passed to the comm hook (it counts ``wire_bytes``)."""
+        return self._hook_state
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The wrapped module's state dict: the same keys as without DDP."""
+        return self.module.state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+
+    # -- the reducer --------------------------------------------------------------------------
+    def _reset_iteration(self) -> None:
+        self._in_backward = False
+        self._ready = bytearray(len(self._params))
+        self._next = 0
+        self._t_first = None
+        for b in self._buckets:
+            b.pending = len(b.members)
+            b.future = None
+            b.grad_bucket = None
+
+    def _grad_ready(self, index: int) -> None:
+        """The post-accumulate-grad hook of parameter ``index``."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_on_backward_end, weakref.ref(self)))
+        p = self._params[index]
+        b, pos = self._slots[index]
+        view = b.views[pos]
+        if self.gradient_as_bucket_view and p.grad is not view:
+            # set_to_none zero_grad, or a grad replaced by the user: back into the bucket.
+            view.copy_(p.grad)
+            p.grad = view
+        self._used[index] = 1
+        if not self._require_sync:
+            return
+        if self._ready[index]:
+            raise RuntimeError(f"parameter {self._names[index]!r} got a gradient twice in one "
+                               f"backward (reentrant backward or a shared graph); "
+                               f"DistributedDataParallel reduces each gradient once")
+        if not self.gradient_as_bucket_view:
+            view.copy_(p.grad)
+        self._mark_ready(index, b)
+
+    def _mark_ready(self, index: int, b: Bucket) -> None:
+        self._ready[index] = 1
+        if self._rebuild_pending:
+            self._order.append(index)
+        b.pending -= 1
+        if b.pending == 0:
+            buckets = self._buckets
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                self._launch(buckets[self._next])
+                self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+        params = [self._params[i] for i in b.members]
+        b.grad_bucket = GradBucket(b.index, b.flat, params, b.index == len(self._buckets) - 1)
+        fut = self._hook(self._hook_state, b.grad_bucket)
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future and then()'s
+            raise TypeError(f"comm hook {getattr(self._hook, '__name__', self._hook)!r} "
+                            f"returned {type(fut).__name__}, expected a torch.futures.Future")
+        b.future = fut
+
+    def _mark_unused(self, index: int) -> None:
+        """A parameter without a gradient this backward takes part with what it has (or 0)."""
+        p = self._params[index]
+        b, pos = self._slots[index]
+        view = b.views[pos]
+        g = p.grad
+        if g is None:
+            view.zero_()
+            self._none_before.append(index)
+        elif g is not view:
+            view.copy_(g)
+            if self.gradient_as_bucket_view:
+                p.grad = view
+        self._mark_ready(index, b)
+
+    def _end_backward(self) -> None:
+        """The end-of-backward callback: finish every bucket, in order, then tidy up."""
+        self._in_backward = False
+        if not self._require_sync:
+            return
+        try:
+            t_end = time.perf_counter()
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            if missing and not self.find_unused_parameters:
+                names = ", ".join(repr(self._names[i]) for i in missing[:4])
+                raise RuntimeError(
+                    f"rank {self.rank}: {len(missing)} of {len(self._params)} parameters got "
+                    f"no gradient in this backward ({names}{', ...' if len(missing) > 4 else ''}"
+                    f"); pass find_unused_parameters=True if parameters may not take part in "
+                    f"the loss")
+            for i in missing:
+                self._mark_unused(i)
+            used = None
+            if self.find_unused_parameters:
+                # Every rank takes part: which parameters were used anywhere since the last sync.
+                used = torch.frombuffer(self._used, dtype=torch.uint8).to(torch.int32)
+                functional.all_reduce(used, "max", comm=self.comm)
+            for b in self._buckets:
+                value = functional.wait_future(b.future)
+                if value is not b.flat:
+                    if not isinstance(value, torch.Tensor) or value.numel() != b.flat.numel():
+                        raise TypeError(f"comm hook result for bucket {b.index}: expected a "
+                                        f"tensor of {b.flat.numel()} elements, got "
+                                        f"{getattr(value, 'shape', type(value).__name__)}")
+                    if value.data_ptr() != b.flat.data_ptr():
+                        b.flat.copy_(value.view(-1))
+            t_done = time.perf_counter()
+            self._write_back(used)
+            self._account(t_end, t_done)
+            if self._rebuild_pending:
+                self._rebuild()
+        finally:
+            self._used = bytearray(len(self._params))
+            self._none_before = []
+            self._reset_iteration()
+
+    def _write_back(self, used) -> None:
+        with torch.no_grad():
+            if not self.gradient_as_bucket_view:
+                for i, p in enumerate(self._params):
+                    b, pos = self._slots[i]
+                    if p.grad is None:
+                        p.grad = b.views[pos].clone()
+                    else:
+                        p.grad.copy_(b.views[pos])
+            for i in self._none_before:
+                p = self._params[i]
+                if used is not None and not used[i]:
+                    p.grad = None  # unused on every rank: as in one process
+                elif p.grad is None:
+                    b, pos = self._slots[i]
+                    p.grad = b.views[pos] if self.gradient_as_bucket_view \
+                        else b.views[pos].clone()
+
+    def _account(self, t_end: float, t_done: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.wire_bytes = getattr(self._hook_state, "wire_bytes", 0)
+        if self._t_first is not None:
+            s.last_span_s = t_done - self._t_first
+            s.last_exposed_s = t_done - t_end
+            s.span_s += s.last_span_s
+            s.exposed_s += s.last_exposed_s
+
+    def _rebuild(self) -> None:
+        """Once, after the first synchronized backward: buckets in the order grads were ready."""
+        self._rebuild_pending = False
+        order = torch.tensor(self._order, dtype=torch.int64)
+        self._order = []
+        if order.numel() != len(self._params):  # pragma: no cover - every param is marked
+            return
+        functional.broadcast(order, 0, comm=self.comm)
+        order = order.tolist()
+        groups = assign([p.numel() * p.element_size() for p in self._params],
+                        [(p.dtype, p.device) for p in self._params],
+                        max(1, int(self.bucket_cap_mb * (1 << 20))), order)
+        if groups != [b.members for b in self._buckets]:
+            self._build_buckets(order)

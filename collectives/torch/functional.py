@@ -1,0 +1,203 @@
+"""Drop-in collectives on torch tensors, in place like ``torch.distributed``.
+
+    from collectives.torch import all_reduce
+    all_reduce(t)                          # t now holds the sum over all ranks
+    work = all_reduce(t, op="avg", async_op=True); ...; work.wait()
+
+Each call goes through the public API (``collectives.allreduce`` and friends), so the algorithm,
+the checks and the progress thread are the toolkit's; this module only adds torch's calling
+convention: results land in the tensors passed in, ``op`` may also be a
+``torch.distributed.ReduceOp``, a blocking call returns None and ``async_op=True`` returns a
+``Work``.
+
+A ``Work`` is completed in *start order*. Its ``get_future()`` gives a ``torch.futures.Future``
+whose value is ``[tensor]`` (torch's convention); the future is completed, and its ``then``
+callbacks run, in the thread that calls ``Work.wait()`` or ``wait_future()`` -- never in a
+background thread. That keeps callbacks that start more collectives (PowerSGD's second
+allreduce, say) in the same order on every rank, which overlapping collectives need.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import collectives as coll
+
+__all__ = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+           "Work", "wait_future", "op_name"]
+
+_TORCH_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg",
+              "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+
+
+def op_name(op) -> object:
+    """The toolkit's name for ``op``: a name or ``MPI.Op`` passes through, a ReduceOp is mapped."""
+    if isinstance(op, str):
+        return op
+    red = getattr(op, "op", op)  # torch.distributed.ReduceOp instance -> its RedOpType
+    name = getattr(red, "name", None)
+    if type(red).__name__ == "RedOpType" and name is not None:
+        if name not in _TORCH_OPS:
+            raise ValueError(f"ReduceOp.{name} is not supported; use one of "
+                             f"{', '.join('ReduceOp.' + k for k in _TORCH_OPS)}")
+        return _TORCH_OPS[name]
+    return op  # an MPI.Op, checked by collectives.ops
+
+
+def _tensor(t, what: str):
+    import torch
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _size(comm) -> int:
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    return comm.Get_size()
+
+
+# -- Work and the in-order completion of futures --------------------------------------------------
+_PENDING: deque = deque()       # started async Works, oldest first
+_LOCK = threading.RLock()       # re-entrant: a future's callback may start or wait on Works
+
+
+class Work:
+    """An async collective on tensors: ``wait()``, ``is_completed()``, ``get_future()``."""
+
+    __slots__ = ("_request", "_tensors", "_future", "_done", "_error", "__weakref__")
+
+    def __init__(self, request, tensors):
+        self._request = request
+        self._tensors = list(tensors)
+        self._future = None
+        self._done = False
+        self._error = None
+        with _LOCK:
+            _PENDING.append(self)
+
+    def _finish(self) -> None:
+        """Complete this Work (the oldest pending one) and its future."""
+        try:
+            self._request.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait(), set on the future
+            self._error = exc
+        self._done = True
+        if self._future is not None:
+            if self._error is not None:
+                self._future.set_exception(self._error)
+            else:
+                self._future.set_result(self._tensors)
+
+    def wait(self, timeout=None) -> bool:
+        """Block until complete (earlier Works complete first); returns True like torch."""
+        with _LOCK:
+            while not self._done:
+                _PENDING.popleft()._finish()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the collective has finished (never blocks)."""
+        return self._done or self._request.test()
+
+    def get_future(self):
+        """A ``torch.futures.Future`` of ``[tensor]``, completed when this Work is waited."""
+        import torch
+        with _LOCK:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._done:
+                    if self._error is not None:
+                        self._future.set_exception(self._error)
+                    else:
+                        self._future.set_result(self._tensors)
+            return self._future
+
+    def result(self) -> list:
+        """The output tensors (valid after ``wait()``)."""
+        return list(self._tensors)
+
+    def __repr__(self):
+        return f"<collectives.torch.Work {'done' if self._done else 'in flight'}>"
+
+
+def wait_future(fut):
+    """Complete pending Works in start order until ``fut`` is done; returns ``fut.wait()``."""
+    while not fut.done():
+        with _LOCK:
+            if fut.done():
+                break
+            if not _PENDING:
+                raise RuntimeError("the future cannot complete: no collective of "
+                                   "collectives.torch is in flight to complete it")
+            _PENDING.popleft()._finish()
+    return fut.wait()
+
+
+# -- the collectives -------------------------------------------------------------------------
+def all_reduce(tensor, op="sum", comm=None, async_op=False, *, algorithm="auto"):
+    """Reduce ``tensor`` over all ranks in place; a ``Work`` if ``async_op`` else None."""
+    _tensor(tensor, "tensor")
+    name = op_name(op)
+    if async_op:
+        req = coll.iallreduce(tensor, name, out=tensor, comm=comm, algorithm=algorithm)
+        return Work(req, [tensor])
+    coll.allreduce(tensor, name, out=tensor, comm=comm, algorithm=algorithm)
+    return None
+
+
+def broadcast(tensor, src=0, comm=None, async_op=False, *, algorithm="auto"):
+    """Fill ``tensor`` on every rank with rank ``src``'s, in place."""
+    _tensor(tensor, "tensor")
+    if async_op:
+        return Work(coll.ibroadcast(tensor, src, comm=comm, algorithm=algorithm), [tensor])
+    coll.broadcast(tensor, src, comm=comm, algorithm=algorithm)
+    return None
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, comm=None, async_op=False, *,
+                           algorithm="auto"):
+    """Every rank's ``input_tensor`` concatenated (rank order) into ``output_tensor``."""
+    _tensor(output_tensor, "output_tensor")
+    _tensor(input_tensor, "input_tensor")
+    size = _size(comm)
+    if output_tensor.numel() != size * input_tensor.numel():
+        raise ValueError(f"output_tensor has {output_tensor.numel()} elements, expected "
+                         f"{size} ranks x {input_tensor.numel()} = "
+                         f"{size * input_tensor.numel()}")
+    if output_tensor.dtype != input_tensor.dtype:
+        raise TypeError(f"output_tensor is {output_tensor.dtype}, input_tensor is "
+                        f"{input_tensor.dtype}")
+    flat = input_tensor.reshape(-1) if input_tensor.is_contiguous() else input_tensor
+    if async_op:
+        req = coll.iallgather(flat, out=output_tensor, comm=comm, algorithm=algorithm)
+        return Work(req, [output_tensor])
+    coll.allgather(flat, out=output_tensor, comm=comm, algorithm=algorithm)
+    return None
+
+
+def reduce_scatter_tensor(output_tensor, input_tensor, op="sum", comm=None, async_op=False, *,
+                          algorithm="auto"):
+    """Reduce ``input_tensor`` over ranks; rank r gets block r (``output_tensor.numel()``)."""
+    _tensor(output_tensor, "output_tensor")
+    _tensor(input_tensor, "input_tensor")
+    size = _size(comm)
+    block = output_tensor.numel()
+    if input_tensor.numel() != size * block:
+        raise ValueError(f"input_tensor has {input_tensor.numel()} elements, expected "
+                         f"{size} ranks x {block} = {size * block}")
+    if output_tensor.dtype != input_tensor.dtype:
+        raise TypeError(f"output_tensor is {output_tensor.dtype}, input_tensor is "
+                        f"{input_tensor.dtype}")
+    counts = (block,) * size
+    name = op_name(op)
+    if async_op:
+        req = coll.ireduce_scatter(input_tensor, name, counts=counts, out=output_tensor,
+                                   comm=comm, algorithm=algorithm)
+        return Work(req, [output_tensor])
+    coll.reduce_scatter(input_tensor, name, counts=counts, out=output_tensor, comm=comm,
+                        algorithm=algorithm)
+    return None
