@@ -20,9 +20,11 @@ Walk-through for p = 4, root 0:
 Each buffer moves as segments of at most ``seg`` elements, so a rank forwards segment j while
 it still receives segment j + 1. Leaves send straight from IN; partials live in OUT (every rank
 has a ``count``-element OUT for reduce: scratch on non-roots); received segments land in
-receive slots (``tree.slots``). Cost for n bytes: ceil(log2 p) (alpha + n beta) per direction,
-plus ceil(log2 p) n gamma of reduction at the root; simple and latency-optimal for small n,
-but the root's link carries log2 p times the data, so trees for large n are pipelined binary.
+receive slots (``tree.slots``). Cost for n bytes, L = ceil(log2 p): reduce
+L alpha + L n beta + L n gamma, broadcast L alpha + L n beta, allreduce 2 L alpha +
+2 L n beta + L n gamma. The root's link carries every one of its L subtrees' data, segmented
+or not, so binomial trees are for short messages, where L messages of latency is the least any
+tree can do; the pipelined binary tree takes the long ones.
 """
 from collectives.schedule import IN, OUT, Schedule, segments
 from collectives.tree.slots import Slots

@@ -19,9 +19,14 @@ leaf sends straight from IN.
 Allreduce reduces to rank 0 and broadcasts back, both pipelined, in one schedule: segment j's
 broadcast starts as soon as the root has reduced it, while later segments are still going up
 (on every link the up and down messages travel in opposite directions, so neither waits for
-the other). Per segment an inner node receives 3 and sends 3 segments: for n bytes about
-3 n beta + 2 n gamma + 2 (depth + m) alpha-ish latency, against the ring's 2 n beta but
-O(log p) instead of O(p) latency.
+the other).
+
+Cost for n bytes in m segments, depth D = ceil(log2 p), a pipeline *stage* being what the
+busiest (inner) node does per segment: reduce and broadcast take D + m - 1 stages of 2
+messages (2 receives, or 2 sends) of n/m bytes, about 2 (D + m - 1) alpha + 2 n beta
+(+ 2 n gamma for the reduce) when m >> D; allreduce takes 2 D + m - 1 stages of 3 receives and
+3 sends: about 3 n beta + 2 n gamma, against the ring's 2 n beta, but with O(log p) latency
+instead of O(p). ``tree.double_binary`` brings the bandwidth term down to 2 n beta.
 """
 from collectives.schedule import IN, OUT, Schedule, segments
 from collectives.tree.slots import Slots

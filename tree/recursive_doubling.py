@@ -5,7 +5,7 @@ Vocabulary: p' = 2^L virtual ranks (``tree.fold`` maps any p onto them); at *ste
 message is cut into *segments* of at most ``seg`` elements, sent and received in turn.
 
 Allreduce: at each step partners swap their whole partial and both compute
-``lower op upper`` (the partial of the partner whose bit k is 0 first), so the two compute the
+``lower op upper`` (first the partial of the partner whose bit d is 0), so the two compute the
 same bits; after L steps every virtual rank holds the reduction over all ranks, combined as a
 balanced tree in ascending rank order, identical everywhere. Received segments land in receive
 slots (``tree.slots``); the partial lives in OUT (step 0 reads IN). Walk-through for p = 4:
@@ -32,17 +32,16 @@ __all__ = ["recursive_doubling_allreduce", "recursive_doubling_allgather", "doub
            "append_gather", "append_exchange"]
 
 
-def append_exchange(s: Schedule, peer: int, send_range, recv_range, seg, src=OUT,
-                    dst=OUT) -> None:
-    """Send elements ``send_range`` of ``src`` to ``peer`` and receive ``recv_range`` of
-    ``dst`` from it, segment by segment, alternating (both sides list the same segments)."""
+def append_exchange(s: Schedule, peer: int, send_range, recv_range, seg) -> None:
+    """Send elements ``send_range`` of OUT to ``peer`` and receive ``recv_range`` of OUT from
+    it, segment by segment, alternating (both sides list the same segments)."""
     sends = list(segments(*send_range, seg))
     recvs = list(segments(*recv_range, seg))
     for j in range(max(len(sends), len(recvs))):
         if j < len(sends):
-            s.send(peer, (src,) + sends[j])
+            s.send(peer, (OUT,) + sends[j])
         if j < len(recvs):
-            s.recv(peer, (dst,) + recvs[j])
+            s.recv(peer, (OUT,) + recvs[j])
 
 
 def doubling_steps(fold: Fold, v: int):
