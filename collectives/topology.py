@@ -1,0 +1,432 @@
+"""What the toolkit knows about where ranks run: nodes, NUMA domains, and link classes.
+
+A ``Topology`` is a small immutable table for one communicator: the node and the NUMA domain of
+every rank (both numbered 0, 1, ... in order of their lowest rank), from which follow the node
+groups, the NUMA groups, each group's leader (its lowest rank) and the *link class* of any pair
+of ranks: ``SAME_NUMA`` (0), ``SAME_NODE`` (1, another NUMA domain of the node) or
+``OTHER_NODE`` (2). ``topology(comm)`` discovers it once per communicator and caches it in the
+toolkit's context; discovery is collective (every rank of ``comm`` must call it, in the same
+order as its other collectives: the algorithms that need it do so inside a collective call).
+
+Discovery:
+
+- *Nodes*: ``Split_type(MPI.COMM_TYPE_SHARED)`` groups the ranks that share memory; a node is
+  named by the lowest rank it holds, and one small ``Allgather`` tells every rank every name.
+- *NUMA domains*: each rank reads its CPU affinity (``os.sched_getaffinity``) and the CPU lists
+  of ``/sys/devices/system/node/node*/cpulist``. A rank bound inside one NUMA node belongs to
+  that domain. If any rank of a node is not bound inside one domain (the default: processes
+  float over every CPU), the whole node counts as one domain, since where its memory lives is
+  then up to the kernel, not the rank.
+- *Simulation*: ``COLLECTIVES_RANKS_PER_NODE=k`` makes nodes of consecutive rank blocks
+  (ranks 0..k-1, k..2k-1, ...; the last may be smaller: 5 ranks with k = 3 are 3 + 2) and
+  ``COLLECTIVES_RANKS_PER_NUMA=j`` cuts every node into domains of j consecutive ranks (the last
+  may be smaller). Either works alone: j without k simulates domains inside the real nodes.
+  Every rank must see the same values (checked: a mismatch is a ``ValueError`` on every rank).
+
+Sub-communicators (``communicators(comm)``) are made on demand, collectively, and cached:
+``node`` (the ranks of this rank's node), ``cross`` (the ranks with this rank's local index on
+every node: Horovod's and han's "cross" communicator; ranks whose local index exceeds a smaller
+node's size simply have fewer peers), ``numa`` and ``leaders`` (the lowest rank of every node,
+``COMM_NULL`` elsewhere).
+
+Traffic accounting: ``count_traffic(comm)`` is a context manager that counts the bytes and
+messages this rank *sends* per link class while it is open, through the MPI executor (schedule
+algorithms: ``ring``, ``tree``, ``hierarchical``, ...). The MPI library's own collectives and
+``shm`` move their bytes inside the library or through memory and are not counted.
+
+Run ``mpiexec -n 4 python -m collectives.topology`` to print what a job sees.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import numpy as np
+
+__all__ = ["Topology", "topology", "simulated", "communicators", "Communicators",
+           "LinkTraffic", "count_traffic", "SAME_NUMA", "SAME_NODE", "OTHER_NODE",
+           "LINK_NAMES", "numa_of_cpus", "sim_traffic", "discover"]
+
+SAME_NUMA, SAME_NODE, OTHER_NODE = 0, 1, 2
+LINK_NAMES = ("same_numa", "same_node", "other_node")
+
+_ENV_NODE = "COLLECTIVES_RANKS_PER_NODE"
+_ENV_NUMA = "COLLECTIVES_RANKS_PER_NUMA"
+
+
+def _renumber(keys) -> tuple[int, ...]:
+    """Map arbitrary hashable keys to 0, 1, ... in order of first appearance."""
+    ids: dict = {}
+    return tuple(ids.setdefault(k, len(ids)) for k in keys)
+
+
+def _groups(ids) -> tuple[tuple[int, ...], ...]:
+    out: dict[int, list[int]] = {}
+    for rank, g in enumerate(ids):
+        out.setdefault(g, []).append(rank)
+    return tuple(tuple(out[g]) for g in sorted(out))
+
+
+class Topology:
+    """Node and NUMA domain of every rank of one communicator (immutable; see the module doc)."""
+
+    __slots__ = ("node", "numa", "source", "_nodes", "_numas", "_local")
+
+    def __init__(self, node, numa=None, *, source: str = "given"):
+        node = _renumber(node)
+        # A NUMA domain never spans nodes: key it by (node, domain) before renumbering.
+        numa = node if numa is None else _renumber(zip(node, numa))
+        if len(numa) != len(node):
+            raise ValueError(f"node has {len(node)} entries but numa has {len(numa)}")
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "numa", numa)
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "_nodes", _groups(node))
+        object.__setattr__(self, "_numas", _groups(numa))
+        local = [0] * len(node)
+        for group in self._nodes:
+            for i, r in enumerate(group):
+                local[r] = i
+        object.__setattr__(self, "_local", tuple(local))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Topology is immutable")
+
+    # -- the table --------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.node)
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of every node, in order of their lowest rank."""
+        return self._nodes
+
+    @property
+    def numas(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of every NUMA domain (domains never span nodes)."""
+        return self._numas
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """The lowest rank of every node."""
+        return tuple(g[0] for g in self._nodes)
+
+    def local_rank(self, rank: int) -> int:
+        """``rank``'s index inside its node."""
+        return self._local[rank]
+
+    def local_size(self, rank: int) -> int:
+        """Number of ranks on ``rank``'s node."""
+        return len(self._nodes[self.node[rank]])
+
+    @property
+    def single_node(self) -> bool:
+        """All ranks on one node."""
+        return len(self._nodes) == 1
+
+    @property
+    def has_numa(self) -> bool:
+        """Some node holds more than one NUMA domain."""
+        return len(self._numas) > len(self._nodes)
+
+    def link(self, a: int, b: int) -> int:
+        """Link class between ranks ``a`` and ``b``: SAME_NUMA, SAME_NODE or OTHER_NODE."""
+        if self.node[a] != self.node[b]:
+            return OTHER_NODE
+        return SAME_NUMA if self.numa[a] == self.numa[b] else SAME_NODE
+
+    def links(self, rank: int) -> tuple[int, ...]:
+        """Link class from ``rank`` to every rank (the executor's per-peer lookup table)."""
+        return tuple(self.link(rank, peer) for peer in range(self.size))
+
+    def kwargs(self) -> tuple:
+        """The hashable ``(name, value)`` pairs ``hierarchical`` builders take."""
+        return (("nodes", self.nodes), ("numas", self.numas))
+
+    # -- value semantics ------------------------------------------------------------------
+    def __eq__(self, other):
+        return isinstance(other, Topology) and (self.node, self.numa) == (other.node, other.numa)
+
+    def __hash__(self):
+        return hash((self.node, self.numa))
+
+    def __repr__(self):
+        return f"Topology(nodes={self.nodes}, numas={self.numas}, source={self.source!r})"
+
+    def describe(self) -> str:
+        """Several lines for people: one per node with its NUMA domains."""
+        lines = [f"{self.size} ranks on {len(self.nodes)} node(s), {len(self.numas)} NUMA "
+                 f"domain(s) ({self.source})"]
+        for n, group in enumerate(self.nodes):
+            doms = [g for g in self.numas if g[0] in group]
+            text = "  ".join("[" + " ".join(map(str, d)) + "]" for d in doms)
+            lines.append(f"  node {n}: ranks {' '.join(map(str, group))}  leader {group[0]}  "
+                         f"numa {text}")
+        return "\n".join(lines)
+
+
+def _blocks(count: int, per: int) -> tuple[int, ...]:
+    """Block index of each of ``count`` items cut in consecutive blocks of ``per``."""
+    return tuple(i // per for i in range(count))
+
+
+def simulated(size: int, ranks_per_node: int | None = None,
+              ranks_per_numa: int | None = None) -> Topology:
+    """The topology that ``COLLECTIVES_RANKS_PER_NODE/NUMA`` simulate for ``size`` ranks."""
+    for name, v in (("ranks_per_node", ranks_per_node), ("ranks_per_numa", ranks_per_numa)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+    node = _blocks(size, ranks_per_node or size)
+    numa = _numa_blocks(node, ranks_per_numa)
+    src = f"simulated: {ranks_per_node or size} ranks per node"
+    if ranks_per_numa:
+        src += f", {ranks_per_numa} per NUMA domain"
+    return Topology(node, numa, source=src)
+
+
+def _numa_blocks(node, per):
+    """NUMA domain of each rank: blocks of ``per`` consecutive ranks inside each node."""
+    if not per:
+        return None
+    seen: dict[int, int] = {}
+    out = []
+    for n in node:
+        i = seen.get(n, 0)
+        seen[n] = i + 1
+        out.append((n, i // per))
+    return out
+
+
+# -- discovery ------------------------------------------------------------------------------
+def _cpulist(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-")
+            cpus.update(range(int(a), int(b) + 1))
+        else:
+            cpus.add(int(part))
+    return cpus
+
+
+def numa_of_cpus(cpus, root: str = "/sys/devices/system/node") -> int:
+    """The NUMA node holding every CPU of ``cpus``, or -1 (several, or unknown)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return -1
+    hits = []
+    for name in names:
+        m = re.fullmatch(r"node(\d+)", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(root, name, "cpulist")) as f:
+                node_cpus = _cpulist(f.read())
+        except OSError:
+            continue
+        if node_cpus & set(cpus):
+            hits.append(int(m.group(1)))
+    return hits[0] if len(hits) == 1 else -1
+
+
+def _env_int(name: str) -> int:
+    """The positive integer in ``name`` (0 when unset)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ValueError(f"{name}={text!r}: expected a positive number of ranks")
+    return value
+
+
+def discover(comm) -> Topology:
+    """Discover the topology of ``comm`` (collective; prefer the cached ``topology(comm)``)."""
+    from mpi4py import MPI
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        k, j = _env_int(_ENV_NODE), _env_int(_ENV_NUMA)
+        bad = 0
+    except ValueError:
+        k, j, bad = 0, 0, 1
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        cpus = set()
+    numa_here = numa_of_cpus(cpus) if cpus else -1
+    if k:
+        node_key = -1  # no need to ask MPI: the blocks are the nodes
+    else:
+        shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        node_key = shared.allreduce(rank, op=MPI.MIN)
+        shared.Free()
+    mine = np.array([node_key, numa_here, k, j, bad], dtype=np.int64)
+    table = np.empty((size, 5), dtype=np.int64)
+    comm.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
+    if table[:, 4].any():
+        raise ValueError(f"{_ENV_NODE} / {_ENV_NUMA} must be positive integers (rank(s) "
+                         f"{np.flatnonzero(table[:, 4]).tolist()} read something else)")
+    if (table[:, 2] != k).any() or (table[:, 3] != j).any():
+        seen = sorted({(int(a), int(b)) for a, b in table[:, 2:4]})
+        raise ValueError(f"ranks disagree on {_ENV_NODE}/{_ENV_NUMA}: saw (k, j) = {seen} "
+                         f"(0 = unset); set them alike on every rank")
+    if k:
+        node = _blocks(size, k)
+        source = f"simulated: {_ENV_NODE}={k}"
+    else:
+        node = _renumber(int(x) for x in table[:, 0])
+        source = "MPI COMM_TYPE_SHARED"
+    if j:
+        numa = _numa_blocks(_renumber(node), j)
+        source += f", {_ENV_NUMA}={j}"
+    else:
+        # A node counts its ranks' domains only if every rank there is bound inside one.
+        node_ids = _renumber(node)
+        unknown = {node_ids[r] for r in range(size) if table[r, 1] < 0}
+        numa = [(node_ids[r], -1 if node_ids[r] in unknown else int(table[r, 1]))
+                for r in range(size)]
+        source += ", NUMA from CPU affinity"
+    return Topology(node, numa, source=source)
+
+
+def topology(comm=None) -> Topology:
+    """The (cached) ``Topology`` of ``comm`` (default ``COMM_WORLD``); collective on first use."""
+    ctx = _ctx(comm)
+    topo = ctx.stash.get("topology")
+    if topo is None:
+        topo = discover(ctx.comm)
+        ctx.stash["topology"] = topo
+    return topo
+
+
+def _ctx(comm):
+    from .executor import Context, context
+    if isinstance(comm, Context):
+        return comm
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    return context(comm)
+
+
+# -- sub-communicators ----------------------------------------------------------------------
+class Communicators:
+    """The sub-communicators of one rank (see the module doc); ``close()`` frees them."""
+
+    __slots__ = ("node", "cross", "numa", "leaders")
+
+    def __init__(self, node, cross, numa, leaders):
+        self.node, self.cross, self.numa, self.leaders = node, cross, numa, leaders
+
+    def close(self) -> None:
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        for c in (self.node, self.cross, self.numa, self.leaders):
+            if c is not None and c != MPI.COMM_NULL:
+                c.Free()
+
+
+def communicators(comm=None) -> Communicators:
+    """This rank's node / cross / numa / leaders communicators (collective on first use)."""
+    from mpi4py import MPI
+    ctx = _ctx(comm)
+    comms = ctx.stash.get("topology.comms")
+    if comms is None:
+        topo = topology(ctx)
+        r = ctx.rank
+        local = topo.local_rank(r)
+        node = ctx.comm.Split(topo.node[r], local)
+        cross = ctx.comm.Split(local, topo.node[r])
+        numa = ctx.comm.Split(topo.numa[r], r)
+        leaders = ctx.comm.Split(0 if local == 0 else MPI.UNDEFINED, r)
+        comms = Communicators(node, cross, numa, leaders)
+        ctx.stash["topology.comms"] = comms
+    return comms
+
+
+# -- traffic accounting ---------------------------------------------------------------------
+class LinkTraffic:
+    """Bytes and messages one rank sent, per link class (``LINK_NAMES``).
+
+    The MPI executor calls ``add(peer, nbytes)`` once per message it posts while the counter is
+    installed (``count_traffic``): one tuple lookup and two list increments.
+    """
+
+    __slots__ = ("classes", "nbytes", "messages")
+
+    def __init__(self, classes):
+        self.classes = tuple(classes)
+        self.nbytes = [0, 0, 0]
+        self.messages = [0, 0, 0]
+
+    def add(self, peer: int, nbytes: int) -> None:
+        k = self.classes[peer]
+        self.nbytes[k] += nbytes
+        self.messages[k] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        """``{"same_numa": bytes, "same_node": bytes, "other_node": bytes}``."""
+        return dict(zip(LINK_NAMES, self.nbytes))
+
+    def __repr__(self):
+        parts = ", ".join(f"{n}={b} B/{m} msg" for n, b, m in
+                          zip(LINK_NAMES, self.nbytes, self.messages))
+        return f"LinkTraffic({parts})"
+
+
+@contextlib.contextmanager
+def count_traffic(comm=None, topo: Topology | None = None):
+    """Count the bytes this rank sends per link class inside the ``with`` block.
+
+    ``topo`` defaults to ``topology(comm)`` (collective on first use). Yields a ``LinkTraffic``.
+    """
+    ctx = _ctx(comm)
+    topo = topo or topology(ctx)
+    counter = LinkTraffic(topo.links(ctx.rank))
+    transport = ctx.transport
+    previous = transport.counter
+    transport.counter = counter
+    try:
+        yield counter
+    finally:
+        transport.counter = previous
+
+
+def sim_traffic(traffic, topo: Topology, rank: int) -> list[int]:
+    """Bytes ``rank`` sent per link class in a simulation's ``net.traffic`` (collectives.sim)."""
+    out = [0, 0, 0]
+    for (src, dst), nbytes in traffic.bytes.items():
+        if src == rank:
+            out[topo.link(src, dst)] += nbytes
+    return out
+
+
+def _main(comm=None) -> None:
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    topo = topology(comm)
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = []
+    rows = comm.gather((comm.Get_rank(), MPI.Get_processor_name(), cpus), root=0)
+    if comm.Get_rank() == 0:
+        print(topo.describe())
+        for r, host, cpu in rows:
+            print(f"  rank {r}: host {host}, node {topo.node[r]}, local rank "
+                  f"{topo.local_rank(r)}/{topo.local_size(r)}, numa {topo.numa[r]}, cpus "
+                  f"{','.join(map(str, cpu))}")
+
+
+if __name__ == "__main__":
+    _main()
