@@ -108,7 +108,7 @@ def _numpy(x):
 register(_numpy)
 
 
-# -- torch (CPU; CUDA tensors are taken by collectives.cuda when it is usable) -----------------
+# -- torch (CPU here; CUDA tensors are viewed through cupy by collectives.cuda) ----------------
 def _torch_module():
     import sys
     return sys.modules.get("torch")  # never import torch just to look at a buffer
@@ -125,9 +125,12 @@ def _torch(x):
     torch = _torch_module()
     if torch is None or not isinstance(x, torch.Tensor):
         return None
+    if x.device.type == "cuda":
+        from . import cuda  # a cupy view of the tensor's memory; TypeError without cupy
+        return cuda.wrap_torch(x)
     if x.device.type != "cpu":
-        raise TypeError(f"{x.device.type} tensors need the CUDA path (cupy and a CUDA device): "
-                        f"install the 'cuda' extra; got a tensor on {x.device}")
+        raise TypeError(f"{x.device.type} tensors are not supported (CPU and CUDA tensors are); "
+                        f"got a tensor on {x.device}")
     _contiguous(x.is_contiguous(), x, "torch tensor")
     t = x.detach()
     if t.dtype == torch.bfloat16:
@@ -143,3 +146,15 @@ def _torch(x):
 
 
 register(_torch)
+
+
+# -- cupy arrays: collectives.cuda, imported only when one shows up ------------------------------
+def _cupy(x):
+    module = type(x).__module__
+    if module != "cupy" and not module.startswith("cupy."):
+        return None
+    from . import cuda
+    return cuda.wrap_cupy(x)
+
+
+register(_cupy)
