@@ -116,7 +116,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._submit([], tensors)
 
     def all_gather_single(self, output, input, opts=None):
-        req = coll.iallgather(input.reshape(-1), out=output, **self._kw())
+        req = coll.iallgather(input.reshape(-1), out=output.view(-1), **self._kw())
         return self._submit([req], [output])
 
     _allgather_base = all_gather_single  # the name before torch 2.12
@@ -138,7 +138,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         counts = (output.numel(),) * self.size()
-        req = coll.ireduce_scatter(input, op, counts=counts, out=output, **self._kw())
+        req = coll.ireduce_scatter(input, op, counts=counts, out=output.view(-1), **self._kw())
         return self._submit([req], [output])
 
     _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.12
@@ -149,7 +149,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         for out, ins in zip(output_tensors, input_tensors):
             flat = torch.cat([t.reshape(-1) for t in ins])
             counts = tuple(t.numel() for t in ins)
-            reqs.append(coll.ireduce_scatter(flat, op, counts=counts, out=out, **self._kw()))
+            reqs.append(coll.ireduce_scatter(flat, op, counts=counts, out=out.view(-1),
+                                             **self._kw()))
         return self._submit(reqs, output_tensors)
 
     def barrier(self, opts=None):

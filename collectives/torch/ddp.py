@@ -94,6 +94,15 @@ def _on_backward_end(ref):
         ddp._end_backward()
 
 
+def _sum_hook(state, bucket):
+    """``allreduce_hook`` when DDP has already divided every gradient by the rank count."""
+    return state.all_reduce(bucket.buffer()).get_future().then(_first)
+
+
+def _first(fut):
+    return fut.value()[0]
+
+
 def _remove_handles(handles) -> None:
     for h in handles:
         h.remove()
@@ -178,8 +187,7 @@ class DistributedDataParallel(nn.Module):
         self._used = bytearray(len(self._params))   # got a gradient since the last sync
         self._none_before: list[int] = []            # unused here and grad was None
         self._reset_iteration()
-        self._hook = allreduce_hook
-        self._hook_state = DefaultState(comm, algorithm)
+        self.register_comm_hook(None, allreduce_hook)
         if comm_hook is not None:
             if isinstance(comm_hook, tuple):
                 self.register_comm_hook(*comm_hook)
@@ -287,6 +295,11 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         self._hook = hook
         self._hook_state = DefaultState(self.comm, self.algorithm) if state is None else state
+        # The default hook's division is done by DDP itself, gradient by gradient as each one
+        # lands (fused into the copy into the bucket when the gradient is fresh), as torch's
+        # Reducer does without a hook: one pass over the gradients less.
+        self._prescale = hook is allreduce_hook and self.size > 1 and \
+            type(self._hook_state) is DefaultState
 
     @property
     def comm_state(self):
@@ -318,20 +331,29 @@ class DistributedDataParallel(nn.Module):
         p = self._params[index]
         b, pos = self._slots[index]
         view = b.views[pos]
-        if self.gradient_as_bucket_view and p.grad is not view:
-            # set_to_none zero_grad, or a grad replaced by the user: back into the bucket.
-            view.copy_(p.grad)
-            p.grad = view
-        self._used[index] = 1
-        if not self._require_sync:
-            return
-        if self._ready[index]:
+        sync = self._require_sync
+        if sync and self._ready[index]:
             raise RuntimeError(f"parameter {self._names[index]!r} got a gradient twice in one "
                                f"backward (reentrant backward or a shared graph); "
                                f"DistributedDataParallel reduces each gradient once")
-        if not self.gradient_as_bucket_view:
-            view.copy_(p.grad)
-        self._mark_ready(index, b)
+        self._used[index] = 1
+        if self.gradient_as_bucket_view:
+            if p.grad is not view:  # set_to_none zero_grad, or a grad the user replaced
+                self._into_bucket(p.grad, view, sync)
+                p.grad = view
+            elif sync and self._prescale:
+                view.div_(self.size)  # while this gradient is still in cache
+        elif sync:
+            self._into_bucket(p.grad, view, True)
+        if sync:
+            self._mark_ready(index, b)
+
+    def _into_bucket(self, grad, view, sync: bool) -> None:
+        """Copy ``grad`` into its bucket slot, divided by the rank count if DDP divides."""
+        if sync and self._prescale:
+            torch.div(grad, self.size, out=view)  # the copy and the division in one pass
+        else:
+            view.copy_(grad)
 
     def _mark_ready(self, index: int, b: Bucket) -> None:
         self._ready[index] = 1
@@ -349,7 +371,8 @@ class DistributedDataParallel(nn.Module):
             self._t_first = time.perf_counter()
         params = [self._params[i] for i in b.members]
         b.grad_bucket = GradBucket(b.index, b.flat, params, b.index == len(self._buckets) - 1)
-        fut = self._hook(self._hook_state, b.grad_bucket)
+        hook = _sum_hook if self._prescale else self._hook
+        fut = hook(self._hook_state, b.grad_bucket)
         if not isinstance(fut, torch._C.Future):  # torch.futures.Future and then()'s
             raise TypeError(f"comm hook {getattr(self._hook, '__name__', self._hook)!r} "
                             f"returned {type(fut).__name__}, expected a torch.futures.Future")
@@ -365,9 +388,11 @@ class DistributedDataParallel(nn.Module):
             view.zero_()
             self._none_before.append(index)
         elif g is not view:
-            view.copy_(g)
+            self._into_bucket(g, view, True)
             if self.gradient_as_bucket_view:
                 p.grad = view
+        elif self._prescale:
+            view.div_(self.size)
         self._mark_ready(index, b)
 
     def _end_backward(self) -> None:

@@ -51,6 +51,14 @@ def _tensor(t, what: str):
     return t
 
 
+def _flat(t, what: str):
+    """A 1-D view of ``t`` (the toolkit wants outputs shaped exactly; torch's may be any shape)."""
+    if not t.is_contiguous():
+        raise ValueError(f"{what} of shape {tuple(t.shape)} is not C-contiguous; pass a "
+                         f"contiguous tensor (tensor.contiguous())")
+    return t.view(-1)
+
+
 def _size(comm) -> int:
     if comm is None:
         from mpi4py import MPI
@@ -171,11 +179,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, comm=None, async_op=Fals
     if output_tensor.dtype != input_tensor.dtype:
         raise TypeError(f"output_tensor is {output_tensor.dtype}, input_tensor is "
                         f"{input_tensor.dtype}")
-    flat = input_tensor.reshape(-1) if input_tensor.is_contiguous() else input_tensor
+    flat, out = _flat(input_tensor, "input_tensor"), _flat(output_tensor, "output_tensor")
     if async_op:
-        req = coll.iallgather(flat, out=output_tensor, comm=comm, algorithm=algorithm)
+        req = coll.iallgather(flat, out=out, comm=comm, algorithm=algorithm)
         return Work(req, [output_tensor])
-    coll.allgather(flat, out=output_tensor, comm=comm, algorithm=algorithm)
+    coll.allgather(flat, out=out, comm=comm, algorithm=algorithm)
     return None
 
 
@@ -194,10 +202,11 @@ def reduce_scatter_tensor(output_tensor, input_tensor, op="sum", comm=None, asyn
                         f"{input_tensor.dtype}")
     counts = (block,) * size
     name = op_name(op)
+    out = _flat(output_tensor, "output_tensor")
     if async_op:
-        req = coll.ireduce_scatter(input_tensor, name, counts=counts, out=output_tensor,
-                                   comm=comm, algorithm=algorithm)
+        req = coll.ireduce_scatter(input_tensor, name, counts=counts, out=out, comm=comm,
+                                   algorithm=algorithm)
         return Work(req, [output_tensor])
-    coll.reduce_scatter(input_tensor, name, counts=counts, out=output_tensor, comm=comm,
+    coll.reduce_scatter(input_tensor, name, counts=counts, out=out, comm=comm,
                         algorithm=algorithm)
     return None

@@ -191,7 +191,9 @@ def _orthonormalize(p) -> None:
         norm = torch.linalg.vector_norm(p)
         p.div_(norm if norm > 0 else 1.0)
     else:
-        p.copy_(torch.linalg.qr(p, mode="reduced").Q)
+        # QR in float32 at least: CPU has no half-precision QR, and it is r columns only.
+        work = p if p.dtype in (torch.float32, torch.float64) else p.float()
+        p.copy_(torch.linalg.qr(work, mode="reduced").Q)
 
 
 def powerSGD_hook(state: PowerSGDState, bucket):

@@ -1,0 +1,202 @@
+"""DDP step time: ours against torch's DDP over gloo, ours without overlap, and no communication.
+
+    mpiexec -n 2 python -m bench ddp                 # via the bench dispatcher
+    mpiexec -n 2 python -m bench.ddp --rounds 8      # standalone
+
+One training step (``zero_grad``, forward, backward, ``optimizer.step``) of an MLP of about 25M
+parameters, batch 32 per rank, one torch thread per rank, for each variant:
+
+- ``ours``: ``collectives.torch.DistributedDataParallel`` (buckets allreduced while backward
+  runs);
+- ``gloo``: ``torch.nn.parallel.DistributedDataParallel`` over torch's gloo backend (file
+  store, ranks from MPI);
+- ``no_overlap``: the same model with its gradients in one flat buffer, averaged by one
+  ``collectives.torch.all_reduce`` after backward (what overlap buys);
+- ``single``: every rank steps its own model, no communication (the floor).
+
+Variants run interleaved in rounds within the same job, so load on the machine hits all of
+them alike; a step's time is the slowest rank's, and the table shows medians, each variant's
+ratio to gloo and to ``single``, and for ``ours`` the fraction of the communication span that
+was hidden behind backward (``DistributedDataParallel.stats``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+__all__ = ["main", "mlp", "VARIANTS"]
+
+VARIANTS = ("ours", "gloo", "no_overlap", "single")
+
+
+def mlp(params_m: float = 25.0, width: int = 2048, io: int = 1024):
+    """An MLP io -> width x k -> io with about ``params_m`` million parameters."""
+    from torch import nn
+    per_hidden = width * width + width
+    fixed = io * width + width + width * io + io
+    hidden = max(0, round((params_m * 1e6 - fixed) / per_hidden))
+    layers = [nn.Linear(io, width), nn.ReLU()]
+    for _ in range(hidden):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, io))
+    return nn.Sequential(*layers)
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m bench ddp", description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=25.0, help="model size, millions (25)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step (32)")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (6)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant and round (3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (2)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="our DDP's bucket cap (25)")
+    p.add_argument("--algorithm", default="auto", help="our allreduce algorithm (auto)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+class _Flat:
+    """``no_overlap``: gradients as views of one flat buffer, one allreduce after backward."""
+
+    def __init__(self, module, comm, algorithm):
+        import torch
+        self.module, self.comm, self.algorithm = module, comm, algorithm
+        params = list(module.parameters())
+        self.flat = torch.zeros(sum(p.numel() for p in params))
+        offset = 0
+        self.views = []
+        for p in params:
+            self.views.append((p, self.flat[offset:offset + p.numel()].view(p.shape)))
+            offset += p.numel()
+        self.size = comm.Get_size()
+
+    def reduce(self):
+        from collectives.torch import all_reduce
+        for p, v in self.views:
+            if p.grad is not v:
+                v.copy_(p.grad)
+                p.grad = v
+        self.flat.div_(self.size)
+        all_reduce(self.flat, comm=self.comm, algorithm=self.algorithm)
+
+
+def _gloo(comm):
+    """torch.distributed over gloo, rendezvous through a file that rank 0 names."""
+    import torch.distributed as dist
+    path = None
+    if comm.Get_rank() == 0:
+        path = os.path.join(tempfile.mkdtemp(prefix="bench-ddp-"), "store")
+    path = comm.bcast(path, root=0)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+    return path
+
+
+def main(argv=None) -> int:
+    """Run the benchmark under mpiexec; rank 0 prints the table."""
+    args = _parser().parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; expected a subset of {VARIANTS}")
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    from collectives.torch import DistributedDataParallel
+    torch.set_num_threads(args.threads)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def build():
+        torch.manual_seed(0)
+        return mlp(args.params)
+
+    models, store = {}, None
+    for v in variants:
+        m = build()
+        if v == "ours":
+            m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
+                                        algorithm=args.algorithm)
+        elif v == "gloo":
+            store = _gloo(comm)
+            m = nn.parallel.DistributedDataParallel(m)
+        models[v] = m
+    flat = _Flat(models["no_overlap"], comm, args.algorithm) if "no_overlap" in models \
+        else None
+    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-4) for v, m in models.items()}
+    n_params = sum(p.numel() for p in build().parameters())
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 1024, generator=gen)
+    y = torch.randn(args.batch, 1024, generator=gen)
+
+    def step(v):
+        opts[v].zero_grad()
+        nn.functional.mse_loss(models[v](x), y).backward()
+        if v == "no_overlap":
+            flat.reduce()
+        opts[v].step()
+
+    times = {v: [] for v in variants}
+    for v in variants:
+        for _ in range(args.warmup):
+            step(v)
+    if "ours" in models:
+        models["ours"].stats.reset()
+    for _ in range(args.rounds):
+        for v in variants:
+            for _ in range(args.steps):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                step(v)
+                dt = time.perf_counter() - t0
+                times[v].append(comm.allreduce(dt, op=MPI.MAX))
+    hidden = models["ours"].stats.hidden_fraction() if "ours" in models else None
+    hidden = comm.allreduce(hidden, op=MPI.MIN) if hidden is not None else None
+
+    result = {"ranks": size, "params": n_params, "batch": args.batch, "threads": args.threads,
+              "bucket_cap_mb": args.bucket_cap_mb, "algorithm": args.algorithm,
+              "median_ms": {v: 1e3 * statistics.median(t) for v, t in times.items()},
+              "all_ms": {v: [round(1e3 * s, 2) for s in t] for v, t in times.items()},
+              "ours_hidden_fraction": hidden}
+    if rank == 0:
+        _print(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    if store is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return 0
+
+
+def _print(r) -> None:
+    med = r["median_ms"]
+    print(f"# DDP step: {r['params'] / 1e6:.1f}M-parameter MLP, batch {r['batch']} per rank, "
+          f"{r['ranks']} ranks, {r['threads']} thread(s) per rank, bucket cap "
+          f"{r['bucket_cap_mb']:g} MB, algorithm {r['algorithm']}")
+    print(f"# {'variant':<12} {'median ms':>10} {'vs gloo':>8} {'vs single':>10}  steps (ms)")
+    for v, m in med.items():
+        vs_gloo = f"{m / med['gloo']:.2f}x" if "gloo" in med else "-"
+        vs_single = f"{m / med['single']:.2f}x" if "single" in med else "-"
+        runs = " ".join(f"{t:.0f}" for t in r["all_ms"][v])
+        print(f"  {v:<12} {m:>10.1f} {vs_gloo:>8} {vs_single:>10}  {runs}")
+    if r["ours_hidden_fraction"] is not None:
+        print(f"# ours: {100 * r['ours_hidden_fraction']:.0f}% of the gradient communication "
+              f"span hidden behind backward")
+    if "no_overlap" in med and "ours" in med:
+        print(f"# overlap gain: no_overlap - ours = {med['no_overlap'] - med['ours']:.1f} ms "
+              f"per step")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
