@@ -86,11 +86,13 @@ def need(kind):
 def test_wrap_is_zero_copy_on_the_same_device(kind, dtype):
     need(kind)
     host = (np.arange(12) % 3).astype(BF16 if dtype == "bfloat16" else dtype).reshape(3, 4)
-    x = to_device(host, kind)
     if dtype == "bfloat16" and not cuda._bf16_ok(cupy):
-        with pytest.raises(TypeError, match="bfloat16"):
-            buffers.wrap(x)
+        if kind == "cupy":
+            pytest.skip(f"cupy {cupy.__version__} has no bfloat16 arrays")
+        with pytest.raises(TypeError, match="bfloat16"):  # refused, never a host round trip
+            buffers.wrap(to_device(host, kind))
         return
+    x = to_device(host, kind)
     b = buffers.wrap(x)
     ptr = x.data.ptr if kind == "cupy" else x.data_ptr()
     assert isinstance(b.flat, cupy.ndarray) and b.flat.data.ptr == ptr
