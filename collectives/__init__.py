@@ -14,6 +14,7 @@ from collectives.api import (
     broadcast,
     iallgather,
     iallreduce,
+    ireduce,
     ibroadcast,
     ireduce_scatter,
     reduce,
@@ -24,7 +25,7 @@ from collectives.progress import Request
 
 __all__ = [
     "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
-    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast",
+    "iallreduce", "ireduce", "ireduce_scatter", "iallgather", "ibroadcast",
     "algorithms", "Request",
     "CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
 ]

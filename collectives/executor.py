@@ -142,7 +142,7 @@ def context(comm) -> Context:
 class MPITransport:
     """Non-blocking byte transfers on one communicator."""
 
-    __slots__ = ("comm", "_byte", "_status", "_mpi", "counter")
+    __slots__ = ("comm", "_byte", "_mpi", "counter")
 
     def __init__(self, comm):
         from mpi4py import MPI
@@ -150,7 +150,6 @@ class MPITransport:
         self.counter = None  # collectives.topology.count_traffic installs a LinkTraffic here
         self._mpi = MPI
         self._byte = MPI.BYTE
-        self._status = MPI.Status()
 
     def isend(self, view, peer: int, tag: int):
         if self.counter is not None:
@@ -171,8 +170,9 @@ class MPITransport:
 
     def waitany(self, handles):
         """Block until one of ``handles`` completes: ``(index, status)``."""
-        k = self._mpi.Request.Waitany(handles, self._status)
-        return k, self._status
+        status = self._mpi.Status()  # one per call: the progress thread may wait at once
+        k = self._mpi.Request.Waitany(handles, status)
+        return k, status
 
     def testsome(self, handles):
         """The ``(index, status)`` of the handles complete now (maybe none)."""
