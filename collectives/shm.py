@@ -1,0 +1,529 @@
+"""``algorithm="shm"``: allreduce, reduce-scatter, all-gather and broadcast through one MPI-3
+shared-memory window on a node.
+
+Message-based algorithms move every byte through the library at each hop (one copy with
+single-copy transports such as CMA, two through shared cells) and write it to memory at every
+hop and reduction. Here the k ranks of a node map one
+window that all of them can read, and the buffer streams through it in *rounds* of at most
+``CHUNK_BYTES`` per rank (cache-sized, so what one rank writes is still in cache when the others
+read it). Allreduce, round by round, for rank r of k, the round's chunk cut into k *slices*:
+
+1. *copy in*: r copies the slices of its input that other ranks reduce into its *slot* of the
+   window (its own slice stays where it is: only r reads it);
+2. *reduce*: once every rank has copied in, r reduces slice r straight from its own input and
+   the k - 1 slots, in a fixed order (its input, then the others by rank), into its slot;
+3. *copy out*: once every rank has reduced, each rank copies all k reduced slices to its output.
+
+Per rank that is one read of the input and one write of the output from memory; everything in
+between touches the window, which stays in cache while its round is in flight. One rank
+computes each element, so the result is bitwise identical everywhere.
+
+Synchronization is by counters, not barriers: each rank owns three int64 counters in the
+window's header (rounds copied in, reduced, done reading; one cache line each) that it raises
+after each step, ordering its memory with ``MPI_Win_sync``. A step of round i may run once every
+rank's counter of the step before reached i + 1; copying in round i once every rank finished
+reading round i - SLOTS, the previous user of that slot (``SLOTS`` = 4 per rank). A rank runs
+whatever step is allowed, so one that holds a core copies in rounds ahead while a peer is
+descheduled; a rank with nothing to do spins briefly, then ``sched_yield``s (at once when the
+node has fewer cores than ranks). Reduce-scatter reduces rank r's block straight into r's output
+(no copy out); all-gather and broadcast copy in, then copy out.
+
+The window is allocated once per communicator and chunk size (collectively, on the first
+``shm`` call) and cached on the communicator's context; later calls reuse it. Calls run one at a
+time per window, in the order they were issued (the same on every rank): a non-blocking call is
+run by the progress thread; ``wait``/``test`` in another thread run earlier pending ones first.
+
+Requirements: every rank of the communicator on one node (``MPI.COMM_TYPE_SHARED``) and, under a
+simulated topology (``COLLECTIVES_RANKS_PER_NODE``), on one simulated node: otherwise a
+``ValueError`` on every rank. Host memory only. Every dtype and op of the toolkit.
+
+Knob: ``COLLECTIVES_SHM_CHUNK_BYTES`` (default 1 MiB) or ``set_chunk_bytes``.
+Measure it: ``mpiexec -n 2 python -m collectives.shm`` (see ``_bench``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+from .schedule import split
+
+__all__ = ["CHUNK_BYTES", "SLOTS", "set_chunk_bytes", "ShmWork", "launch", "window"]
+
+CHUNK_BYTES = int(os.environ.get("COLLECTIVES_SHM_CHUNK_BYTES", 1 << 20))
+SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
+_PHASES = 3                  # counters: copied in, reduced, done reading
+_LINE = 64                   # one cache line per counter
+_NAMES = ("copy in", "reduce", "finish reading")
+# Polls (about 1.5 us each) before a waiting rank yields its core; none when the node has
+# fewer cores than ranks, since then the rank we wait for may be waiting for our core.
+SPIN = int(os.environ.get("COLLECTIVES_SHM_SPIN", 200))
+
+
+def set_chunk_bytes(nbytes: int) -> int:
+    """Set the per-rank round size (bytes) for later calls; returns the previous value."""
+    global CHUNK_BYTES
+    if nbytes < 64:
+        raise ValueError(f"shm chunk must be at least 64 bytes, got {nbytes}")
+    old, CHUNK_BYTES = CHUNK_BYTES, int(nbytes)
+    return old
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# -- the window ------------------------------------------------------------------------------
+class Window:
+    """One shared window on a node: every rank's ``SLOTS`` slots and its three counters.
+
+    ``slot(dtype, s, j)``: slot s of rank j as a flat array of ``dtype``. ``counters[p]``:
+    every rank's counter of phase p (0 copied in, 1 reduced, 2 done reading), a strided view
+    of rank 0's header, one cache line per (phase, rank). ``base``: rounds run so far (the same
+    on every rank). Runs one collective at a time, in ticket order.
+    """
+
+    def __init__(self, comm, chunk: int):
+        from mpi4py import MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.chunk = chunk
+        header = _round_up(_PHASES * self.size * _LINE, 4096)
+        self.header = header
+        self.stride = header + SLOTS * chunk
+        self.win = MPI.Win.Allocate_shared(self.stride, 1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.mem = []
+        for j in range(self.size):
+            buf, _unit = self.win.Shared_query(j)
+            self.mem.append(np.frombuffer(buf, dtype=np.uint8, count=self.stride))
+        lines = self.mem[0][:_PHASES * self.size * _LINE].view(np.int64)
+        lines = lines.reshape(_PHASES, self.size, _LINE // 8)
+        self.counters = [lines[p, :, 0] for p in range(_PHASES)]
+        self.mine = [lines[p, self.rank, :1] for p in range(_PHASES)]
+        for cell in self.mine:
+            cell[0] = 0
+        self.win.Sync()
+        comm.Barrier()  # every counter is zero before anyone raises one
+        self.base = 0
+        self.spin = SPIN if self.size <= (os.cpu_count() or 1) else 0
+        self._views: dict = {}
+        # Ticket order: calls run one at a time, in the order they were issued.
+        self.cond = threading.Condition()
+        self.queue: deque = deque()
+        self.running = False
+        self.closed = False
+
+    def slot(self, dtype, s: int, j: int):
+        key = (dtype, s, j)
+        view = self._views.get(key)
+        if view is None:
+            at = self.header + s * self.chunk
+            view = self.mem[j][at:at + self.chunk].view(dtype)
+            self._views[key] = view
+        return view
+
+    def late(self, phase: int, value: int) -> list[int]:
+        """Ranks whose counter ``phase`` is below ``value`` (for messages)."""
+        return [j for j in range(self.size) if self.counters[phase][j] < value]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        self._views.clear()
+        self.mem.clear()
+        self.counters = self.mine = None
+        self.win.Unlock_all()
+        self.win.Free()
+        self.comm.Free()
+
+
+def window(ctx, chunk: int | None = None) -> Window:
+    """The (cached) shared window of ``ctx`` for ``chunk`` bytes per slot; collective."""
+    from mpi4py import MPI
+    # A slot holds at least one element of the widest dtype (16 bytes) per rank.
+    chunk = _round_up(max(64, 16 * ctx.size, chunk or CHUNK_BYTES), 64)
+    key = ("shm.window", chunk)
+    win = ctx.stash.get(key)
+    if win is not None:
+        return win
+    from .topology import topology
+    topo = topology(ctx)
+    shared = ctx.comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
+    if shared.Get_size() != ctx.size or not topo.single_node:
+        nodes = len(topo.nodes) if not topo.single_node else "several"
+        shared.Free()
+        raise ValueError(f"algorithm 'shm' needs every rank on one node, but the {ctx.size} "
+                         f"ranks of this communicator span {nodes} nodes ({topo.source}); use "
+                         f"'hierarchical' or a node communicator")
+    win = Window(shared, chunk)
+    ctx.stash[key] = win
+    return win
+
+
+# -- the work object ------------------------------------------------------------------------
+class ShmWork:
+    """One shm collective: run when its turn comes (see the module doc)."""
+
+    __slots__ = ("win", "fn", "args", "done", "error", "where", "info", "_claimed")
+
+    def __init__(self, win: Window, fn, args, info: str):
+        self.win, self.fn, self.args, self.info = win, fn, args, info
+        self.done = False
+        self.error = None
+        self.where = None
+        self._claimed = False
+        with win.cond:
+            win.queue.append(self)
+
+    def start(self):
+        return self
+
+    def _run_next(self, block: bool) -> bool:
+        """Run the oldest pending work of the window if nobody runs one; False if busy."""
+        win = self.win
+        with win.cond:
+            while True:
+                if self.done:
+                    return True
+                if not win.running and win.queue:
+                    head = win.queue[0]
+                    win.running = True
+                    head._claimed = True
+                    break
+                if not block:
+                    return False
+                win.cond.wait()
+        try:
+            head.fn(head, *head.args)
+        except BaseException as exc:  # noqa: BLE001 - stored, then raised by the waiter
+            head.error = exc
+        finally:
+            with win.cond:
+                head.done = True
+                win.queue.popleft()
+                win.running = False
+                win.cond.notify_all()
+        return True
+
+    def wait(self):
+        while not self.done:
+            self._run_next(block=True)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def test(self) -> bool:
+        """Runs this call (and earlier pending ones) to completion if the window is free."""
+        if not self.done:
+            self._run_next(block=False)
+        if self.done and self.error is not None:
+            raise self.error
+        return self.done
+
+    def waiting_for(self) -> str:
+        where = self.where
+        if self.done:
+            return "nothing"
+        if where is None:
+            return f"shm {self.info}: running" if self._claimed else \
+                f"shm {self.info}: queued behind an earlier shm call"
+        done, base = where
+        waits = []
+        for p, i in enumerate(done):
+            if p and i < done[p - 1]:
+                late = self.win.late(p - 1, base + i + 1)
+                waits.append(f"rank(s) {late} to {_NAMES[p - 1]} round {i}")
+        if not waits:
+            late = self.win.late(_PHASES - 1, base + done[0] - SLOTS + 1)
+            waits.append(f"rank(s) {late} to free the slot of round {done[0]}")
+        return f"shm {self.info}: waiting for " + "; ".join(waits)
+
+
+# -- the algorithms (run by ShmWork, in the window's order) -----------------------------------
+def _pipeline(work, win: Window, rounds: int, phases) -> None:
+    """Run ``rounds`` rounds through ``phases`` (two or three), each step as soon as it may.
+
+    Phase p of round i may run once every rank finished phase p - 1 of round i; phase 0 (which
+    writes the round's slot) once every rank finished the last phase of round i - SLOTS, the
+    previous user of that slot. A rank runs whatever step is allowed, reductions first (the
+    others wait for them), so a rank that has the core copies in rounds ahead while a peer is
+    descheduled: ranks meet at a round, not at every step. The last phase raises the later
+    counters too, so the slot guard (counter 2) works whatever the phase count.
+    """
+    base = win.base
+    depth = len(phases)
+    counters, mine, sync = win.counters, win.mine, win.win.Sync
+    done = [0] * depth            # rounds this rank finished, per phase
+    order = sorted(range(depth), key=lambda p: (p != 1, p))  # reduce, copy in, copy out
+    spins, spin, yield_ = 0, win.spin, os.sched_yield
+    while done[-1] < rounds:
+        moved = False
+        for p in order:
+            i = done[p]
+            if i >= rounds or (p and i >= done[p - 1]):
+                continue
+            if p == 0:
+                ready = counters[_PHASES - 1].min() >= base + i - SLOTS + 1
+            else:
+                ready = counters[p - 1].min() >= base + i + 1
+            if not ready:
+                continue
+            sync()  # see the others' data only after their counters
+            phases[p](i, (base + i) % SLOTS)
+            sync()  # our data is visible before our counter
+            done[p] = i + 1
+            for q in range(p, _PHASES if p == depth - 1 else p + 1):
+                mine[q][0] = base + i + 1
+            moved = True
+            break
+        if moved:
+            spins = 0
+            work.where = None
+            continue
+        spins += 1
+        if spins == 1:
+            work.where = (done[:], base)
+        if spins > spin:
+            if spins < 1 << 16:
+                yield_()  # oversubscribed ranks give the core to the one we wait for
+            else:
+                threading.Event().wait(1e-4)  # a peer far behind: stop burning a core
+    work.where = None
+    win.base = base + rounds
+
+
+def _reduce_into(op, dst, mine, others) -> None:
+    """``dst = mine op others[0] op others[1] ...`` in this order (dst may be any of them)."""
+    op.reduce(dst, mine, others[0])
+    for other in others[1:]:
+        op.reduce(dst, dst, other)
+
+
+def _allreduce(work, win: Window, src, out, op) -> None:
+    r, k = win.rank, win.size
+    n, dtype = out.shape[0], out.dtype
+    step = win.chunk // dtype.itemsize  # at least k: see window()
+    rounds = -(-n // step)
+    full = split(step, k)
+
+    def cut(i):  # every round but the last has the same slices
+        return full if (i + 1) * step <= n else split(n - i * step, k)
+
+    def copy_in(i, s):  # the slices the other ranks reduce; slice r stays in the input
+        c0, c = i * step, cut(i)
+        mine = win.slot(dtype, s, r)
+        if c[r]:
+            np.copyto(mine[:c[r]], src[c0:c0 + c[r]])
+        if c[k] > c[r + 1]:
+            np.copyto(mine[c[r + 1]:c[k]], src[c0 + c[r + 1]:c0 + c[k]])
+
+    def reduce(i, s):  # slice r, from this rank's input and the others' slots, into our slot
+        c0, c = i * step, cut(i)
+        a, b = c[r], c[r + 1]
+        if b > a:
+            others = [win.slot(dtype, s, j)[a:b] for j in range(k) if j != r]
+            _reduce_into(op, win.slot(dtype, s, r)[a:b], src[c0 + a:c0 + b], others)
+
+    def copy_out(i, s):
+        c0, c = i * step, cut(i)
+        for j in range(k):
+            if c[j + 1] > c[j]:
+                np.copyto(out[c0 + c[j]:c0 + c[j + 1]], win.slot(dtype, s, j)[c[j]:c[j + 1]])
+
+    _pipeline(work, win, rounds, (copy_in, reduce, copy_out))
+
+
+def _bounds(counts):
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def _reduce_scatter(work, win: Window, src, out, op, counts) -> None:
+    r, k = win.rank, win.size
+    dtype = out.dtype
+    bounds = _bounds(counts)
+    piece = max(1, win.chunk // dtype.itemsize // k)  # every block's share of a slot
+    rounds = -(-max(counts) // piece)
+
+    def copy_in(i, s):  # round i's piece of every other rank's block, at position t * piece
+        lo = i * piece
+        mine = win.slot(dtype, s, r)
+        for t in range(k):
+            m = min(counts[t], lo + piece) - lo
+            if t != r and m > 0:
+                np.copyto(mine[t * piece:t * piece + m], src[bounds[t] + lo:bounds[t] + lo + m])
+
+    def reduce(i, s):  # this rank's piece, straight into its output
+        lo = i * piece
+        m = min(counts[r], lo + piece) - lo
+        if m > 0:
+            others = [win.slot(dtype, s, j)[r * piece:r * piece + m] for j in range(k) if j != r]
+            _reduce_into(op, out[lo:lo + m], src[bounds[r] + lo:bounds[r] + lo + m], others)
+
+    _pipeline(work, win, rounds, (copy_in, reduce))
+
+
+def _allgather(work, win: Window, src, out, counts) -> None:
+    r, k = win.rank, win.size
+    dtype = out.dtype
+    bounds = _bounds(counts)
+    np.copyto(out[bounds[r]:bounds[r + 1]], src[:counts[r]])
+    piece = max(1, win.chunk // dtype.itemsize)
+    rounds = -(-max(counts) // piece)
+
+    def copy_in(i, s):
+        lo = i * piece
+        m = min(counts[r], lo + piece) - lo
+        if m > 0:
+            np.copyto(win.slot(dtype, s, r)[:m], src[lo:lo + m])
+
+    def copy_out(i, s):
+        lo = i * piece
+        for t in range(k):
+            m = min(counts[t], lo + piece) - lo
+            if t != r and m > 0:
+                np.copyto(out[bounds[t] + lo:bounds[t] + lo + m], win.slot(dtype, s, t)[:m])
+
+    _pipeline(work, win, rounds, (copy_in, copy_out))
+
+
+def _broadcast(work, win: Window, buf, root) -> None:
+    r, n, dtype = win.rank, buf.shape[0], buf.dtype
+    piece = max(1, win.chunk // dtype.itemsize)
+    rounds = -(-n // piece)
+
+    def copy_in(i, s):
+        if r == root:
+            lo = i * piece
+            np.copyto(win.slot(dtype, s, root)[:min(n, lo + piece) - lo], buf[lo:lo + piece])
+
+    def copy_out(i, s):
+        if r != root:
+            lo = i * piece
+            np.copyto(buf[lo:lo + piece], win.slot(dtype, s, root)[:min(n, lo + piece) - lo])
+
+    _pipeline(work, win, rounds, (copy_in, copy_out))
+
+
+def launch(call) -> ShmWork:
+    """Start ``call`` with the shm algorithm (the ``launch`` protocol of ``collectives.api``)."""
+    if call.x.is_device:
+        raise TypeError(f"algorithm 'shm' works on host memory; got {call.x.describe()}")
+    win = window(call.ctx)
+    x, out = call.x.flat, call.out.flat if call.out is not None else None
+    if call.collective == "allreduce":
+        src = out if call.inplace else x
+        return ShmWork(win, _allreduce, (win, src, out, call.op), call.describe())
+    if call.collective == "reduce_scatter":
+        return ShmWork(win, _reduce_scatter, (win, x, out, call.op, tuple(call.counts)),
+                       call.describe())
+    if call.collective == "allgather":
+        return ShmWork(win, _allgather, (win, x, out, tuple(call.counts)), call.describe())
+    if call.collective == "broadcast":
+        return ShmWork(win, _broadcast, (win, out, call.root), call.describe())
+    raise ValueError(f"algorithm 'shm' does not implement {call.collective}")
+
+
+class _Algorithm:
+    """The object ``collectives.select`` registers: ``launch(call) -> work``."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def launch(call) -> ShmWork:
+        return launch(call)
+
+
+ALGORITHM = _Algorithm()
+
+
+def _register() -> None:
+    from collectives import select
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+        select.register(collective, "shm", ALGORITHM)
+
+
+_register()
+
+
+# -- measurement: python -m collectives.shm ----------------------------------------------------
+def _bench(argv=None) -> None:
+    """Allreduce busbw of shm, native and ring, interleaved, and the copy bound (see --help)."""
+    import argparse
+    import time
+
+    from mpi4py import MPI
+
+    import collectives as coll
+
+    parser = argparse.ArgumentParser(
+        prog="mpiexec -n N python -m collectives.shm",
+        description="float32 allreduce: shm vs the MPI library's own (native) vs ring, "
+                    "interleaved in rotating order; medians over rounds of the slowest rank's "
+                    "time. 'bound' is the time 2*n*N bytes take at the bandwidth of one large "
+                    "numpy.copyto measured in the same run (rank 0 alone); 'of bound' is "
+                    "bound / shm time.")
+    parser.add_argument("--sizes", default="16,64", help="MiB per rank, comma-separated")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--chunk", type=int, default=None, help="shm chunk bytes")
+    parser.add_argument("--algorithms", default="shm,native,ring")
+    args = parser.parse_args(argv)
+    if args.chunk:
+        set_chunk_bytes(args.chunk)
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    algs = args.algorithms.split(",")
+    factor = 2 * (n - 1) / n if n > 1 else 1.0
+    if rank == 0:
+        print(f"# n = {n}, float32, shm chunk {CHUNK_BYTES} B, {args.rounds} rounds, medians")
+        print(f"# {'MiB':>6} {'algorithm':>10} {'stat':>6} {'time ms':>9} {'busbw':>8} "
+              f"{'x native':>8} {'x ring':>8} {'of bound':>9}   (busbw in GB/s)")
+    for mib in (float(m) for m in args.sizes.split(",")):
+        count = int(mib * (1 << 20)) // 4
+        x = np.full(count, 1.0 + rank, np.float32)
+        out = np.empty_like(x)
+        times: dict[str, list[float]] = {a: [] for a in algs}
+        copies = []
+        for a in algs:  # warm up: windows, pages, schedules
+            coll.allreduce(x, out=out, algorithm=a)
+        for i in range(args.rounds):
+            for a in algs[i % len(algs):] + algs[:i % len(algs)]:
+                comm.Barrier()
+                t0 = time.perf_counter()
+                coll.allreduce(x, out=out, algorithm=a)
+                dt = time.perf_counter() - t0
+                times[a].append(comm.allreduce(dt, op=MPI.MAX))
+            comm.Barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                np.copyto(out, x)
+                copies.append(time.perf_counter() - t0)
+            comm.Barrier()
+        if rank != 0:
+            continue
+        nbytes = count * 4
+        copy = float(np.median(copies))
+        bound = 2 * n * nbytes / (nbytes / copy)
+        for label, stat in (("median", np.median), ("best", np.min)):
+            t = {a: float(stat(v)) for a, v in times.items()}
+            for a in algs:
+                vs = " ".join(f"{t[b] / t[a]:8.2f}" if b in t else f"{'-':>8}"
+                              for b in ("native", "ring"))
+                print(f"  {mib:6g} {a:>10} {label:>6} {t[a] * 1e3:9.2f} "
+                      f"{factor * nbytes / t[a] / 1e9:8.2f} {vs} {bound / t[a]:9.2f}")
+        print(f"  {mib:6g} {'copyto':>10} {'median':>6} {copy * 1e3:9.2f} "
+              f"{nbytes / copy / 1e9:8.2f}  (GB/s copied by rank 0 alone)")
+
+
+if __name__ == "__main__":
+    _bench()
+

@@ -1,0 +1,230 @@
+"""The shm algorithm under mpiexec (n = 1..5): every dtype and op, lengths 0, 1 and primes,
+in place and not, many rounds through tiny chunks, non-blocking ordering, and the errors."""
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives import shm
+from collectives.buffers import DTYPES
+from collectives.ops import NAMES, _ACCEPTS, dtype_kind
+
+LENGTHS = (0, 1, 2, 3, 13, 97)
+
+
+def test_set_chunk_bytes_validates():
+    with pytest.raises(ValueError, match="at least 64"):
+        shm.set_chunk_bytes(8)
+    old = shm.set_chunk_bytes(4096)
+    assert shm.set_chunk_bytes(old) == 4096
+
+
+def test_registered():
+    for c in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+        assert "shm" in coll.algorithms(c)
+
+
+def inputs(size, n, dtype, op):
+    """Every rank's input: exact small values (1-2 for prod, so products stay exact)."""
+    dtype = np.dtype(dtype)
+    out = []
+    for r in range(size):
+        i = np.arange(n)
+        if op == "prod":
+            v = 1 + (r + i) % 2
+        elif dtype.kind == "b":
+            v = (r + i) % 3 == 0
+        else:
+            v = (r + 1) * 3 + i % 5
+        out.append(np.asarray(v).astype(dtype))
+    return out
+
+
+def reference(xs, op, dtype):
+    """The result in rank order, in the dtype (integers wrap alike in any order)."""
+    dtype = np.dtype(dtype)
+    if op == "avg":
+        wide = np.complex128 if dtype.kind == "c" else np.float64
+        return (sum(x.astype(wide) for x in xs) / len(xs)).astype(dtype)
+    if dtype.kind == "b":
+        fn = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or,
+              "prod": np.logical_and, "min": np.logical_and, "band": np.logical_and,
+              "bxor": np.logical_xor}[op]
+    else:
+        fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+              "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        fn(acc, x, out=acc)
+    return acc
+
+
+def same(got, want):
+    got = np.asarray(got)
+    if got.shape != want.shape:
+        return False
+    if dtype_kind(want.dtype) in "fc":  # exact small integers, except avg's division
+        return np.allclose(got.astype(np.complex128), want.astype(np.complex128), rtol=1e-2)
+    return np.array_equal(got, want)
+
+
+def pairs():
+    for dtype in DTYPES:
+        for op in NAMES:
+            if dtype_kind(dtype) in _ACCEPTS[op]:
+                yield dtype, op
+
+
+@pytest.fixture
+def chunk():
+    """A small chunk so that short arrays take many rounds (STYLE 13)."""
+    old = shm.set_chunk_bytes(64)
+    yield
+    shm.set_chunk_bytes(old)
+
+
+@pytest.mark.mpi
+def test_allreduce_every_dtype_and_op(chunk):
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    for dtype, op in pairs():
+        for n in LENGTHS:
+            xs = inputs(size, n, dtype, op)
+            want = reference(xs, op, dtype)
+            x = xs[rank].copy()
+            got = coll.allreduce(x, op, algorithm="shm")
+            if not (same(got, want) and np.array_equal(x, xs[rank])):
+                bad.append((dtype.name, op, n, "out of place"))
+            y = xs[rank].copy()
+            res = coll.allreduce(y, op, out=y, algorithm="shm")
+            if not (res is y and same(y, want)):
+                bad.append((dtype.name, op, n, "in place"))
+    assert_all(not bad, str(bad[:5]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nbytes", [64, 4096, 1 << 20])
+def test_allreduce_lengths_and_chunks(nbytes):
+    """Primes around chunk multiples, exact int64 closed form, bitwise-equal floats."""
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = shm.set_chunk_bytes(nbytes)
+    bad = []
+    try:
+        for n in (0, 1, 7, 8, 9, 127, 1009) + ((65537,) if nbytes > 64 else ()):
+            x = ((rank + 1) * 1000 + np.arange(n)).astype(np.int64)
+            got = coll.allreduce(x, algorithm="shm")
+            want = 1000 * size * (size + 1) // 2 + size * np.arange(n)
+            if not np.array_equal(got, want):
+                bad.append(("int64", n))
+            f = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+            g = coll.allreduce(f, algorithm="shm")
+            first = comm.bcast(g.tobytes(), root=0)
+            if g.tobytes() != first:
+                bad.append(("float32 not identical", n))
+    finally:
+        shm.set_chunk_bytes(old)
+    assert_all(not bad, str(bad[:5]))
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_allgather_broadcast(chunk):
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    for dtype in (np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_),
+                  np.dtype(np.complex128), np.dtype(np.int8)):
+        for n in LENGTHS:
+            for counts in (None, [max(0, n - r) // size + (r % 2) for r in range(size)]):
+                total = n if counts is None else sum(counts)
+                xs = inputs(size, total, dtype, "sum")
+                want = reference(xs, "sum", dtype)
+                b = np.cumsum([0] + ([len(a) for a in np.array_split(np.arange(total), size)]
+                                     if counts is None else counts))
+                got = coll.reduce_scatter(xs[rank], counts=counts, algorithm="shm")
+                if not same(got, want[b[rank]:b[rank + 1]]):
+                    bad.append(("reduce_scatter", dtype.name, n, counts))
+            mine = xs[rank][:max(0, n - rank)]
+            got = coll.allgather(mine, algorithm="shm")
+            want = np.concatenate([xs[r][:max(0, n - r)] for r in range(size)])
+            if not same(got, want):
+                bad.append(("allgather", dtype.name, n))
+            for root in range(size):
+                buf = xs[rank].copy()
+                coll.broadcast(buf, root=root, algorithm="shm")
+                if not same(buf, xs[root]):
+                    bad.append(("broadcast", dtype.name, n, root))
+    assert_all(not bad, str(bad[:5]))
+
+
+@pytest.mark.mpi
+def test_torch_and_shapes():
+    torch = pytest.importorskip("torch")
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t = torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16)
+    got = coll.allreduce(t, algorithm="shm")
+    ok = isinstance(got, torch.Tensor) and got.shape == (3, 5) and \
+        bool((got == size * (size + 1) / 2).all())
+    assert_all(ok, str(got))
+
+
+@pytest.mark.mpi
+def test_nonblocking_in_order_with_blocking():
+    """Non-blocking calls queue on the window; a blocking call runs after the earlier ones."""
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = shm.set_chunk_bytes(256)
+    try:
+        reqs = [coll.iallreduce(np.full(1000 + i, rank + i, np.int64), algorithm="shm")
+                for i in range(4)]
+        mid = coll.allreduce(np.full(10, 1, np.int64), algorithm="shm")
+        more = coll.iallgather(np.full(3, rank, np.int64), algorithm="shm")
+        ok = all((req.wait() == size * (size - 1) // 2 + size * i).all()
+                 for i, req in enumerate(reqs))
+        ok = ok and (mid == size).all() and (more.wait() == np.repeat(np.arange(size), 3)).all()
+    finally:
+        shm.set_chunk_bytes(old)
+    assert_all(bool(ok))
+
+
+@pytest.mark.mpi
+def test_window_reused():
+    from collectives.executor import context
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    coll.allreduce(np.ones(100), algorithm="shm")
+    ctx = context(comm)
+
+    def windows():
+        return [v for k, v in ctx.stash.items() if isinstance(k, tuple) and k[0] == "shm.window"]
+
+    before = windows()
+    coll.allreduce(np.ones(100000), algorithm="shm")
+    coll.allgather(np.ones(3), algorithm="shm")
+    coll.reduce_scatter(np.ones(30000), algorithm="shm")
+    assert_all(comm.Get_size() == 1 or (before and windows() == before))
+
+
+@pytest.mark.mpi
+def test_several_nodes_is_a_clear_error(monkeypatch):
+    from mpi4py import MPI
+    from tests.mpiutil import assert_all
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("one rank never spans nodes")
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        with pytest.raises(ValueError, match="needs every rank on one node"):
+            coll.allreduce(np.ones(10), comm=comm, algorithm="shm")
+        # hierarchical still runs there (its node level is a ring)
+        ok = (coll.allreduce(np.ones(10), comm=comm, algorithm="hierarchical")
+              == comm.Get_size()).all()
+    finally:
+        comm.Free()
+    assert_all(bool(ok))
