@@ -13,7 +13,8 @@ Every collective goes through the same four steps:
 
 Without ``out`` the input is never modified and a new array of x's kind is returned; ``out=x``
 is in place. On error the input is untouched; ``out`` may be partly written if the error came
-from the network after the collective started (checks happen before).
+from the network after the collective started (checks happen before). Collectives on two or
+more ranks are registered with the watchdog (``collectives.watchdog``) while they run.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import numpy as np
 
 from . import check as _check
 from . import select
+from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
+from .errors import MessageSizeError
 from .executor import Run, context, segment_elems
 from .ops import resolve
 from .progress import Done, Request
@@ -71,7 +74,10 @@ def _context(comm):
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-    return context(comm)
+    try:
+        return context(comm)
+    except AttributeError:
+        raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}") from None
 
 
 def _address(buf: Buffer) -> tuple[int, int]:
@@ -89,7 +95,7 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
     if o.kind != x.kind or o.dtype != x.dtype or o.device != x.device:
         raise TypeError(f"{what} is {o.describe()}, expected a {x.kind} {x.dtype.name} buffer "
                         f"on {x.device}")
-    if o.count != int(np.prod(shape, dtype=np.int64)):
+    if o.shape != tuple(shape):
         raise ValueError(f"{what} has shape {list(o.shape)}, expected {list(shape)}")
     if o.readonly:
         raise ValueError(f"{what} is read-only")
@@ -102,7 +108,8 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
 
 
 def _root(root, size) -> int:
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or \
+            not 0 <= root < size:
         raise ValueError(f"root {root!r} out of range for a communicator of {size} ranks")
     return int(root)
 
@@ -134,28 +141,67 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     """Choose, validate and run ``call``; returns the result or a ``Request``."""
     ctx = call.ctx
     nbytes = call.count * call.x.dtype.itemsize
-    name = select.auto(call.collective, nbytes, ctx.size) if algorithm == "auto" else algorithm
-    builder = select.get(call.collective, name)
+    try:
+        name = select.auto(call.collective, nbytes, ctx.size) if algorithm == "auto" \
+            else algorithm
+        builder = select.get(call.collective, name)
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, call.collective, check, exc)
     call.algorithm = name
     call.blocking = blocking
     call.seq = ctx.next_seq()
-    if _check.enabled(check):
-        _check.verify(ctx.comm, collective=call.collective, elements=call.count,
-                      dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
-                      root=call.root, algorithm=name, counts=call.counts, sequence=call.seq)
     total = sum(call.counts) if call.counts is not None else call.count
-    if ctx.size == 1 or total == 0:
-        work = _trivial(call)
-    elif builder == select.NATIVE or hasattr(builder, "launch"):
-        work = (_native if builder == select.NATIVE else builder.launch)(call)
-    else:
-        work = _run_schedule(call, name, builder)
+    trivial = ctx.size == 1 or total == 0
+    checking = _check.enabled(check)
+    entry = None
+    if _watchdog.LIMIT and ctx.size > 1 and (checking or not trivial):
+        entry = _watchdog.watch(ctx, call, phase="check" if checking else "run")
+    try:
+        if checking:
+            # allgather's ranks may differ in length: its counts (agreed already) are compared.
+            _check.verify(ctx.comm, collective=call.collective,
+                          elements=None if call.collective == "allgather" else call.count,
+                          dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
+                          root=call.root, algorithm=name, counts=call.counts, sequence=call.seq)
+            if entry is not None:
+                entry.phase = "run"
+        if trivial:
+            work = _trivial(call)
+        elif builder == select.NATIVE or hasattr(builder, "launch"):
+            work = (_native if builder == select.NATIVE else builder.launch)(call)
+        else:
+            work = _run_schedule(call, name, builder)
+        if entry is not None:
+            entry.work = work
+        if blocking:
+            work.wait()
+    except BaseException as exc:
+        if entry is not None:
+            _watchdog.unwatch(entry, exc)
+        raise _network_error(call, exc)
     if blocking:
-        work.wait()
+        if entry is not None:
+            _watchdog.unwatch(entry)
         if finalize is not None:
             finalize()
         return result
     return Request(work, result, finalize, description=call.describe())
+
+
+def _network_error(call: Call, exc: BaseException) -> BaseException:
+    """An MPI error while running, in words: a truncated message means a length mismatch."""
+    from mpi4py import MPI
+    if not isinstance(exc, MPI.Exception) or exc.Get_error_class() not in (
+            MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
+        return exc
+    said = "message truncated" if exc.Get_error_class() == MPI.ERR_TRUNCATE else \
+        "an error in a message's status, most likely a truncation"
+    err = MessageSizeError(
+        f"rank {call.ctx.rank}: {call.describe()}: a message from another rank was longer "
+        f"than this rank expected (MPI: {said}); do all ranks pass the same length and dtype? "
+        f"COLLECTIVES_CHECK=1 names the ranks that differ")
+    err.__cause__ = exc
+    return err
 
 
 def _trivial(call: Call):
@@ -223,9 +269,12 @@ def _avg(call: Call):
 # -- the collectives --------------------------------------------------------------------------
 def _allreduce(x, op, out, comm, algorithm, check, blocking):
     ctx = _context(comm)
-    xb = wrap(x, "x")
-    opr = resolve(op, xb.dtype)
-    outb, inplace = _output(xb, out, xb.shape)
+    try:
+        xb = wrap(x, "x")
+        opr = resolve(op, xb.dtype)
+        outb, inplace = _output(xb, out, xb.shape)
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "allreduce", check, exc)
     call = Call("allreduce", ctx, xb, outb, opr, inplace=inplace)
     return _start(call, algorithm, check, blocking, outb.obj, _avg(call))
 
@@ -242,13 +291,17 @@ def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None
 
 def _reduce(x, op, root, out, comm, algorithm, check, blocking):
     ctx = _context(comm)
-    root = _root(root, ctx.size)
-    xb = wrap(x, "x")
-    opr = resolve(op, xb.dtype)
+    try:
+        root = _root(root, ctx.size)
+        xb = wrap(x, "x")
+        opr = resolve(op, xb.dtype)
+        if ctx.rank == root or out is not None:  # a given out is checked everywhere
+            outb, inplace = _output(xb, out, xb.shape)
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "reduce", check, exc)
     if ctx.rank == root:
-        outb, inplace = _output(xb, out, xb.shape)
         result = outb.obj
-    else:  # out is ignored off the root
+    else:  # out is ignored (never written) off the root
         outb, inplace, result = None, False, None
     call = Call("reduce", ctx, xb, outb, opr, root=root, inplace=inplace)
     return _start(call, algorithm, check, blocking, result, _avg(call))
@@ -267,10 +320,14 @@ def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
 
 def _broadcast(x, root, comm, algorithm, check, blocking):
     ctx = _context(comm)
-    root = _root(root, ctx.size)
-    xb = wrap(x, "x")
-    if xb.readonly and ctx.rank != root:
-        raise ValueError("x is read-only: broadcast fills it in place")
+    try:
+        root = _root(root, ctx.size)
+        xb = wrap(x, "x")
+        if xb.readonly:  # refused on the root too, so that every rank gives the same verdict
+            raise ValueError("x is read-only: broadcast fills it in place on every rank but "
+                             "the root; pass a writable array on every rank")
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "broadcast", check, exc)
     call = Call("broadcast", ctx, xb, xb, root=root, inplace=True)
     return _start(call, algorithm, check, blocking, xb.obj)
 
@@ -290,21 +347,36 @@ def _balanced(count: int, size: int) -> tuple[int, ...]:
     return tuple(q + 1 if k < r else q for k in range(size))
 
 
+def _counts(counts, size: int) -> tuple[int, ...]:
+    """``counts`` as a tuple of ``size`` non-negative ints, or a ValueError saying why not."""
+    try:
+        values = np.asarray(counts)
+    except Exception:  # noqa: BLE001 - anything numpy cannot read is not a counts list
+        values = np.asarray([None])
+    if values.ndim != 1 or len(values) != size or values.dtype.kind not in "iu" or \
+            (values < 0).any():
+        raise ValueError(f"counts must be {size} non-negative integers (one per rank), got "
+                         f"{counts!r}")
+    return tuple(int(c) for c in values)
+
+
 def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking):
     ctx = _context(comm)
-    xb = wrap(x, "x")
-    opr = resolve(op, xb.dtype)
-    if counts is None:
-        counts = _balanced(xb.count, ctx.size)
-    else:
-        counts = tuple(int(c) for c in counts)
-        if len(counts) != ctx.size or min(counts, default=0) < 0:
-            raise ValueError(f"counts must have {ctx.size} non-negative entries, got {counts}")
-        if sum(counts) != xb.count:
-            raise ValueError(f"counts add up to {sum(counts)}, but x has {xb.count} elements")
-    outb, inplace = _output(xb, out, (counts[ctx.rank],))
-    if inplace:
-        raise ValueError("reduce_scatter cannot run in place: out must not be x")
+    try:
+        xb = wrap(x, "x")
+        opr = resolve(op, xb.dtype)
+        if counts is None:
+            counts = _balanced(xb.count, ctx.size)
+        else:
+            counts = _counts(counts, ctx.size)
+            if sum(counts) != xb.count:
+                raise ValueError(f"counts add up to {sum(counts)}, but x has {xb.count} "
+                                 f"elements")
+        outb, inplace = _output(xb, out, (counts[ctx.rank],))
+        if inplace:
+            raise ValueError("reduce_scatter cannot run in place: out must not be x")
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "reduce_scatter", check, exc)
     call = Call("reduce_scatter", ctx, xb, outb, opr, counts=counts)
     return _start(call, algorithm, check, blocking, outb.obj, _avg(call))
 
@@ -321,13 +393,23 @@ def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm=
     return _reduce_scatter(x, op, counts, out, comm, algorithm, check, False)
 
 
-def _allgather_counts(ctx, xb: Buffer) -> tuple[tuple[int, ...], int]:
-    """Every rank's element count, from one small Allgather of (rows, elements per row)."""
+def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ...], int]:
+    """Every rank's element count, from one small Allgather of (rows, elements per row).
+
+    A rank whose ``x`` was refused (``xb`` None, ``error`` set) still joins, with rows -1, so
+    that every rank raises (``check.settle``) instead of the others waiting.
+    """
     from mpi4py import MPI
-    rows = xb.shape[0] if xb.shape else 1
-    row = int(np.prod(xb.shape[1:], dtype=np.int64)) if xb.shape else 1
+    rows = -1 if xb is None else xb.shape[0] if xb.shape else 1
+    row = -1 if xb is None else int(np.prod(xb.shape[1:], dtype=np.int64)) if xb.shape else 1
     table = np.empty((ctx.size, 2), dtype=np.int64)
+    entry = _watchdog.watch(ctx, what=f"allgather #{ctx.seq} (exchanging row counts: "
+                                      f"MPI_Allgather)") if _watchdog.LIMIT else None
     ctx.comm.Allgather([np.array([rows, row], np.int64), MPI.INT64_T], [table, MPI.INT64_T])
+    if entry is not None:
+        _watchdog.unwatch(entry)
+    if (table[:, 0] < 0).any():
+        _check.settle(ctx.comm, "allgather", error)
     if (table[:, 1] != row).any():
         shapes = ", ".join(f"rank {r}: {int(e)} per row" for r, e in enumerate(table[:, 1]))
         raise ValueError(f"allgather: x's trailing axes must agree on every rank ({shapes})")
@@ -336,12 +418,18 @@ def _allgather_counts(ctx, xb: Buffer) -> tuple[tuple[int, ...], int]:
 
 def _allgather(x, out, comm, algorithm, check, blocking):
     ctx = _context(comm)
-    xb = wrap(x, "x")
-    counts, rows = _allgather_counts(ctx, xb)
+    try:
+        xb, error = wrap(x, "x"), None
+    except (TypeError, ValueError) as exc:
+        xb, error = None, exc
+    counts, rows = _allgather_counts(ctx, xb, error)
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
-    outb, inplace = _output(xb, out, shape)
-    if inplace:
-        raise ValueError("allgather cannot run in place: out must not be x")
+    try:
+        outb, inplace = _output(xb, out, shape)
+        if inplace:
+            raise ValueError("allgather cannot run in place: out must not be x")
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "allgather", check, exc)
     call = Call("allgather", ctx, xb, outb, counts=counts)
     return _start(call, algorithm, check, blocking, outb.obj)
 

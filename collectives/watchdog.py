@@ -1,0 +1,442 @@
+"""Hang detection: a collective that does not complete in time aborts the job, loudly.
+
+``COLLECTIVES_TIMEOUT=seconds`` (default ``DEFAULT_TIMEOUT`` = 300 s; ``0`` disables) bounds
+every collective, blocking or not, from the moment it is called. When one is late:
+
+1. the rank where it is late prints on stderr the collective, its algorithm, its sequence
+   number on the communicator, the schedule step it reached and the peer it waits on (a
+   schedule knows which receive or send is outstanding; the MPI library's own collectives do
+   not, so for ``native`` it says so);
+2. it asks every other rank of the communicator, over a side channel (point-to-point messages
+   on the toolkit's private communicator, with a tag no collective uses), what it is doing;
+   every rank still waiting prints its own line, and every rank answers: in that collective,
+   finished it, not started it yet (the rank that skipped it), or failed it (and with what);
+3. after the answers (at most a few seconds) it prints a summary naming the ranks that are not
+   in the collective and calls ``MPI.COMM_WORLD.Abort(EXIT_CODE)``: ``mpiexec`` returns
+   ``EXIT_CODE`` (124, like coreutils ``timeout``) and a scheduler frees the nodes.
+
+Nothing polls on the hot path. A collective is registered when it starts (``watch``: one small
+object and a set insertion) and removed when it ends; one daemon thread wakes every
+``min(1 s, timeout / 8)`` to look at the collectives in flight and to answer the other ranks'
+questions. A blocked MPI call cannot be interrupted from Python, but MPI is initialized with
+``MPI_THREAD_MULTIPLE`` (mpi4py's default), so the thread can talk and abort while the main
+thread stays blocked.
+
+Labels: a layer above the toolkit can say *why* a collective runs, and the watchdog prints it::
+
+    with collectives.watchdog.label("DDP bucket 3 of 7 (2.1 MB): fc1.weight, fc1.bias"):
+        req = collectives.iallreduce(bucket, out=bucket)
+
+The label is taken when the collective is called (a ``contextvars`` variable, so it follows
+threads and tasks correctly); requests driven later by the progress thread keep it.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from contextvars import ContextVar
+from time import monotonic as _monotonic
+
+from .schedule import SEND
+
+__all__ = ["DEFAULT_TIMEOUT", "EXIT_CODE", "timeout", "set_timeout", "label", "watch",
+           "unwatch", "report"]
+
+DEFAULT_TIMEOUT = 300.0
+EXIT_CODE = 124
+
+
+def _parse(text) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"COLLECTIVES_TIMEOUT={text!r}: expected a number of seconds "
+                         f"(0 disables the watchdog)") from None
+    if not seconds >= 0:
+        raise ValueError(f"COLLECTIVES_TIMEOUT={text!r}: must be >= 0 seconds")
+    return seconds
+
+
+# The limit in force; api reads it on every call (0: do not register at all).
+LIMIT = _parse(os.environ.get("COLLECTIVES_TIMEOUT", DEFAULT_TIMEOUT))
+
+
+def timeout() -> float:
+    """The timeout in force, in seconds (0: disabled)."""
+    return LIMIT
+
+
+def set_timeout(seconds: float) -> float:
+    """Set the timeout for collectives started from now on; returns the previous value."""
+    global LIMIT
+    old, LIMIT = LIMIT, _parse(seconds)
+    return old
+
+
+# -- labels --------------------------------------------------------------------------------------
+_LABEL: ContextVar[str | None] = ContextVar("collectives_label", default=None)
+
+
+class label:
+    """Context manager: collectives called inside are reported with ``text`` (nestable)."""
+
+    __slots__ = ("text", "_token")
+
+    def __init__(self, text: str):
+        self.text = str(text)
+        self._token = None
+
+    def __enter__(self):
+        outer = _LABEL.get()
+        self._token = _LABEL.set(self.text if outer is None else f"{outer} / {self.text}")
+        return self
+
+    def __exit__(self, *exc):
+        _LABEL.reset(self._token)
+        return False
+
+
+# -- collectives in flight -------------------------------------------------------------------------
+_INFLIGHT: set = set()
+
+
+class _Entry:
+    """One collective in flight on this rank."""
+
+    __slots__ = ("ctx", "call", "what", "seq", "start", "work", "phase", "label")
+
+    def __init__(self, ctx, call, what, phase):
+        self.ctx, self.call, self.what, self.phase = ctx, call, what, phase
+        self.seq = call.seq if call is not None else ctx.seq
+        self.start = _monotonic()
+        self.work = None
+        self.label = _LABEL.get()
+
+    def describe(self) -> str:
+        text = self.call.describe() if self.call is not None else self.what
+        return text if self.label is None else f"{text} [{self.label}]"
+
+    def waiting_for(self) -> str:
+        """What this rank waits on in this collective, and how far its schedule got."""
+        if self.phase == "check":
+            return ("the cross-rank argument check (COLLECTIVES_CHECK): an MPI_Allreduce that "
+                    "every rank of the communicator must join")
+        work = self.work
+        if work is None:
+            return ("inside one of the MPI library's own blocking collectives (MPI does not "
+                    "say which peer it waits for)")
+        try:
+            plan, left = getattr(work, "plan", None), getattr(work, "left", None)
+            if plan is None or left is None:
+                return work.waiting_for()
+            return f"{_posted(plan, list(work.hops))}; {len(plan.ops) - left} of " \
+                   f"{len(plan.ops)} schedule ops done"
+        except Exception as exc:  # noqa: BLE001 - the report must never fail
+            return f"(cannot tell: {exc!r})"
+
+
+def _posted(plan, hops) -> str:
+    """A running schedule's outstanding messages, grouped by peer: 'recv from rank 2 (ops 1,
+    4)'."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in sorted(hops):
+        kind, peer = plan.ops[i][0], plan.ops[i][1]
+        groups.setdefault((kind, peer), []).append(i)
+    if not groups:
+        return "nothing posted (a local step)"
+    return "; ".join(f"{'send to' if kind == SEND else 'recv from'} rank {peer} "
+                     f"(op{'s' if len(ops) > 1 else ''} {', '.join(map(str, ops))})"
+                     for (kind, peer), ops in groups.items())
+
+
+def watch(ctx, call=None, what: str = "", phase: str = "run") -> _Entry:
+    """Register a collective that starts now on ``ctx`` (``call``, or a description)."""
+    if _THREAD is None:
+        _launch()
+    if _KEY not in ctx.stash:
+        _Channel(ctx)
+    entry = _Entry(ctx, call, what, phase)
+    _INFLIGHT.add(entry)
+    return entry
+
+
+def unwatch(entry: _Entry, error: BaseException | None = None) -> None:
+    """The collective of ``entry`` ended (with ``error``, if it failed)."""
+    _INFLIGHT.discard(entry)
+    if error is not None:
+        _failed(entry, error)
+
+
+def _failed(entry: _Entry, error) -> None:
+    channel = entry.ctx.stash.get(_KEY)
+    if channel is not None:
+        channel.last_error = f"{entry.describe()} failed: {type(error).__name__}: {error}"
+
+
+def _state(ctx) -> dict:
+    """This rank's answer about ``ctx``: what is in flight, how many started, the last failure."""
+    now = time.monotonic()
+    inflight = sorted((e for e in list(_INFLIGHT) if e.ctx is ctx and
+                       not (e.work is not None and e.work.done)), key=lambda e: e.start)
+    channel = ctx.stash.get(_KEY)
+    return {
+        "started": ctx.seq,
+        "inflight": [(e.seq, e.describe(), round(now - e.start, 1), e.waiting_for())
+                     for e in inflight],
+        "last_error": None if channel is None else channel.last_error,
+    }
+
+
+def report(ctx=None) -> str:
+    """What this rank has in flight (on ``ctx``, or on every communicator), one line each."""
+    now = time.monotonic()
+    lines = [f"{e.describe()} for {now - e.start:.1f} s, waiting for: {e.waiting_for()}"
+             for e in sorted(list(_INFLIGHT), key=lambda e: e.start)
+             if (ctx is None or e.ctx is ctx) and not (e.work is not None and e.work.done)]
+    return "\n".join(lines) or "nothing in flight"
+
+
+# -- the side channel: one per communicator context ----------------------------------------------
+_KEY = "watchdog"
+_CHANNELS: list = []
+_MPI_LOCK = threading.Lock()   # the thread's MPI calls vs communicator teardown and exit
+_STOPPING = False
+
+
+class _Channel:
+    """Questions and answers between the watchdogs of one communicator's ranks.
+
+    Messages are pickled tuples on the private communicator with tag ``TAG_UB``: collectives
+    use tags ``seq % TAG_UB``, so they never match these.
+    """
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.comm = ctx.comm
+        self.rank, self.size = ctx.rank, ctx.size
+        self.tag = ctx.tag_ub
+        self.last_error = None
+        self.sends: list = []
+        self.told: set = set()       # (asker, seq) already printed
+        self.closed = False
+        ctx.stash[_KEY] = self
+        _CHANNELS.append(self)
+
+    def close(self) -> None:
+        """Called by ``Context.free`` before the communicator is freed."""
+        with _MPI_LOCK:
+            self.closed = True
+            if self in _CHANNELS:
+                _CHANNELS.remove(self)
+
+    def poll(self):
+        """The next message for this rank's watchdog, or None."""
+        from mpi4py import MPI
+        with _MPI_LOCK:
+            if self.closed or _STOPPING or MPI.Is_finalized():
+                return None
+            msg = self.comm.improbe(MPI.ANY_SOURCE, self.tag)
+            return None if msg is None else msg.recv()
+
+    def send(self, obj, peer: int) -> None:
+        from mpi4py import MPI
+        with _MPI_LOCK:
+            if self.closed or _STOPPING or MPI.Is_finalized():
+                return
+            try:
+                self.sends.append(self.comm.isend(obj, peer, self.tag))
+            except Exception:  # noqa: BLE001 - a dead peer must not stop the report
+                pass
+            self.sends = [r for r in self.sends if not _done(r)]
+
+    def answer(self, query) -> None:
+        """Tell the asking rank what this rank is doing; print it if this rank waits too."""
+        _, seq, asker = query
+        state = _state(self.ctx)
+        if state["inflight"] and (asker, seq) not in self.told:
+            self.told.add((asker, seq))
+            _write("\n".join(f"[collectives watchdog] rank {self.rank} (asked by rank {asker}): "
+                             f"in {d} for {t} s, waiting for: {w}"
+                             for _, d, t, w in state["inflight"]))
+        self.send(("answer", seq, self.rank, state), asker)
+
+    def serve(self) -> None:
+        while True:
+            msg = self.poll()
+            if msg is None:
+                return
+            if msg[0] == "query":
+                self.answer(msg)
+
+
+def _done(request) -> bool:
+    try:
+        return bool(request.Test())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - stderr closed: nothing to say it with
+        pass
+
+
+# -- the watchdog thread -----------------------------------------------------------------------
+_THREAD = None
+_THREAD_LOCK = threading.Lock()
+_FIRED = False
+
+
+def _tick() -> float:
+    return min(1.0, max(0.05, (LIMIT or 8.0) / 8))
+
+
+def _launch() -> None:
+    global _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None:
+            atexit.register(_stop)
+            thread = threading.Thread(target=_loop, name="collectives-watchdog", daemon=True)
+            thread.start()
+            _THREAD = thread
+
+
+def _stop() -> None:
+    """At exit, before MPI is finalized: the thread makes no more MPI calls."""
+    global _STOPPING
+    with _MPI_LOCK:
+        _STOPPING = True
+
+
+def _loop() -> None:
+    while not _STOPPING:
+        time.sleep(_tick())
+        try:
+            _round()
+        except Exception as exc:  # noqa: BLE001 - the watchdog must outlive its own bugs
+            _write(f"[collectives watchdog] internal error: {exc!r}")
+
+
+def _round() -> None:
+    now = time.monotonic()
+    late = None
+    for entry in list(_INFLIGHT):
+        work = entry.work
+        if work is not None and work.done:
+            _INFLIGHT.discard(entry)
+            if getattr(work, "error", None) is not None:
+                _failed(entry, work.error)
+            continue
+        if LIMIT > 0 and now - entry.start > LIMIT and (late is None or entry.start < late.start):
+            late = entry
+    for channel in list(_CHANNELS):
+        channel.serve()
+    if late is not None:
+        _fire(late)
+
+
+def _grace() -> float:
+    """How long the late rank waits for the others' answers."""
+    return min(10.0, max(1.5, LIMIT / 2))
+
+
+def _fire(entry: _Entry) -> None:
+    """``entry`` is late: report here, ask the others, summarize, abort the job."""
+    global _FIRED
+    if _FIRED:
+        return
+    _FIRED = True
+    ctx = entry.ctx
+    channel = ctx.stash.get(_KEY)
+    elapsed = time.monotonic() - entry.start
+    _write(f"[collectives watchdog] rank {ctx.rank}: {entry.describe()} did not complete in "
+           f"{elapsed:.1f} s (COLLECTIVES_TIMEOUT={LIMIT:g}); waiting for: "
+           f"{entry.waiting_for()}")
+    answers: dict[int, dict] = {}
+    lower_asked = False
+    if channel is not None and ctx.size > 1:
+        for peer in range(ctx.size):
+            if peer != ctx.rank:
+                channel.send(("query", entry.seq, ctx.rank), peer)
+        deadline = time.monotonic() + _grace()
+        while len(answers) < ctx.size - 1 and time.monotonic() < deadline:
+            msg = channel.poll()
+            if msg is None:
+                time.sleep(0.02)
+            elif msg[0] == "query":
+                channel.answer(msg)
+                # Another late rank asked too: let the lowest one print the summary.
+                lower_asked |= msg[1] == entry.seq and msg[2] < ctx.rank
+            elif msg[0] == "answer" and msg[1] == entry.seq:
+                answers[msg[2]] = msg[3]
+    if lower_asked:
+        time.sleep(_grace())   # the lower rank aborts the job meanwhile; if not, we do
+    _write(_summary(entry, _state(ctx), answers))
+    _abort()
+
+
+def _summary(entry: _Entry, mine: dict, answers: dict) -> str:
+    ctx, seq = entry.ctx, entry.seq
+    name = entry.describe()
+    short = name.split(" (")[0]
+    lines = [f"[collectives watchdog] rank {ctx.rank}: {short} on a communicator of "
+             f"{ctx.size} ranks did not complete; what each rank says:"]
+    missing, silent, failed = [], [], []
+    for rank in range(ctx.size):
+        state = mine if rank == ctx.rank else answers.get(rank)
+        if state is None:
+            lines.append(f"  rank {rank}: no answer (it exited, is finalizing MPI, or is "
+                         f"blocked outside the toolkit)")
+            silent.append(rank)
+            continue
+        inside = [i for i in state["inflight"] if i[0] == seq]
+        others = [i for i in state["inflight"] if i[0] != seq]
+        doing = "; ".join(f"in {d} for {t} s, waiting for: {w}" for _, d, t, w in others)
+        if inside:
+            _, d, t, w = inside[0]
+            lines.append(f"  rank {rank}: in {d} for {t} s, waiting for: {w}")
+        elif state["started"] <= seq:
+            lines.append(f"  rank {rank}: has NOT started #{seq} (it started "
+                         f"{_plural(state['started'], 'collective')} on this communicator); "
+                         f"{doing or 'not in any collective of this communicator'}")
+            missing.append(rank)
+        else:
+            lines.append(f"  rank {rank}: finished #{seq}; {doing or 'now idle'}")
+        if state["last_error"] is not None and not inside:
+            lines.append(f"    its last failure: {state['last_error']}")
+            failed.append(rank)
+    if missing:
+        lines.append(f"=> {_ranks(missing)} never joined #{seq}: look for a branch that "
+                     f"skips it there")
+    if silent:
+        lines.append(f"=> {_ranks(silent)} did not answer: exited (an exception?), died, or "
+                     f"blocked outside the toolkit")
+    if failed and not (missing or silent):
+        lines.append(f"=> {_ranks(failed)} failed a collective and moved on (see above)")
+    elif not (failed or missing or silent):
+        lines.append("=> every rank is in it: one waits for a message no one sends "
+                     "(ranks passed different arguments? run with COLLECTIVES_CHECK=1)")
+    lines.append(f"[collectives watchdog] aborting the job: MPI_Abort(COMM_WORLD, {EXIT_CODE})")
+    return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _abort() -> None:
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(EXIT_CODE)

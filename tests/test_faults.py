@@ -1,0 +1,363 @@
+"""Fault tests: each launches a real ``mpiexec -n 3`` job (tests/faults/*.py) and checks that it
+ends in bounded time with the documented exit status and message.
+
+These run in the in-process tier (plain ``pytest``): the test process is the launcher, never a
+rank; under ``mpiexec`` they are skipped. The jobs run with ``COLLECTIVES_TIMEOUT=3``, so a hang
+costs about 5 s. ``python tests/test_faults.py`` runs every scenario once and prints the table
+of docs/reliability.md (scenario, exit status, wall time, what the user sees).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FAULTS = Path(__file__).resolve().parent / "faults"
+TIMEOUT = 3            # COLLECTIVES_TIMEOUT of the jobs
+LIMIT = 45             # hard wall-clock bound of one job (a hang that the watchdog missed)
+WATCHDOG_EXIT = 124    # collectives.watchdog.EXIT_CODE
+
+
+def _mpiexec():
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+UNDER_MPI = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+
+
+class Job:
+    """A finished job: exit status, output, wall time."""
+
+    def __init__(self, rc, out, err, seconds):
+        self.rc, self.out, self.err, self.seconds = rc, out, err, seconds
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+    def __repr__(self):
+        return (f"<Job rc={self.rc} {self.seconds:.1f} s>\n--- stdout\n{self.out[-3000:]}\n"
+                f"--- stderr\n{self.err[-5000:]}")
+
+
+def launch(script, *args, n=3, runner=True, check=False, timeout=TIMEOUT, limit=LIMIT) -> Job:
+    """Run ``tests/faults/script`` on ``n`` ranks (under ``python -m mpi4py`` if ``runner``)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    if UNDER_MPI:
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(COLLECTIVES_TIMEOUT=str(timeout), COLLECTIVES_CHECK="1" if check else "0",
+               MPIEXEC_TIMEOUT=str(limit + 15), PYTHONUNBUFFERED="1")
+    cmd = [MPIEXEC, "-n", str(n), sys.executable] + (["-m", "mpi4py"] if runner else []) + \
+        [str(FAULTS / script), *map(str, args)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} still running after {limit} s: a hang\n{out}\n{err}")
+    return Job(proc.returncode, out, err, time.monotonic() - start)
+
+
+def watchdog_ended(job: Job) -> None:
+    """The watchdog ended ``job``: exit 124 within the timeout plus a margin."""
+    assert job.rc == WATCHDOG_EXIT, job
+    assert job.seconds < TIMEOUT + 15, job
+    assert "did not complete in" in job.err and "aborting the job" in job.err, job
+
+
+# -- a rank skips a collective ----------------------------------------------------------------
+@pytest.mark.parametrize("algorithm,mode", [("ring", "blocking"), ("ring", "nonblocking"),
+                                            ("native", "blocking"),
+                                            ("native", "nonblocking")])
+def test_skipped_collective_is_named(algorithm, mode):
+    job = launch("skip.py", algorithm, mode)
+    watchdog_ended(job)
+    assert f"allreduce #1 ({algorithm}, 1000 x float32, sum)" in job.err, job
+    assert "rank 2: has NOT started #1" in job.err, job
+    assert "rank 2 never joined #1" in job.err, job
+    # Every rank still waiting says so (when asked, or when its own timer fired).
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}.*in allreduce #1", job.err), job
+    if algorithm == "ring":  # a schedule knows the peer and the step
+        assert "recv from rank 2" in job.err and "schedule ops done" in job.err, job
+
+
+def test_skipped_collective_with_checking_on():
+    job = launch("skip.py", "ring", "blocking", check=True)
+    watchdog_ended(job)
+    assert "the cross-rank argument check" in job.err, job
+    assert "rank 2 never joined #1" in job.err, job
+
+
+# -- mismatched arguments with checking on ------------------------------------------------------
+MISMATCHES = {
+    "elements": "allreduce #0: arguments differ across ranks: rank 1 passed 14 elements, "
+                "ranks 0 and 2 passed 12 elements",
+    "ddp": "allreduce #0: arguments differ across ranks: rank 0 passed 10 elements, "
+           "ranks 1 and 2 passed 20 elements",
+    "dtype": "rank 1 passed float64, ranks 0 and 2 passed float32",
+    "op": "rank 1 passed op max, ranks 0 and 2 passed op sum",
+    "root": "reduce #0: arguments differ across ranks: rank 1 passed root 1, ranks 0 and 2 "
+            "passed root 0",
+    "collective": "allreduce #0: arguments differ across ranks: rank 1 called broadcast, "
+                  "ranks 0 and 2 called allreduce",
+    "counts": "rank 1 passed counts [2, 5, 5], ranks 0 and 2 passed counts [4, 4, 4]",
+    "algorithm": "rank 1 chose algorithm native, ranks 0 and 2 chose algorithm ring",
+    "out": "allreduce #0: rank 1 failed its own argument checks (ValueError: out has shape "
+           "[13], expected [12]); ranks 0 and 2 passed theirs",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MISMATCHES))
+def test_mismatch_raises_on_every_rank(kind):
+    job = launch("mismatch.py", kind, check=True)
+    assert job.rc == 0, job
+    found = dict(re.findall(r"rank (\d): MismatchError: (.*?) \| buffers intact: True",
+                            job.out))
+    assert sorted(found) == ["0", "1", "2"], job
+    assert len(set(found.values())) == 1, f"ranks disagree on the message: {found}"
+    assert MISMATCHES[kind] in found["0"], job
+    # The ranks still agree on the collectives' order: a correct call works afterwards.
+    assert sorted(re.findall(r"rank (\d): after: 3", job.out)) == ["0", "1", "2"], job
+    assert job.seconds < 20, job
+
+
+# -- exceptions and dead ranks -------------------------------------------------------------------
+def test_user_exception_aborts_under_mpi4py_runner():
+    job = launch("user_error.py")
+    assert job.rc == 1, job
+    assert "RuntimeError: rank 1: a bug in user code" in job.err, job
+    assert job.seconds < 15, job
+
+
+def test_user_exception_without_runner_is_ended_by_watchdog():
+    job = launch("user_error.py", runner=False)
+    watchdog_ended(job)
+    assert "RuntimeError: rank 1: a bug in user code" in job.err, job
+    assert "rank 1: no answer" in job.err and "=> rank 1 did not answer" in job.err, job
+
+
+def test_killed_rank_ends_the_job():
+    job = launch("kill.py")
+    assert job.rc != 0, job
+    assert "signal 9" in job.text or "Killed" in job.text, job
+    assert job.seconds < 15, job
+
+
+# -- the DDP example: rank 0 passes 10 elements, the others 20 -------------------------------------
+def test_lengths_with_checking_on():
+    job = launch("lengths.py", check=True)
+    assert job.rc == 1, job
+    assert ("MismatchError: allreduce #0: arguments differ across ranks: rank 0 passed 10 "
+            "elements, ranks 1 and 2 passed 20 elements") in job.err, job
+    assert "completed" not in job.out, job
+
+
+def test_lengths_native_truncation_is_an_error():
+    # MPI's own allreduce reports the truncation on the rank that passed fewer elements.
+    job = launch("lengths.py", "native")
+    assert job.rc == 1, job
+    assert "MessageSizeError: rank 0: allreduce #0 (native, 10 x float32, sum): a message " \
+           "from another rank was longer than this rank expected" in job.err, job
+
+
+def test_lengths_ring_size_guard():
+    job = launch("lengths.py", "ring")
+    assert job.rc == 1, job
+    assert "MessageSizeError: rank" in job.err, job
+    assert re.search(r"rank 1: expected \d+ bytes from rank 0, received \d+|rank 0: allreduce "
+                     r"#0 \(ring, 10 x float32, sum\): a message from another rank was longer",
+                     job.err), job
+
+
+def test_lengths_ring_errors_caught_watchdog_names_ranks():
+    # Without mpi4py's runner the failed ranks exit; rank 2 waits until the watchdog ends it.
+    job = launch("lengths.py", "ring", 10000, runner=False)
+    watchdog_ended(job)
+    assert "MessageSizeError" in job.err, job
+    assert "=> ranks 0 and 1 did not answer" in job.err, job
+
+
+# -- the watchdog in one process -----------------------------------------------------------------
+class _Work:
+    """Work that never completes, waiting on a made-up peer."""
+    done = False
+    error = None
+
+    def waiting_for(self):
+        return "recv from rank 7 (op 3 of 9)"
+
+
+@pytest.fixture
+def self_ctx():
+    from mpi4py import MPI
+
+    from collectives.executor import context
+    return context(MPI.COMM_SELF)
+
+
+def test_timeout_setting():
+    from collectives import watchdog
+    assert watchdog._parse("0") == 0 and watchdog._parse("2.5") == 2.5
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(ValueError, match="COLLECTIVES_TIMEOUT"):
+            watchdog._parse(bad)
+    old = watchdog.set_timeout(42)
+    try:
+        assert watchdog.timeout() == 42
+    finally:
+        assert watchdog.set_timeout(old) == 42
+    assert watchdog.DEFAULT_TIMEOUT == 300 and watchdog.EXIT_CODE == WATCHDOG_EXIT
+
+
+def test_labels_nest_and_reset(self_ctx):
+    from collectives import watchdog
+    with watchdog.label("DDP bucket 3 of 7: fc1.weight, fc1.bias"):
+        with watchdog.label("retry 2"):
+            entry = watchdog.watch(self_ctx, what="allreduce #9 (ring, 5 x float32, sum)")
+        outer = watchdog.watch(self_ctx, what="x")
+    bare = watchdog.watch(self_ctx, what="y")
+    try:
+        assert entry.describe() == ("allreduce #9 (ring, 5 x float32, sum) "
+                                    "[DDP bucket 3 of 7: fc1.weight, fc1.bias / retry 2]")
+        assert outer.describe() == "x [DDP bucket 3 of 7: fc1.weight, fc1.bias]"
+        assert bare.describe() == "y"
+        assert "DDP bucket 3 of 7" in watchdog.report(self_ctx)
+    finally:
+        for e in (entry, outer, bare):
+            watchdog.unwatch(e)
+    assert watchdog.report(self_ctx) == "nothing in flight"
+
+
+def test_a_running_schedule_names_its_peer_and_step():
+    # Ranks 0 and 1 of a 3-rank ring run; rank 2 never starts: 0 waits on 2, 1 on 0.
+    import numpy as np
+
+    from collectives import ring, watchdog
+    from collectives.executor import Run
+    from collectives.ops import resolve
+    from collectives.sim import SimNetwork
+    net = SimNetwork(3)
+    runs = []
+    for r in (0, 1):
+        s = ring.allreduce(r, 3, 30, seg=4)
+        x = np.ones(30, np.float32)
+        runs.append(Run(s.plan(), x, np.zeros(30, np.float32), np.zeros(s.tmp, np.float32),
+                        resolve("sum", np.float32), net.transport(r), 0).start())
+    for _ in range(5):
+        net.match()
+        for run in runs:
+            run.test()
+    text0 = watchdog._posted(runs[0].plan, runs[0].hops)
+    assert text0.startswith("recv from rank 2 (op"), text0
+    assert "send to rank 1" not in text0   # the sends to rank 1 were taken
+    assert "recv from rank 0" in watchdog._posted(runs[1].plan, runs[1].hops)
+
+
+def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
+    from collectives import watchdog
+    aborted = []
+    monkeypatch.setattr(watchdog, "_abort", lambda: aborted.append(time.monotonic()))
+    monkeypatch.setattr(watchdog, "_FIRED", False)
+    monkeypatch.setattr(watchdog, "_grace", lambda: 0.1)
+    old = watchdog.set_timeout(0.3)
+    with watchdog.label("bucket 0"):
+        entry = watchdog.watch(self_ctx, what="allreduce #0 (ring, 8 x float32, sum)")
+    entry.work = _Work()
+    start = time.monotonic()
+    try:
+        while not aborted and time.monotonic() - start < 10:
+            time.sleep(0.05)
+    finally:
+        watchdog.set_timeout(old)
+        watchdog.unwatch(entry)
+    assert aborted, "the watchdog did not fire"
+    assert 0.3 <= aborted[0] - start < 3
+    err = capsys.readouterr().err
+    assert "rank 0: allreduce #0 (ring, 8 x float32, sum) [bucket 0] did not complete" in err
+    assert "waiting for: recv from rank 7 (op 3 of 9)" in err
+    assert "aborting the job: MPI_Abort(COMM_WORLD, 124)" in err
+
+
+def test_summary_names_the_ranks_that_never_joined(self_ctx):
+    from collectives import watchdog
+
+    class Ctx:  # a 5-rank communicator seen from rank 0
+        rank, size, seq, stash = 0, 5, 6, {}
+    entry = watchdog._Entry(Ctx, None, "allreduce #5 (ring, 8 x float32, sum)", "run")
+    entry.seq = 5
+    in_it = {"started": 6, "inflight": [(5, "allreduce #5 (...)", 3.1, "recv from rank 3")],
+             "last_error": None}
+    answers = {
+        1: in_it,
+        2: {"started": 7, "inflight": [], "last_error": None},                 # finished
+        3: {"started": 5, "inflight": [], "last_error": None},                 # skipped it
+        # rank 4: no answer
+    }
+    text = watchdog._summary(entry, in_it, answers)
+    assert "rank 2: finished #5; now idle" in text
+    assert "rank 3: has NOT started #5 (it started 5 collectives" in text
+    assert "rank 4: no answer" in text
+    assert "=> rank 3 never joined #5" in text
+    assert "=> rank 4 did not answer" in text
+    everyone = watchdog._summary(entry, in_it, {r: in_it for r in range(1, 5)})
+    assert "every rank is in it" in everyone and "COLLECTIVES_CHECK=1" in everyone
+
+
+# -- the table of docs/reliability.md ------------------------------------------------------------
+SCENARIOS = [
+    ("a rank skips an allreduce (ring)", "skip.py", ("ring", "blocking"), {}),
+    ("a rank skips an iallreduce (native)", "skip.py", ("native", "nonblocking"), {}),
+    ("a rank skips an allreduce, checking on", "skip.py", ("ring", "blocking"),
+     {"check": True}),
+    *[(f"mismatch: {k}, checking on", "mismatch.py", (k,), {"check": True})
+      for k in sorted(MISMATCHES)],
+    ("exception on rank 1 (python -m mpi4py)", "user_error.py", (), {}),
+    ("exception on rank 1 (plain python)", "user_error.py", (), {"runner": False}),
+    ("rank 1 SIGKILLed mid-collective", "kill.py", (), {}),
+    ("10 vs 20 elements, checking on", "lengths.py", (), {"check": True}),
+    ("10 vs 20 elements, checking off (auto: native)", "lengths.py", (), {}),
+    ("10 vs 20 elements, checking off, ring", "lengths.py", ("ring",), {}),
+    ("10k vs 20k elements, ring, plain python", "lengths.py", ("ring", 10000),
+     {"runner": False}),
+]
+
+
+def _gist(job: Job) -> str:
+    """The line a user would read first."""
+    patterns = (r"^(=> .*)$",
+                r"rank \d: (MismatchError: .*?) \| buffers intact",
+                r"^(?:collectives\.errors\.|builtins\.)?((?:MismatchError|MessageSizeError|"
+                r"RuntimeError): .*)$",
+                r"(KILLED BY SIGNAL: 9.*|Killed \(signal 9\))")
+    for pattern in patterns:
+        found = re.search(pattern, job.text, re.MULTILINE)
+        if found:
+            return found.group(1).strip().replace("|", "/")
+    return job.text.strip().splitlines()[-1] if job.text.strip() else ""
+
+
+def main() -> None:
+    print("| scenario | exit status | wall time | what the user sees |")
+    print("| --- | --- | --- | --- |")
+    for title, script, args, kw in SCENARIOS:
+        job = launch(script, *args, **kw)
+        print(f"| {title} | {job.rc} | {job.seconds:.1f} s | {_gist(job)[:220]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
