@@ -271,3 +271,41 @@ def test_mpi_cross_node_bytes_from_executor_counters(monkeypatch, k):
 def _max():
     from mpi4py import MPI
     return MPI.MAX
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("k", [None, 1, 2, 3])
+def test_mpi_hierarchical_shm(monkeypatch, k):
+    """shm node stages: 2 x 2 at n = 4; uneven nodes (3 + 2) fall back to the schedule."""
+    import collectives as coll
+    from collectives import shm
+    from tests.mpiutil import assert_all
+    comm = _fresh_comm(monkeypatch, k)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = shm.set_chunk_bytes(128)
+    bad = []
+    try:
+        for count in (0, 1, 7, 97, 1000):
+            for dtype in (np.int64, np.float64, np.bool_):
+                xs = [((r + 1) * 3 + np.arange(count) % 5).astype(dtype) for r in range(size)]
+                want = xs[0].copy()
+                for x in xs[1:]:
+                    want = want + x if dtype != np.bool_ else want | x
+                got = coll.allreduce(xs[rank], comm=comm, algorithm="hierarchical_shm")
+                y = xs[rank].copy()
+                coll.allreduce(y, out=y, comm=comm, algorithm="hierarchical_shm")
+                if not (np.array_equal(got, want) and np.array_equal(y, want)):
+                    bad.append((count, np.dtype(dtype).name))
+        avg = coll.allreduce(np.full(10, float(rank)), "avg", comm=comm,
+                             algorithm="hierarchical_shm")
+        if not np.allclose(avg, (size - 1) / 2):
+            bad.append(("avg", avg[0]))
+        reqs = [coll.iallreduce(np.full(50, rank + i, np.int64), comm=comm,
+                                algorithm="hierarchical_shm") for i in range(3)]
+        if not all((q.wait() == size * (size - 1) // 2 + size * i).all()
+                   for i, q in enumerate(reqs)):
+            bad.append(("iallreduce",))
+    finally:
+        shm.set_chunk_bytes(old)
+        comm.Free()
+    assert_all(not bad, f"k={k}: {bad[:5]}")
