@@ -46,7 +46,7 @@ import numpy as np
 
 __all__ = ["Topology", "topology", "simulated", "communicators", "Communicators",
            "LinkTraffic", "count_traffic", "SAME_NUMA", "SAME_NODE", "OTHER_NODE",
-           "LINK_NAMES", "numa_of_cpus", "sim_traffic", "discover"]
+           "LINK_NAMES", "numa_of_cpus", "sim_traffic", "discover", "traffic_table"]
 
 SAME_NUMA, SAME_NODE, OTHER_NODE = 0, 1, 2
 LINK_NAMES = ("same_numa", "same_node", "other_node")
@@ -389,17 +389,32 @@ def count_traffic(comm=None, topo: Topology | None = None):
     """Count the bytes this rank sends per link class inside the ``with`` block.
 
     ``topo`` defaults to ``topology(comm)`` (collective on first use). Yields a ``LinkTraffic``.
+    Messages on the node and cross sub-communicators (``communicators``, which composites such
+    as ``hierarchical_shm`` run on) count too, if they exist when the block starts.
     """
+    from .executor import context
     ctx = _ctx(comm)
     topo = topo or topology(ctx)
     counter = LinkTraffic(topo.links(ctx.rank))
-    transport = ctx.transport
-    previous = transport.counter
-    transport.counter = counter
+    installed = [(ctx.transport, counter)]
+    comms = ctx.stash.get("topology.comms")
+    if comms is not None:
+        r = ctx.rank
+        local = topo.local_rank(r)
+        members = {"node": topo.nodes[topo.node[r]],
+                   "cross": tuple(g[local] for g in topo.nodes if len(g) > local)}
+        for name, peers in members.items():
+            sub = LinkTraffic(topo.link(r, p) for p in peers)
+            sub.nbytes, sub.messages = counter.nbytes, counter.messages  # one tally
+            installed.append((context(getattr(comms, name)).transport, sub))
+    previous = [(t, t.counter) for t, _ in installed]
+    for transport, c in installed:
+        transport.counter = c
     try:
         yield counter
     finally:
-        transport.counter = previous
+        for transport, old in previous:
+            transport.counter = old
 
 
 def sim_traffic(traffic, topo: Topology, rank: int) -> list[int]:
@@ -411,8 +426,46 @@ def sim_traffic(traffic, topo: Topology, rank: int) -> list[int]:
     return out
 
 
-def _main(comm=None) -> None:
+def traffic_table(comm=None, nbytes: int = 1 << 22, algorithms=("ring", "hierarchical"),
+                  collective: str = "allreduce") -> list[tuple]:
+    """Bytes sent per link class by each algorithm for one float32 call (collective).
+
+    Returns, on every rank, rows ``(algorithm, link class name, max over ranks, total)``.
+    """
     from mpi4py import MPI
+
+    import collectives as coll
+    ctx = _ctx(comm)
+    topo = topology(ctx)
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    rows = []
+    for name in algorithms:
+        run = getattr(coll, collective)
+        run(x, comm=ctx.user_comm, algorithm=name)  # warm up (schedules, windows)
+        with count_traffic(ctx, topo) as t:
+            run(x, comm=ctx.user_comm, algorithm=name)
+        sent = np.array(t.nbytes, dtype=np.int64)
+        most = np.empty_like(sent)
+        total = np.empty_like(sent)
+        ctx.comm.Allreduce(sent, most, op=MPI.MAX)
+        ctx.comm.Allreduce(sent, total, op=MPI.SUM)
+        rows += [(name, LINK_NAMES[c], int(most[c]), int(total[c])) for c in range(3)]
+    return rows
+
+
+def _main(argv=None, comm=None) -> None:
+    import argparse
+
+    from mpi4py import MPI
+    parser = argparse.ArgumentParser(
+        prog="mpiexec -n N python -m collectives.topology",
+        description="Print the topology the toolkit sees (set COLLECTIVES_RANKS_PER_NODE / "
+                    "_NUMA to simulate one); with --traffic, the bytes each algorithm sends "
+                    "per link class in one allreduce, from the executor's counters.")
+    parser.add_argument("--traffic", type=float, metavar="MIB", default=None,
+                        help="also count one float32 allreduce of MIB per rank")
+    parser.add_argument("--algorithms", default="ring,hierarchical,hierarchical_shm")
+    args = parser.parse_args(argv)
     comm = comm or MPI.COMM_WORLD
     topo = topology(comm)
     try:
@@ -426,6 +479,15 @@ def _main(comm=None) -> None:
             print(f"  rank {r}: host {host}, node {topo.node[r]}, local rank "
                   f"{topo.local_rank(r)}/{topo.local_size(r)}, numa {topo.numa[r]}, cpus "
                   f"{','.join(map(str, cpu))}")
+    if args.traffic is None:
+        return
+    table = traffic_table(comm, int(args.traffic * (1 << 20)), args.algorithms.split(","))
+    if comm.Get_rank() == 0:
+        print(f"\nbytes sent in one float32 allreduce of {args.traffic:g} MiB per rank "
+              f"(executor counters; bytes that 'native' and 'shm' move are not counted)")
+        print(f"  {'algorithm':>16} {'link':>11} {'max per rank':>14} {'all ranks':>14}")
+        for name, link, most, total in table:
+            print(f"  {name:>16} {link:>11} {most:14d} {total:14d}")
 
 
 if __name__ == "__main__":

@@ -154,12 +154,14 @@ def test_mpi_main_prints_topology(monkeypatch, capsys):
     _env(monkeypatch, 2)
     comm = MPI.COMM_WORLD.Dup()
     try:
-        T._main(comm)
+        T._main([], comm)
+        T._main(["--traffic", "0.01"], comm)
     finally:
         comm.Free()
     out = capsys.readouterr().out
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert "node 0: ranks 0" in out and "rank 0: host" in out
+        assert "hierarchical_shm  other_node" in out
     else:
         assert out == ""
 
