@@ -24,10 +24,11 @@ Uneven levels (the fallback rule). When the groups of a level differ in size (5 
 their owners' intervals do not line up across nodes. The rule, applied at every level: cut the
 buffer at the union of all owners' interval boundaries; each piece has exactly one owner per
 subgroup, and the pieces with the same owners form one job, whose intervals are split among its
-members in balanced shares. With 3 + 2, node 0 owns thirds and node 1 halves, so the world level
-has four two-member jobs ([0, N/3) for ranks 0 and 3, [N/3, N/2) for 1 and 3, [N/2, 2N/3) for
-1 and 4, [2N/3, N) for 2 and 4): every element still crosses the node boundary once each way,
-no rank idles, and with even groups the rule reduces to steps 1-3 above.
+members in shares weighted 1/d for a member in d jobs (so that loads even out). With 3 + 2,
+node 0 owns thirds and node 1 halves, so the world level has four two-member jobs ([0, N/3) for
+ranks 0 and 3, [N/3, N/2) for 1 and 3, [N/2, 2N/3) for 1 and 4, [2N/3, N) for 2 and 4): every
+element still crosses the node boundary once each way, no rank idles (the largest share is
+2N/9 against the ideal N/5), and with even groups the rule reduces to steps 1-3 above.
 
 Reduce-scatter, allgather and reduce use the same machinery with *targets*: an element's owner
 in a group that holds its target rank (the rank that receives its block; the root for reduce) is
@@ -46,6 +47,7 @@ topology through ``context_kwargs``, and in-process tests pass simulated ones di
 from __future__ import annotations
 
 import functools
+import math
 from bisect import bisect_right
 
 from collectives.schedule import IN, OUT, TMP, Schedule, offsets, segments, split
@@ -87,10 +89,17 @@ def _check_partition(size, groups, name):
         raise ValueError(f"{name} {groups} is not a partition of ranks 0..{size - 1}")
 
 
-def _share(intervals, parts: int) -> list[list[tuple[int, int]]]:
-    """Cut a list of intervals (in order) into ``parts`` balanced shares by element count."""
+def _share(intervals, weights) -> list[list[tuple[int, int]]]:
+    """Cut a list of intervals (in order) into shares proportional to integer ``weights``."""
     total = sum(b - a for a, b in intervals)
-    cuts = split(total, parts)
+    parts = len(weights)
+    if len(set(weights)) == 1:
+        cuts = split(total, parts)
+    else:
+        acc = [0]
+        for w in weights:
+            acc.append(acc[-1] + w)
+        cuts = [total * c // acc[-1] for c in acc]
     shares: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
     pos = 0  # elements before the current interval
     k = 0
@@ -146,11 +155,18 @@ def plan(size: int, count: int, levels_, targets=None) -> tuple[tuple[Job, ...],
                 members = tuple(cover[g][bisect_right(starts[i], x) - 1][2]
                                 for i, g in enumerate(subs))
                 pieces.setdefault(members, []).append((x, y))
+            # A member in d jobs takes a 1/d-weighted share of each, so loads even out.
+            degree: dict[int, int] = {}
+            for members in pieces:
+                for m in members:
+                    degree[m] = degree.get(m, 0) + 1
+            lcm = math.lcm(*degree.values())
             owned: list[tuple[int, int, int]] = []
             for members, intervals in pieces.items():
+                weights = [lcm // degree[m] for m in members]
                 blocks: list[list[tuple[int, int]]] = [[] for _ in members]
                 if targets is None:
-                    blocks = _share(intervals, len(members))
+                    blocks = _share(intervals, weights)
                 else:
                     outside = []
                     for a, b in intervals:
@@ -160,7 +176,7 @@ def plan(size: int, count: int, levels_, targets=None) -> tuple[tuple[Job, ...],
                             blocks[members.index(t)].append((a, b))
                         else:
                             outside.append((a, b))
-                    for i, share in enumerate(_share(outside, len(members))):
+                    for i, share in enumerate(_share(outside, weights)):
                         blocks[i].extend(share)
                         blocks[i].sort()
                 jobs_here.append(Job((members, tuple(tuple(b) for b in blocks))))

@@ -476,6 +476,7 @@ def _bench(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--chunk", type=int, default=None, help="shm chunk bytes")
     parser.add_argument("--algorithms", default="shm,native,ring")
+    parser.add_argument("--inplace", action="store_true", help="out=x (reset between calls)")
     args = parser.parse_args(argv)
     if args.chunk:
         set_chunk_bytes(args.chunk)
@@ -484,19 +485,23 @@ def _bench(argv=None) -> None:
     algs = args.algorithms.split(",")
     factor = 2 * (n - 1) / n if n > 1 else 1.0
     if rank == 0:
-        print(f"# n = {n}, float32, shm chunk {CHUNK_BYTES} B, {args.rounds} rounds, medians")
+        print(f"# n = {n}, float32, {'in place' if args.inplace else 'out of place'}, shm chunk "
+              f"{CHUNK_BYTES} B, {args.rounds} rounds; median and best of the slowest rank")
         print(f"# {'MiB':>6} {'algorithm':>10} {'stat':>6} {'time ms':>9} {'busbw':>8} "
               f"{'x native':>8} {'x ring':>8} {'of bound':>9}   (busbw in GB/s)")
     for mib in (float(m) for m in args.sizes.split(",")):
         count = int(mib * (1 << 20)) // 4
-        x = np.full(count, 1.0 + rank, np.float32)
-        out = np.empty_like(x)
+        init = np.full(count, 1.0 + rank, np.float32)
+        x = init.copy()
+        out = x if args.inplace else np.empty_like(x)
         times: dict[str, list[float]] = {a: [] for a in algs}
         copies = []
         for a in algs:  # warm up: windows, pages, schedules
             coll.allreduce(x, out=out, algorithm=a)
         for i in range(args.rounds):
             for a in algs[i % len(algs):] + algs[:i % len(algs)]:
+                if args.inplace:
+                    np.copyto(x, init)
                 comm.Barrier()
                 t0 = time.perf_counter()
                 coll.allreduce(x, out=out, algorithm=a)
@@ -505,7 +510,7 @@ def _bench(argv=None) -> None:
             comm.Barrier()
             if rank == 0:
                 t0 = time.perf_counter()
-                np.copyto(out, x)
+                np.copyto(out if out is not x else init, x)
                 copies.append(time.perf_counter() - t0)
             comm.Barrier()
         if rank != 0:
