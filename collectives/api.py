@@ -168,7 +168,7 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
         if trivial:
             work = _trivial(call)
         elif builder == select.NATIVE or hasattr(builder, "launch"):
-            work = (_native if builder == select.NATIVE else builder.launch)(call)
+            work = (_native if builder == select.NATIVE else _launcher(builder))(call)
         else:
             work = _run_schedule(call, name, builder)
         if entry is not None:
@@ -231,16 +231,38 @@ def _run_schedule(call: Call, name, builder):
         out_flat = out.flat
     in_flat = out_flat if call.inplace else x.flat
 
+    transport = _transport(call)
+    close = getattr(transport, "close", None)  # device transports: wait for queued GPU work
+
     def release():
+        if close is not None:
+            close()
         for arr in taken:
             ctx.give_scratch(key, arr)
 
-    run = Run(schedule.plan(), in_flat, out_flat, tmp, call.op, _transport(call),
+    run = Run(schedule.plan(), in_flat, out_flat, tmp, call.op, transport,
               ctx.tag(call.seq), info=call.describe(), on_done=release)
     return run.start()
 
 
+def _launcher(builder):
+    """A direct algorithm's ``launch``; on device buffers, staged through host memory."""
+    def launch(call: Call):
+        if call.x.is_device:
+            from . import cuda
+            return cuda.staged(call, builder.launch)
+        return builder.launch(call)
+    return launch
+
+
 def _native(call: Call):
+    if call.x.is_device:  # straight to a CUDA-aware MPI, or staged through host memory
+        from . import cuda
+        return cuda.native(call, _native_mpi)
+    return _native_mpi(call)
+
+
+def _native_mpi(call: Call):
     from . import native
     comm, x, blocking = call.ctx.comm, call.x.flat, call.blocking
     out = None if call.out is None else call.out.flat
