@@ -26,7 +26,7 @@ from . import check as _check
 from . import select
 from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
-from .errors import MessageSizeError
+from .errors import network_error
 from .executor import Run, context, segment_elems
 from .ops import resolve
 from .progress import Done, Request
@@ -190,18 +190,7 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
 
 def _network_error(call: Call, exc: BaseException) -> BaseException:
     """An MPI error while running, in words: a truncated message means a length mismatch."""
-    from mpi4py import MPI
-    if not isinstance(exc, MPI.Exception) or exc.Get_error_class() not in (
-            MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
-        return exc
-    said = "message truncated" if exc.Get_error_class() == MPI.ERR_TRUNCATE else \
-        "an error in a message's status, most likely a truncation"
-    err = MessageSizeError(
-        f"rank {call.ctx.rank}: {call.describe()}: a message from another rank was longer "
-        f"than this rank expected (MPI: {said}); do all ranks pass the same length and dtype? "
-        f"COLLECTIVES_CHECK=1 names the ranks that differ")
-    err.__cause__ = exc
-    return err
+    return network_error(exc, f"rank {call.ctx.rank}: {call.describe()}")
 
 
 def _trivial(call: Call):

@@ -1,7 +1,8 @@
 """Error types raised by the toolkit."""
 from __future__ import annotations
 
-__all__ = ["CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout"]
+__all__ = ["CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
+           "network_error"]
 
 
 class CollectiveError(RuntimeError):
@@ -18,3 +19,20 @@ class MessageSizeError(CollectiveError):
 
 class CollectiveTimeout(CollectiveError):
     """A collective did not complete within ``COLLECTIVES_TIMEOUT`` seconds."""
+
+
+def network_error(exc: BaseException, where: str) -> BaseException:
+    """``exc`` in words when it is MPI's truncation error (a length mismatch across ranks)."""
+    import sys
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(exc, mpi.Exception) or exc.Get_error_class() not in (
+            mpi.ERR_TRUNCATE, mpi.ERR_IN_STATUS):
+        return exc
+    said = "message truncated" if exc.Get_error_class() == mpi.ERR_TRUNCATE else \
+        "an error in a message's status, most likely a truncation"
+    err = MessageSizeError(
+        f"{where}: a message from another rank was longer than this rank expected (MPI: "
+        f"{said}); do all ranks pass the same length and dtype? COLLECTIVES_CHECK=1 names the "
+        f"ranks that differ")
+    err.__cause__ = exc
+    return err

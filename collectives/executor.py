@@ -31,7 +31,7 @@ from collections import deque
 
 import numpy as np
 
-from .errors import CollectiveError, MessageSizeError
+from .errors import CollectiveError, MessageSizeError, network_error
 from .schedule import COPY, RECV, REDUCE, SEND
 
 __all__ = ["Context", "context", "Run", "MPITransport", "SEGMENT_BYTES", "segment_elems",
@@ -311,9 +311,11 @@ class Run:
                     for k, status in sorted(done, key=lambda t: -t[0]):
                         self._finished(k, status)
         except BaseException as exc:
-            self.error = exc
+            self.error = network_error(exc, self.info)
             self.done = True
-            raise
+            if self.error is exc:
+                raise
+            raise self.error from exc
 
     def _finish_run(self) -> None:
         if not self.done:

@@ -16,6 +16,8 @@ import os
 import queue
 import threading
 
+from .errors import network_error
+
 __all__ = ["Request", "Done", "NativeWork", "use_thread"]
 
 
@@ -59,8 +61,15 @@ class NativeWork:
 
     def wait(self):
         if not self.done:
-            self.request.Wait()
-            self.done = True
+            try:
+                self.request.Wait()
+            except Exception as exc:
+                self.error = network_error(exc, self.info)
+                if self.error is exc:
+                    raise
+                raise self.error from exc
+            finally:
+                self.done = True
         return self
 
     def test(self) -> bool:
