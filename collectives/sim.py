@@ -9,19 +9,32 @@ can move, the simulation raises with every rank's pending operations.
 
 ``simulate(builder, inputs, op)`` is what tests use: it builds each rank's schedule, validates it,
 runs all of them and returns each rank's OUT.
+
+The same schedules also run through the *cost model* (``critical_path``, ``predict``): an
+alpha-beta-gamma model with per-link-class parameters (``CostModel``) on a ``Topology`` of
+nodes and NUMA domains, simulated in virtual time. See the section "The cost model" below.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import json
+import os
+from array import array
+from bisect import bisect_right
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 
 from .errors import CollectiveError, MessageSizeError
 from .executor import Run
 from .ops import Op, resolve
-from .schedule import RECV, SEND, Schedule
+from .schedule import IN, OUT, RECV, REDUCE, SEND, Schedule, split
 
-__all__ = ["simulate", "run_schedules", "SimNetwork", "Deadlock", "Traffic"]
+__all__ = ["simulate", "run_schedules", "SimNetwork", "Deadlock", "Traffic",
+           "LINKS", "Topology", "CostModel", "Prediction", "critical_path", "predict",
+           "build_schedule", "DEFAULT_MODEL"]
 
 
 class Deadlock(CollectiveError):
@@ -155,3 +168,706 @@ def simulate(builder, inputs: list[np.ndarray], op="sum", *, out_counts=None, in
                     for r, s in enumerate(schedules)]
     net = run_schedules(schedules, ins, outs, opr)
     return outs, net
+
+
+# -- the cost model ----------------------------------------------------------------------------
+#
+# Every rank runs its schedule the way the MPI executor does, in virtual time:
+#
+# - a rank has one CPU. Every op costs ``overhead`` of it when it is issued (the executor's
+#   Python work per op), a reduce also ``bytes * gamma`` and a copy ``bytes * delta``, and a
+#   receive ``overhead`` again when it completes. Requests are served first come, first served.
+# - a message of m bytes over a link of class c (NUMA / node / network) takes
+#   ``alpha_c + m * beta_c`` from the moment it can start. Inside a node the bytes are copied by
+#   the CPUs (shared memory): the sender's CPU copies them in for ``m * beta_c``, the receiver's
+#   copies them out for as long, starting with the sender or when it is free, and ending no
+#   earlier than the sender. Across nodes the NICs move them: the transfer occupies the sending
+#   node's outgoing and the receiving node's incoming NIC port (shared by the node's ranks).
+# - sends and receives to and from one peer are issued in program order, as the executor does;
+#   a send completes when its message has arrived, a receive when it is issued and the message
+#   has arrived.
+# - with more ranks on a node than cores, every CPU cost is multiplied by ranks / cores, and a
+#   message inside the node waits ``switch`` longer (the receiver may be descheduled).
+#
+# The schedules form a DAG (the ops, their dependencies, the messages and the resource order), so
+# the finish time is the length of its critical path; ``Prediction.path`` splits that path into
+# latency, transfer, compute and overhead. Symmetry: when every rank's schedule is a shifted
+# (r -> r + m) or XOR-ed (r -> r ^ m) copy of another's and the topology repeats with the same
+# period, ranks that map onto each other do the same thing at the same times, so only one
+# period of ranks (one node, say) is simulated; a message to a rank outside it is delivered to
+# its image inside. The symmetry is checked on a few sample ranks before it is used.
+
+LINKS = ("numa", "node", "net")
+_NUMA, _NODE, _NET = 0, 1, 2
+# Kinds of critical-path steps.
+_PATH = ("latency", "transfer", "compute", "overhead")
+_LAT, _XFER, _COMP, _OVH = 0, 1, 2, 3
+_COPY = 3  # schedule op kind
+
+
+class Topology:
+    """Where ``size`` ranks live: consecutive blocks of ``ranks_per_node`` per node and of
+    ``ranks_per_numa`` per NUMA domain (None: one node / no NUMA split), and ``cores_per_node``
+    (None: never oversubscribed).
+
+    Link classes: ranks on different nodes talk over ``net``; on one node over ``numa`` when
+    ``ranks_per_numa`` is given and they share a domain, else over ``node``.
+    """
+
+    __slots__ = ("size", "ranks_per_node", "ranks_per_numa", "cores_per_node")
+
+    def __init__(self, size: int, ranks_per_node: int | None = None,
+                 ranks_per_numa: int | None = None, cores_per_node: int | None = None):
+        if size < 1:
+            raise ValueError(f"a topology needs at least 1 rank, got {size}")
+        rpn = size if ranks_per_node is None else int(ranks_per_node)
+        if rpn < 1:
+            raise ValueError(f"ranks per node must be positive, got {rpn}")
+        if ranks_per_numa is not None and (ranks_per_numa < 1 or rpn % ranks_per_numa):
+            raise ValueError(f"ranks per NUMA domain ({ranks_per_numa}) must divide ranks per "
+                             f"node ({rpn})")
+        if cores_per_node is not None and cores_per_node < 1:
+            raise ValueError(f"cores per node must be positive, got {cores_per_node}")
+        self.size, self.ranks_per_node = size, rpn
+        self.ranks_per_numa, self.cores_per_node = ranks_per_numa, cores_per_node
+
+    def node(self, rank: int) -> int:
+        """The node of ``rank``."""
+        return rank // self.ranks_per_node
+
+    def link(self, a: int, b: int) -> int:
+        """The link class (index into ``LINKS``) between ranks ``a`` and ``b``."""
+        if a // self.ranks_per_node != b // self.ranks_per_node:
+            return _NET
+        if self.ranks_per_numa is not None and a // self.ranks_per_numa == b // self.ranks_per_numa:
+            return _NUMA
+        return _NODE
+
+    @property
+    def oversubscription(self) -> float:
+        """How much slower a CPU runs: ranks on a node / cores, at least 1."""
+        if self.cores_per_node is None:
+            return 1.0
+        return max(1.0, min(self.ranks_per_node, self.size) / self.cores_per_node)
+
+    def groups(self) -> dict:
+        """``nodes`` and ``numas`` as tuples of rank groups (what topology-aware builders,
+        such as ``hierarchical``, take as keywords)."""
+        def blocks(k):
+            return tuple(tuple(range(a, min(a + k, self.size))) for a in range(0, self.size, k))
+        return {"nodes": blocks(self.ranks_per_node),
+                "numas": None if self.ranks_per_numa is None else blocks(self.ranks_per_numa)}
+
+    def period(self) -> int | None:
+        """The smallest rank shift that maps the topology onto itself (None: none divides)."""
+        block = self.ranks_per_node if self.ranks_per_node < self.size else \
+            (self.ranks_per_numa or 1)
+        return block if self.size % block == 0 else None
+
+    def __repr__(self):
+        return (f"Topology({self.size}, ranks_per_node={self.ranks_per_node}, "
+                f"ranks_per_numa={self.ranks_per_numa}, cores_per_node={self.cores_per_node})")
+
+
+class CostModel:
+    """Alpha-beta-gamma parameters: per link class a latency ``alpha`` (s) and a bandwidth
+    (bytes/s); the reduction and copy bandwidths (bytes of result per second); the executor's
+    CPU ``overhead`` per op (s), the per-call overhead ``call`` (s), and ``switch`` (s): the
+    extra latency of a message inside a node with more ranks than cores, where the receiver may
+    have to be scheduled in first."""
+
+    __slots__ = ("alpha", "bandwidth", "reduce_bandwidth", "copy_bandwidth", "overhead", "call",
+                 "switch", "source")
+
+    def __init__(self, alpha, bandwidth, reduce_bandwidth: float, copy_bandwidth: float,
+                 overhead: float = 0.0, call: float = 0.0, source: str = "",
+                 switch: float = 0.0):
+        alpha, bandwidth = dict(alpha), dict(bandwidth)
+        for name in LINKS:
+            if alpha.get(name) is None or alpha[name] < 0:
+                raise ValueError(f"link {name!r}: alpha must be >= 0 seconds, got "
+                                 f"{alpha.get(name)!r}")
+            if bandwidth.get(name) is None or bandwidth[name] <= 0:
+                raise ValueError(f"link {name!r}: bandwidth must be > 0 bytes/s, got "
+                                 f"{bandwidth.get(name)!r}")
+        if reduce_bandwidth <= 0 or copy_bandwidth <= 0:
+            raise ValueError(f"reduce and copy bandwidths must be > 0 bytes/s, got "
+                             f"{reduce_bandwidth}, {copy_bandwidth}")
+        if overhead < 0 or call < 0 or switch < 0:
+            raise ValueError(f"overheads must be >= 0 s, got {overhead}, {call}, {switch}")
+        self.alpha = {k: float(alpha[k]) for k in LINKS}
+        self.bandwidth = {k: float(bandwidth[k]) for k in LINKS}
+        self.reduce_bandwidth = float(reduce_bandwidth)
+        self.copy_bandwidth = float(copy_bandwidth)
+        self.overhead, self.call, self.source = float(overhead), float(call), source
+        self.switch = float(switch)
+
+    @property
+    def gamma(self) -> float:
+        """Seconds per byte of reduction result."""
+        return 1.0 / self.reduce_bandwidth
+
+    def beta(self, link: str) -> float:
+        """Seconds per byte over ``link``."""
+        return 1.0 / self.bandwidth[link]
+
+    def replace(self, **links) -> CostModel:
+        """A copy with some link parameters replaced: ``net=(alpha, bandwidth)``; None keeps."""
+        alpha, bandwidth = dict(self.alpha), dict(self.bandwidth)
+        for name, (a, bw) in links.items():
+            if name not in LINKS:
+                raise ValueError(f"unknown link class {name!r}; expected one of {LINKS}")
+            if a is not None:
+                alpha[name] = a
+            if bw is not None:
+                bandwidth[name] = bw
+        return CostModel(alpha, bandwidth, self.reduce_bandwidth, self.copy_bandwidth,
+                         self.overhead, self.call, self.source, self.switch)
+
+    def to_dict(self) -> dict:
+        """The JSON form (seconds and bytes per second)."""
+        return {"version": 1,
+                "links": {k: {"alpha": self.alpha[k], "bandwidth": self.bandwidth[k]}
+                          for k in LINKS},
+                "reduce_bandwidth": self.reduce_bandwidth, "copy_bandwidth": self.copy_bandwidth,
+                "overhead": self.overhead, "call": self.call, "switch": self.switch,
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        """Read the JSON form written by ``to_dict``."""
+        if data.get("version") != 1:
+            raise ValueError(f"cost model version {data.get('version')!r}, expected 1")
+        links = data["links"]
+        return cls({k: links[k]["alpha"] for k in LINKS},
+                   {k: links[k]["bandwidth"] for k in LINKS},
+                   data["reduce_bandwidth"], data["copy_bandwidth"], data.get("overhead", 0.0),
+                   data.get("call", 0.0), data.get("source", ""), data.get("switch", 0.0))
+
+    @staticmethod
+    def default_path() -> Path:
+        """``COLLECTIVES_COST_MODEL`` or ``~/.cache/collectives/costmodel.json``."""
+        env = os.environ.get("COLLECTIVES_COST_MODEL")
+        if env:
+            return Path(env)
+        return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / \
+            "collectives" / "costmodel.json"
+
+    @classmethod
+    def load(cls, path=None) -> CostModel:
+        """The calibrated model at ``path`` (default path), else ``DEFAULT_MODEL``."""
+        path = Path(path) if path is not None else cls.default_path()
+        if not path.exists():
+            if path == cls.default_path() and "COLLECTIVES_COST_MODEL" not in os.environ:
+                return DEFAULT_MODEL
+            raise FileNotFoundError(f"no cost model at {path}; run python -m bench calibrate")
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a cost model file ({exc!r}); run python -m bench "
+                             f"calibrate") from None
+
+    def save(self, path=None) -> Path:
+        """Write the JSON form to ``path`` (default path); returns the path."""
+        path = Path(path) if path is not None else self.default_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    def __repr__(self):
+        links = ", ".join(f"{k}: {self.alpha[k] * 1e6:.2f} us {self.bandwidth[k] / 1e9:.2f} GB/s"
+                          for k in LINKS)
+        return (f"CostModel({links}; reduce {self.reduce_bandwidth / 1e9:.2f} GB/s, copy "
+                f"{self.copy_bandwidth / 1e9:.2f} GB/s, overhead {self.overhead * 1e6:.2f} us/op, "
+                f"call {self.call * 1e6:.1f} us, switch {self.switch * 1e6:.1f} us)")
+
+
+# Measured on the project's CI machine kind by ``python -m bench calibrate`` (2 cores, MPICH
+# from the package index); the network is a typical 100 Gb/s fabric (5 us, 12.5 GB/s).
+DEFAULT_MODEL = CostModel(
+    alpha={"numa": 3e-6, "node": 3e-6, "net": 5e-6},
+    bandwidth={"numa": 4e9, "node": 4e9, "net": 12.5e9},
+    reduce_bandwidth=3e9, copy_bandwidth=6e9, overhead=4e-6, call=30e-6,
+    source="built-in defaults")
+
+
+class Prediction:
+    """What the model predicts for one collective: ``time`` (s), its critical ``path`` split in
+    seconds of latency/transfer/compute/overhead, ``hops`` (messages on that path), ``ops``
+    simulated, ``simulated`` ranks and the ``method``: "all ranks", "shift symmetry", "xor
+    symmetry" or "extrapolated from k1, k2 segments"."""
+
+    __slots__ = ("time", "path", "hops", "ops", "simulated", "method")
+
+    def __init__(self, time, path, hops, ops, simulated, method="all ranks"):
+        self.time, self.path, self.hops, self.ops = time, path, hops, ops
+        self.simulated, self.method = simulated, method
+
+    def __repr__(self):
+        parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in self.path.items())
+        return (f"Prediction({self.time * 1e6:.1f} us: {parts}; {self.hops} hops, {self.ops} ops, "
+                f"{self.simulated} ranks simulated, {self.method})")
+
+
+class _Intervals:
+    """Disjoint sorted intervals of one buffer: the last writer and the readers since."""
+
+    __slots__ = ("lo", "hi", "w", "r")
+
+    def __init__(self):
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+        self.w: list[int] = []
+        self.r: list[list[int]] = []
+
+    def access(self, a, b, i, writes, need):
+        """Add the ops that an access of ``[a, b)`` by op ``i`` must follow to ``need``, then
+        record the access."""
+        lo, hi, w, r = self.lo, self.hi, self.w, self.r
+        if not lo or a >= hi[-1]:  # past every interval: the common case of a fresh region
+            lo.append(a), hi.append(b), w.append(i if writes else -1)
+            r.append([] if writes else [i])
+            return
+        j0 = bisect_right(hi, a)
+        j1 = j0
+        while j1 < len(lo) and lo[j1] < b:
+            if w[j1] >= 0:
+                need.add(w[j1])
+            if writes:
+                need.update(r[j1])
+            j1 += 1
+        if j1 == j0 + 1 and lo[j0] == a and hi[j0] == b:  # exactly one known interval
+            if writes:
+                w[j0], r[j0] = i, []
+            else:
+                r[j0].append(i)
+            return
+        new_lo, new_hi, new_w, new_r = [], [], [], []
+        if j0 < j1 and lo[j0] < a:  # the part of the first interval before a stays as it was
+            new_lo.append(lo[j0]), new_hi.append(a), new_w.append(w[j0]), new_r.append(r[j0])
+        if writes:
+            new_lo.append(a), new_hi.append(b), new_w.append(i), new_r.append([])
+        else:
+            at = a
+            for j in range(j0, j1):
+                if lo[j] > at:  # a gap never accessed before
+                    new_lo.append(at), new_hi.append(lo[j]), new_w.append(-1), new_r.append([i])
+                s, e = max(lo[j], a), min(hi[j], b)
+                new_lo.append(s), new_hi.append(e), new_w.append(w[j]), new_r.append(r[j] + [i])
+                at = e
+            if at < b:
+                new_lo.append(at), new_hi.append(b), new_w.append(-1), new_r.append([i])
+        if j0 < j1 and hi[j1 - 1] > b:
+            new_lo.append(b), new_hi.append(hi[j1 - 1]), new_w.append(w[j1 - 1])
+            new_r.append(list(r[j1 - 1]))
+        lo[j0:j1], hi[j0:j1], w[j0:j1], r[j0:j1] = new_lo, new_hi, new_w, new_r
+
+
+def fast_deps(schedule: Schedule) -> list[tuple[int, ...]]:
+    """``Schedule.deps()`` in O(log) per access: the same ordering (its transitive closure is
+    equal), computed with interval maps; used for the long schedules of large rank counts."""
+    maps = {IN: _Intervals(), OUT: _Intervals(), 2: _Intervals()}
+    if schedule.alias:
+        maps[IN] = maps[OUT]
+    result = []
+    for i, (_kind, _peer, dst, srcs) in enumerate(schedule.ops):
+        need: set[int] = set()
+        # Reads first, then the write: an op that reads and writes one region follows only
+        # earlier ops (itself is dropped below).
+        for buf, a, b in srcs:
+            maps[buf].access(a, b, i, False, need)
+        if dst is not None:
+            maps[dst[0]].access(dst[1], dst[2], i, True, need)
+        need.discard(i)
+        result.append(tuple(sorted(need)) if len(need) > 1 else tuple(need))
+    return result
+
+
+class _Compiled:
+    """What the model needs of one schedule, shared by every rank whose schedule has the same
+    ops up to the names of its peers (tree leaves, say): kinds, lengths, the dependency DAG, and
+    each message's queue (per peer and direction, numbered by first appearance) and position."""
+
+    __slots__ = ("kinds", "nelems", "users", "ndeps", "order", "qid", "queues")
+
+    def __init__(self, schedule):
+        ops = schedule.ops
+        self.kinds = [op[0] for op in ops]
+        self.nelems = [op.nelems() for op in ops]
+        deps = fast_deps(schedule)
+        self.users: list[list[int]] = [[] for _ in ops]
+        for i, d in enumerate(deps):
+            for j in d:
+                self.users[j].append(i)
+        self.ndeps = [len(d) for d in deps]
+        self.order = [0] * len(ops)
+        self.qid = [-1] * len(ops)
+        ids: dict = {}
+        self.queues: list[list[int]] = []
+        for i, op in enumerate(ops):
+            if op[0] <= RECV:
+                q = ids.get((op[0], op[1]))
+                if q is None:
+                    q = ids[(op[0], op[1])] = len(self.queues)
+                    self.queues.append([])
+                self.order[i] = len(self.queues[q])
+                self.qid[i] = q
+                self.queues[q].append(i)
+
+
+def _shape(schedule) -> tuple:
+    """A key equal for schedules that are the same up to a renaming of peers."""
+    names: dict[int, int] = {}
+    return (schedule.alias,) + tuple(
+        (kind, names.setdefault(peer, len(names)) if peer >= 0 else -1, dst, srcs)
+        for kind, peer, dst, srcs in schedule.ops)
+
+
+class _Rank:
+    """One simulated rank: its compiled schedule, peers, and the state of the simulation."""
+
+    __slots__ = ("rank", "kinds", "peers", "nbytes", "users", "pending", "rtime", "rnode",
+                 "order", "qid", "queues", "next", "posted", "cpu", "cpu_node")
+
+    def __init__(self, rank, schedule, itemsize, cache: dict):
+        key = _shape(schedule)
+        c = cache.get(key)
+        if c is None:
+            c = cache[key] = _Compiled(schedule)
+        self.rank = rank
+        self.kinds, self.users, self.order, self.qid, self.queues = \
+            c.kinds, c.users, c.order, c.qid, c.queues
+        self.peers = [op[1] for op in schedule.ops]
+        self.nbytes = [e * itemsize for e in c.nelems]
+        self.pending = list(c.ndeps)
+        n = len(c.kinds)
+        self.rtime = [0.0] * n
+        self.rnode = [0] * n
+        self.next = [0] * len(c.queues)
+        self.posted: list = [None] * n
+        self.cpu, self.cpu_node = 0.0, 0
+
+
+def _identity_canon(size):
+    return lambda q, r: (q, r)
+
+
+def _shift_canon(size, period):
+    def canon(q, r):
+        rep = q % period
+        return rep, (r - (q - rep)) % size
+    return canon
+
+
+def _xor_canon(size, period):
+    def canon(q, r):
+        rep = q & (period - 1)
+        return rep, r ^ (q ^ rep)
+    return canon
+
+
+def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int, *,
+                  canon=None, method: str = "all ranks") -> Prediction:
+    """Run ``schedules`` (a list, one per rank, or ``{rank: schedule}`` of the ranks simulated
+    with ``canon``) through the cost model; returns the ``Prediction``.
+
+    ``canon(q, r) -> (q', r')``: the simulated rank q' that stands for rank q, and the rank r'
+    that stands for sender r from q''s point of view (symmetry; identity by default).
+    """
+    if not isinstance(schedules, dict):
+        schedules = dict(enumerate(schedules))
+    size = topology.size
+    canon = canon or _identity_canon(size)
+    cache: dict = {}
+    ranks = {r: _Rank(r, s, itemsize, cache) for r, s in schedules.items()}
+    slow = topology.oversubscription
+    o = model.overhead * slow
+    gam, dlt = slow / model.reduce_bandwidth, slow / model.copy_bandwidth
+    alphas = [model.alpha[k] for k in LINKS]
+    if slow > 1:  # oversubscribed nodes: the receiver may first have to be scheduled in
+        alphas[_NUMA] += model.switch
+        alphas[_NODE] += model.switch
+    betas = [1.0 / model.bandwidth[k] for k in LINKS]
+    betas[_NUMA] *= slow
+    betas[_NODE] *= slow
+    # Critical-path nodes: time, predecessor, kind of the step from the predecessor.
+    nt, npred, nkind = array("d", [0.0]), array("q", [-1]), array("b", [_OVH])
+    nt_add, npred_add, nkind_add = nt.append, npred.append, nkind.append
+    heap: list = []
+    tick = itertools.count()
+    heappush, heappop = heapq.heappush, heapq.heappop
+    link, node_of = topology.link, topology.node
+    nic_out: dict[int, tuple[float, int]] = {}
+    nic_in: dict[int, tuple[float, int]] = {}
+    arrived: dict = {}   # (src, dst, n) -> (time, node) of a message nobody received yet
+    waiting: dict = {}   # (src, dst, n) -> (time, node, rank, op) of a posted receive
+    copying: dict = {}   # (rank, op) -> (time, node) the sender of a message has copied it in
+    last = [0.0, 0]  # finish time and node of the op that ends last
+
+    for st in ranks.values():
+        if model.call:
+            st.cpu = model.call * slow
+            nt_add(st.cpu), npred_add(0), nkind_add(_OVH)
+            st.cpu_node = len(nt) - 1
+        for i, n in enumerate(st.pending):
+            if n == 0:
+                heap.append((0.0, next(tick), 0, st.rank, i, 0))
+    heapq.heapify(heap)
+
+    def finish(st, i, t, nd):
+        """Op i of ``st`` ends at t: its users whose last dependency this was become ready."""
+        if t > last[0]:
+            last[0], last[1] = t, nd
+        pending, rtime, rnode = st.pending, st.rtime, st.rnode
+        for u in st.users[i]:
+            pending[u] -= 1
+            if t > rtime[u] or rnode[u] == 0:
+                rtime[u], rnode[u] = t, nd
+            if pending[u] == 0:
+                heappush(heap, (rtime[u], next(tick), 0, st.rank, u, rnode[u]))
+
+    def cpu_at(st, t, nd, cost, kind):
+        """Book the CPU of ``st`` for ``cost`` from ``t`` (first come, first served)."""
+        if st.cpu > t:
+            t, nd = st.cpu, st.cpu_node
+        end = t + cost
+        nt_add(end), npred_add(nd), nkind_add(kind)
+        st.cpu, st.cpu_node = end, len(nt) - 1
+        return end, st.cpu_node
+
+    def arrive(st, i, rep, src, arrival, xn):
+        """Send i of ``st`` arrives at ``rep`` (from ``src``, as rep sees it) at ``arrival``."""
+        nt_add(arrival), npred_add(xn), nkind_add(_LAT)
+        an = len(nt) - 1
+        finish(st, i, arrival, an)
+        mkey = (src, rep, st.order[i])
+        hit = waiting.pop(mkey, None)
+        if hit is None:
+            arrived[mkey] = (arrival, an)
+        elif hit[0] > arrival:
+            heappush(heap, (hit[0], next(tick), 2, hit[2], hit[3], hit[1]))
+        else:
+            heappush(heap, (arrival, next(tick), 2, hit[2], hit[3], an))
+
+    def post(st, key):
+        """Issue the messages of queue ``key`` whose turn has come and that are ready."""
+        q, pos, posted, rank = st.queues[key], st.next[key], st.posted, st.rank
+        while pos < len(q) and posted[q[pos]] is not None:
+            i = q[pos]
+            t, nd = cpu_at(st, posted[i][0], posted[i][1], o, _OVH)
+            if st.kinds[i] == SEND:
+                heappush(heap, (t, next(tick), 1, rank, i, nd))
+            else:
+                mkey = (st.peers[i], rank, st.order[i])
+                hit = arrived.pop(mkey, None)
+                if hit is None:
+                    waiting[mkey] = (t, nd, rank, i)
+                elif t >= hit[0]:
+                    heappush(heap, (t, next(tick), 2, rank, i, nd))
+                else:
+                    heappush(heap, (hit[0], next(tick), 2, rank, i, hit[1]))
+            pos += 1
+        st.next[key] = pos
+
+    while heap:
+        t, _, what, rank, i, nd = heappop(heap)
+        st = ranks[rank]
+        if what == 0:  # op i became ready
+            kind = st.kinds[i]
+            if kind >= REDUCE:
+                cost = o + st.nbytes[i] * (gam if kind == REDUCE else dlt)
+                end, en = cpu_at(st, t, nd, cost, _COMP)
+                finish(st, i, end, en)
+            else:
+                st.posted[i] = (t, nd)
+                key = st.qid[i]
+                if st.order[i] == st.next[key]:
+                    post(st, key)
+        elif what == 1:  # a send was issued: move the message
+            peer = st.peers[i]
+            cls = link(rank, peer)
+            rep, src = canon(peer, rank)
+            wire = st.nbytes[i] * betas[cls]
+            if cls == _NET:
+                a, b = node_of(rank), node_of(rep)
+                for port in (nic_out.get(a), nic_in.get(b)):
+                    if port is not None and port[0] > t:
+                        t, nd = port
+                end = t + wire
+                nt_add(end), npred_add(nd), nkind_add(_XFER)
+                xn = len(nt) - 1
+                nic_out[a] = nic_in[b] = (end, xn)
+            else:
+                # The sender copies the bytes in (its CPU, from t); the receiver copies them
+                # out as they come (below, at t: bookings are made in time order).
+                if st.cpu > t:
+                    t, nd = st.cpu, st.cpu_node
+                sent = t + wire
+                nt_add(sent), npred_add(nd), nkind_add(_XFER)
+                st.cpu, st.cpu_node = sent, len(nt) - 1
+                copying[(rank, i)] = (sent, st.cpu_node)
+                heappush(heap, (t, next(tick), 3, rank, i, nd))
+                continue
+            arrive(st, i, rep, src, end + alphas[cls], xn)
+        elif what == 3:  # the receiver of an intra-node message starts copying it out
+            sent, sn = copying.pop((rank, i))
+            rep, src = canon(st.peers[i], rank)
+            other = ranks[rep]  # under symmetry maybe the sender itself (its image)
+            if other.cpu > t:
+                t, nd = other.cpu, other.cpu_node
+            end = t + st.nbytes[i] * betas[link(rank, st.peers[i])]
+            if sent > end:  # it cannot finish before the sender has copied everything in
+                end, nd = sent, sn
+            nt_add(end), npred_add(nd), nkind_add(_XFER)
+            other.cpu, other.cpu_node = end, len(nt) - 1
+            arrive(st, i, rep, src, end + alphas[link(rank, st.peers[i])], other.cpu_node)
+        else:  # a receive's message is in: the executor completes it
+            end, en = cpu_at(st, t, nd, o, _OVH)
+            finish(st, i, end, en)
+    if waiting or arrived or any(any(st.pending) for st in ranks.values()):
+        stuck = [f"rank {r}: {sum(1 for p in st.pending if p)} ops blocked"
+                 for r, st in ranks.items() if any(st.pending)]
+        stuck += [f"rank {k[1]}: receive from rank {k[0]} never sent" for k in waiting]
+        stuck += [f"rank {k[0]}: message to rank {k[1]} never received" for k in arrived]
+        raise Deadlock("the cost model cannot finish the schedules (unmatched messages?):\n  "
+                       + "\n  ".join(stuck[:8]))
+    path = dict.fromkeys(_PATH, 0.0)
+    hops, n = 0, last[1]
+    while n > 0:
+        p = npred[n]
+        path[_PATH[nkind[n]]] += nt[n] - nt[p]
+        hops += nkind[n] == _LAT
+        n = p
+    ops = sum(len(st.kinds) for st in ranks.values())
+    return Prediction(last[0], path, hops, ops, len(ranks), method)
+
+
+def build_schedule(collective: str, builder, rank: int, size: int, count: int, *, root: int = 0,
+                   seg: int | None = None, **kwargs) -> Schedule:
+    """``builder``'s schedule for ``rank``, called as the API does; ``count`` is the element
+    count of the per-rank input (allreduce, reduce, broadcast) or of the whole buffer
+    (reduce_scatter: the input; allgather: the output), split evenly over the ranks."""
+    if collective == "allreduce":
+        return builder(rank, size, count, seg=seg, **kwargs)
+    if collective in ("reduce", "broadcast"):
+        return builder(rank, size, count, root, seg=seg, **kwargs)
+    if collective in ("reduce_scatter", "allgather"):
+        bounds = split(count, size)
+        counts = tuple(bounds[k + 1] - bounds[k] for k in range(size))
+        return builder(rank, size, counts, seg=seg, **kwargs)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _signature(s: Schedule, g):
+    return [(op[0], g(op[1]) if op[1] >= 0 else -1, op.nelems()) for op in s.ops]
+
+
+def _same(a, b) -> bool:
+    """Two signatures match: kinds and peers equal, lengths within one element (ragged)."""
+    return len(a) == len(b) and all(x[0] == y[0] and x[1] == y[1] and abs(x[2] - y[2]) <= 1
+                                    for x, y in zip(a, b))
+
+
+def _symmetry(build, size: int, period: int, reps: dict):
+    """("shift" | "xor", canon) if sample ranks' schedules are images of their
+    representatives' under that map, else None."""
+    samples = sorted({period, period + period // 2 + 1, size // 2 + 1, size - 1} - set(reps))
+    samples = [x for x in samples if period <= x < size]
+    built = {x: build(x) for x in samples}
+    kinds = [("shift", lambda x, m: (lambda y: (y - m) % size), lambda x: x % period)]
+    if size & (size - 1) == 0 and period & (period - 1) == 0:
+        kinds.append(("xor", lambda x, m: (lambda y: y ^ m), lambda x: x & (period - 1)))
+    for name, gmap, rep_of in kinds:
+        ok = True
+        for x, s in built.items():
+            rep = rep_of(x)
+            m = x - rep if name == "shift" else x ^ rep
+            if not _same(_signature(s, gmap(x, m)), _signature(reps[rep], lambda y: y)):
+                ok = False
+                break
+        if ok:
+            canon = _shift_canon(size, period) if name == "shift" else _xor_canon(size, period)
+            return name, canon
+    return None
+
+
+SYMMETRY_MIN = 32  # below this many ranks every rank is simulated (cheap, and exact)
+
+
+def predict(collective: str, algorithm, size: int, nbytes: int, *, itemsize: int = 4,
+            root: int = 0, topology: Topology | None = None, model: CostModel | None = None,
+            seg_bytes: int | None = None, symmetry: str = "auto", max_ops: int = 2_000_000,
+            **kwargs) -> Prediction:
+    """Predict the time of ``algorithm`` (a registered name or a builder) for ``collective`` of
+    ``nbytes`` on ``size`` ranks (``nbytes`` as the benchmark's size column: the per-rank input,
+    or the whole buffer for reduce_scatter and allgather).
+
+    How: every rank is simulated when ``size < SYMMETRY_MIN`` or ``symmetry="none"``. Otherwise
+    a symmetry (shift or XOR of ranks, checked on sample ranks) lets one period of the topology
+    stand for all ranks. Without one, if every rank's schedule together exceeds ``max_ops`` ops,
+    the model runs two smaller messages of k1 and k2 = 2 k1 >= 8 segments (as many as
+    ``max_ops`` allows, at most half the real count) and extrapolates linearly in the number of
+    segments: exact for a pipeline in its steady state, an approximation otherwise.
+    ``seg_bytes``: the executor's segment size (default: its current one). Extra ``kwargs`` go
+    to the builder.
+    """
+    from . import executor, select
+    if isinstance(algorithm, str):
+        builder = select.get(collective, algorithm)
+        if builder == select.NATIVE or hasattr(builder, "launch"):
+            raise ValueError(f"{collective} {algorithm!r} is not a schedule algorithm: the "
+                             f"cost model cannot run it")
+    else:
+        builder = algorithm
+    topology = topology or Topology(size)
+    if hasattr(builder, "context_kwargs"):
+        # A topology-aware builder: the API passes the communicator's topology, we pass ours.
+        kwargs = {**topology.groups(), **kwargs}
+    if symmetry not in ("auto", "none"):
+        raise ValueError(f"symmetry must be 'auto' or 'none', got {symmetry!r}")
+    if topology.size != size:
+        raise ValueError(f"topology has {topology.size} ranks, expected {size}")
+    model = model or CostModel.load()
+    seg = max(1, (seg_bytes or executor.SEGMENT_BYTES) // itemsize)
+    count = nbytes // itemsize
+    if count == 0 or size == 1:
+        return Prediction(model.call * topology.oversubscription, dict.fromkeys(_PATH, 0.0), 0,
+                          0, size)
+
+    def builds(n):
+        return lambda r: build_schedule(collective, builder, r, size, n, root=root, seg=seg,
+                                        **kwargs)
+
+    build = builds(count)
+    period = topology.period()
+    if symmetry == "auto" and size >= SYMMETRY_MIN and period is not None and period < size:
+        reps = {r: build(r) for r in range(period)}
+        found = _symmetry(build, size, period, reps)
+        if found is not None:
+            name, canon = found
+            return critical_path(reps, topology, model, itemsize, canon=canon,
+                                 method=f"{name} symmetry")
+    first = build(0)
+    total = len(first.ops) * size  # a first guess; exact once every schedule is built
+    if total <= 20 * max_ops:
+        schedules = [first] + [build(r) for r in range(1, size)]
+        total = sum(len(s.ops) for s in schedules)
+        if total <= max_ops:
+            return critical_path(schedules, topology, model, itemsize)
+        del schedules
+    # Segments of the longest message: the whole buffer, or one block for the scattering ones.
+    unit = seg * size if collective in ("reduce_scatter", "allgather") else seg
+    nseg = count / unit
+    k2 = min(int(nseg) // 2, int(max_ops / total * nseg))
+    if k2 < 8:
+        raise ValueError(f"{collective} {algorithm!r} on {size} ranks has about {total} ops, "
+                         f"no symmetry to exploit and too few segments to extrapolate within "
+                         f"max_ops={max_ops}: model fewer ranks, or raise max_ops")
+    k1 = k2 // 2
+    lo, hi = (critical_path([builds(k * unit)(r) for r in range(size)], topology, model,
+                            itemsize) for k in (k1, k2))
+    scale = (nseg - k2) / (k2 - k1)
+    path = {k: hi.path[k] + (hi.path[k] - lo.path[k]) * scale for k in _PATH}
+    return Prediction(hi.time + (hi.time - lo.time) * scale, path,
+                      round(hi.hops + (hi.hops - lo.hops) * scale), lo.ops + hi.ops, size,
+                      f"extrapolated from {k1} and {k2} segments")

@@ -1,0 +1,50 @@
+"""``python -m bench <command> [options]``: dispatch to ``bench.<command>.main(argv)``.
+
+Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce), ``ddp``
+(data-parallel training step), ``tune`` (measure and write the table ``auto`` reads),
+``calibrate`` and ``model`` (the alpha-beta-gamma cost model) and ``plot`` (redraw JSON results).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS = {
+    "allreduce": "bandwidth/latency of every allreduce algorithm, MPI's and gloo's",
+    "reduce_scatter": "the same for reduce-scatter",
+    "allgather": "the same for all-gather",
+    "broadcast": "the same for broadcast",
+    "reduce": "the same for reduce",
+    "ddp": "data-parallel training step time (torch)",
+    "tune": "measure every algorithm and write the tuning table auto reads",
+    "calibrate": "measure alpha, beta, gamma of this machine for the cost model",
+    "model": "predict every algorithm's time at any scale (--validate: against measurement)",
+    "plot": "draw busbw vs size from JSON results",
+}
+
+
+def usage() -> str:
+    lines = ["usage: [mpiexec -n N] python -m bench <command> [options]", "", "commands:"]
+    lines += [f"  {name:<15} {text}" for name, text in COMMANDS.items()]
+    lines += ["", "python -m bench <command> -h shows a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run ``bench.<argv[0]>.main(argv[1:])``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name = argv[0].replace("-", "_")
+    if name not in COMMANDS:
+        print(f"unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"bench.{name}")
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

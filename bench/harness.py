@@ -1,0 +1,659 @@
+"""The benchmark harness shared by every collective (nccl-tests' ``testColl``): byte counts,
+init data, the bus-bandwidth factor, the timed sweep, the table, and JSON/CSV/PNG reports.
+
+A collective module (``bench/allreduce.py``, ...) is a small ``Collective`` subclass: how many
+elements go in and out for a size, how to call it (out of place / in place, ours / gloo) and
+what the exact result is. ``main(collective, argv)`` does the rest:
+
+- sizes from ``-b`` to ``-e`` by a factor ``-f`` (``64M`` = 64 MiB); the *size* column is the
+  per-rank buffer for allreduce/reduce/broadcast and the whole buffer for reduce-scatter and
+  all-gather, as nccl-tests prints it; ``algbw = size / time`` and ``busbw = algbw x factor``
+  with factor 2(n-1)/n for allreduce, (n-1)/n for reduce-scatter and all-gather, 1 otherwise.
+- for each size, every algorithm and mode (out-of-place, in-place) runs interleaved: check
+  (``-c``: exact rank-dependent data, wrong elements counted), warm-up (``-w``), then ``--rounds``
+  rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms). A round's
+  per-iteration time is each rank's average, then the *max over ranks* (nccl-tests); the table
+  shows the median over rounds and the spread (max - min) / median. ``--latency`` adds OSU's
+  min/avg/max over ranks.
+- buffers are allocated once per size and every call passes ``out=``, so the benchmark measures
+  the collective, not the allocator. In-place calls are timed on zeros (after the check), since
+  a sum repeated in place would overflow to inf.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import socket
+import sys
+import time
+
+import numpy as np
+
+__all__ = [
+    "parse_size", "parse_time", "parse_rate", "format_size", "byte_sizes", "BUSBW",
+    "busbw_factor", "rank_data", "expected_reduce", "Collective", "Result", "Sweep",
+    "format_table", "write_json", "write_csv", "membw", "default_algorithms", "parser", "main",
+]
+
+_BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text) -> int:
+    """Bytes from ``"64M"``, ``"1KiB"``, ``"8"``, ``"256MB"`` (K, M, G are powers of 1024)."""
+    if isinstance(text, (int, np.integer)):
+        return int(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise ValueError(f"cannot read a byte size from {text!r}; expected e.g. 8, 64K, 256M, "
+                         f"1G")
+    value = float(m.group(1)) * _BINARY[m.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def parse_time(text) -> float:
+    """Seconds from ``"5us"``, ``"1.5ms"``, ``"2e-6"`` (a bare number is seconds)."""
+    m = re.fullmatch(r"\s*([\d.]+(?:[eE][-+]?\d+)?)\s*(s|ms|us|µs|ns)?\s*", str(text))
+    if not m:
+        raise ValueError(f"cannot read a time from {text!r}; expected e.g. 5us, 1.5ms, 2e-6")
+    scale = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def parse_rate(text) -> float:
+    """Bytes per second from ``"25GB/s"`` (decimal), ``"10GiB/s"`` (binary), ``"100Gb/s"``
+    (bits)."""
+    m = re.fullmatch(r"\s*([\d.]+(?:[eE][-+]?\d+)?)\s*([kKmMgGtT]?)(i?)([bB])(?:/s|ps)\s*",
+                     str(text))
+    if not m:
+        raise ValueError(f"cannot read a bandwidth from {text!r}; expected e.g. 25GB/s, "
+                         f"100Gb/s, 10GiB/s")
+    prefix = m.group(2).lower()
+    scale = _BINARY[prefix] if m.group(3) else 1000 ** "_kmgt".index(prefix or "_")
+    bits = m.group(4) == "b"
+    return float(m.group(1)) * scale / (8 if bits else 1)
+
+
+def format_size(nbytes: int) -> str:
+    """``65536 -> "64K"``: the largest binary unit that divides ``nbytes``."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def byte_sizes(begin: int, end: int, factor: float) -> list[int]:
+    """``begin, begin*factor, ...`` up to ``end`` (nccl-tests ``-b -e -f``)."""
+    if begin < 1 or end < begin:
+        raise ValueError(f"need 1 <= -b ({begin}) <= -e ({end})")
+    if factor <= 1:
+        raise ValueError(f"the step factor -f must be > 1, got {factor}")
+    out, size = [], begin
+    while size <= end:
+        out.append(int(size))
+        size = max(int(size * factor), int(size) + 1)
+    return out
+
+
+BUSBW = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw x factor."""
+    try:
+        return BUSBW[collective](n)
+    except KeyError:
+        raise ValueError(f"unknown collective {collective!r}; expected one of "
+                         f"{', '.join(BUSBW)}") from None
+
+
+# -- exact data --------------------------------------------------------------------------------
+def rank_data(rank: int, count: int, dtype, op: str | None = "sum") -> np.ndarray:
+    """Exact rank-dependent values for which every reduction order gives the same result: small
+    integers (sums), 1 or 2 (products), bits (bitwise ops, bool)."""
+    dtype = np.dtype(dtype)
+    i = np.arange(count, dtype=np.int64)
+    if dtype.kind == "b":
+        return (i + rank) % 3 == 0
+    if op == "prod":
+        vals = 1 + (i + rank) % 2
+    elif op in ("band", "bor", "bxor"):
+        vals = (i * 7 + rank * 13) % 64
+    elif op in ("min", "max"):
+        vals = (i * 7 + rank * 3) % 11
+    else:
+        vals = (i + 3 * rank) % 5
+    return vals.astype(dtype)
+
+
+def expected_reduce(n: int, count: int, dtype, op: str) -> np.ndarray:
+    """The reduction of ``rank_data`` over ``n`` ranks, as the toolkit computes it (``avg`` is
+    the sum divided by n in the dtype)."""
+    from collectives.ops import resolve
+    opr = resolve(op, dtype)
+    acc = rank_data(0, count, dtype, op)
+    for r in range(1, n):
+        opr.reduce(acc, acc, rank_data(r, count, dtype, op))
+    if op == "avg":
+        np.divide(acc, n, out=acc)
+    return acc
+
+
+# -- collectives --------------------------------------------------------------------------------
+class Collective:
+    """What a benchmark module says about its collective (see the module doc)."""
+
+    name = ""
+    has_op = True
+    rooted = False
+    modes = ("out", "in")
+
+    def counts(self, count: int, n: int) -> tuple[int, int, int]:
+        """``(input elements, output elements, elements of the size column)`` for a size
+        column of ``count`` elements on ``n`` ranks."""
+        return count, count, count
+
+    def call(self, coll, x, out, mode, algorithm, op, root, comm):
+        """A zero-argument callable running one collective on preallocated buffers."""
+        raise NotImplementedError
+
+    def expected(self, rank, n, x_count, dtype, op, root):
+        """The exact output on ``rank`` (None: nothing to check there)."""
+        raise NotImplementedError
+
+    def gloo(self, dist, tx, tout, mode, op, root):
+        """A callable running torch.distributed's collective, or None if gloo has none."""
+        return None
+
+    def result(self, x, out, mode):
+        """The array holding the result after a call."""
+        return x if mode == "in" else out
+
+
+class Result:
+    """One measured (size, algorithm, mode): seconds per round (max over ranks), the median
+    round's per-rank times, iterations, wrong elements."""
+
+    __slots__ = ("collective", "nbytes", "count", "dtype", "op", "root", "algorithm", "mode",
+                 "rounds", "ranks_t", "iters", "wrong", "n", "factor")
+
+    def __init__(self, collective, nbytes, count, dtype, op, root, algorithm, mode, n, factor):
+        self.collective, self.nbytes, self.count, self.dtype = collective, nbytes, count, dtype
+        self.op, self.root, self.algorithm, self.mode = op, root, algorithm, mode
+        self.n, self.factor = n, factor
+        self.rounds: list[float] = []
+        self.ranks_t: list[list[float]] = []
+        self.iters = 0
+        self.wrong: int | None = None
+
+    @property
+    def time(self) -> float:
+        """Median over rounds of the per-iteration time (max over ranks), seconds."""
+        return float(np.median(self.rounds)) if self.rounds else math.nan
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median over rounds."""
+        if len(self.rounds) < 2:
+            return 0.0
+        return (max(self.rounds) - min(self.rounds)) / self.time
+
+    @property
+    def algbw(self) -> float:
+        """Bytes per second (GB/s x 1e9) of the size column."""
+        return self.nbytes / self.time if self.time > 0 else 0.0
+
+    @property
+    def busbw(self) -> float:
+        return self.algbw * self.factor
+
+    def latency(self) -> tuple[float, float, float]:
+        """OSU min/avg/max over ranks of the median round, seconds."""
+        if not self.rounds:
+            return (math.nan,) * 3
+        k = int(np.argsort(self.rounds)[len(self.rounds) // 2])
+        t = self.ranks_t[k]
+        return min(t), sum(t) / len(t), max(t)
+
+    def to_dict(self) -> dict:
+        lat = self.latency()
+        return {"collective": self.collective, "size": self.nbytes, "count": self.count,
+                "type": self.dtype, "redop": self.op, "root": self.root,
+                "algorithm": self.algorithm, "mode": self.mode, "ranks": self.n,
+                "time_us": self.time * 1e6, "rounds_us": [t * 1e6 for t in self.rounds],
+                "spread": self.spread, "algbw_GBps": self.algbw / 1e9,
+                "busbw_GBps": self.busbw / 1e9, "wrong": self.wrong, "iterations": self.iters,
+                "lat_min_us": lat[0] * 1e6, "lat_avg_us": lat[1] * 1e6,
+                "lat_max_us": lat[2] * 1e6}
+
+
+def default_algorithms(collective: str, gloo: bool = True) -> list[str]:
+    """Every registered algorithm, ``auto``, and ``gloo`` when torch is importable."""
+    import importlib.util
+
+    import collectives
+    names = list(collectives.algorithms(collective))
+    # native first: the baseline the ratio column divides by.
+    names.sort(key=lambda a: (a != "native", a))
+    names.append("auto")
+    if gloo and importlib.util.find_spec("torch") is not None:
+        names.append("gloo")
+    return names
+
+
+def membw(comm, nbytes: int = 32 << 20, reps: int = 3) -> float:
+    """The machine's memory bandwidth (bytes/s) for a large ``numpy.copyto`` run by every rank
+    at once: ranks x 2 x nbytes (read + write) over the slowest rank's best time."""
+    a = np.ones(nbytes // 8)
+    b = np.empty_like(a)
+    best = math.inf
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    slowest = _max(comm, best)
+    return comm.Get_size() * 2 * a.nbytes / slowest
+
+
+def _max(comm, value: float) -> float:
+    from mpi4py import MPI
+    buf = np.array([value], dtype=np.float64)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    return float(buf[0])
+
+
+def _gather(comm, value: float) -> list[float]:
+    out = np.empty(comm.Get_size(), dtype=np.float64)
+    comm.Allgather(np.array([value], dtype=np.float64), out)
+    return out.tolist()
+
+
+def _sum(comm, value: int) -> int:
+    from mpi4py import MPI
+    buf = np.array([value], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    return int(buf[0])
+
+
+class _Progress:
+    """A one-line progress bar on stderr, on rank 0 and only when stderr is a terminal."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done = max(total, 1), 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r[{bar:<30}] {100 * frac:3.0f}% {label:<24} "
+                         f"{time.perf_counter() - self.start:6.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+            sys.stderr.flush()
+
+
+class Sweep:
+    """A benchmark run: one collective over sizes and algorithms (see the module doc)."""
+
+    def __init__(self, collective: Collective, comm, *, dtype="float32", op="sum", root=0,
+                 algorithms=None, iters=0, warmup=2, rounds=3, budget=0.01, check=True,
+                 modes=None, gloo_comm=None, out=None):
+        self.spec, self.comm = collective, comm
+        self.n, self.rank = comm.Get_size(), comm.Get_rank()
+        self.dtype = np.dtype(dtype)
+        self.op = op if collective.has_op else None
+        self.root = root if collective.rooted else -1
+        if collective.rooted and not 0 <= root < self.n:
+            raise ValueError(f"root {root} out of range for {self.n} ranks")
+        self.algorithms = list(algorithms or default_algorithms(collective.name))
+        self.iters, self.warmup, self.rounds = iters, warmup, max(1, rounds)
+        self.budget, self.check = budget, check
+        self.modes = [m for m in (modes or collective.modes) if m in collective.modes]
+        if not self.modes:
+            raise ValueError(f"{collective.name} runs {'/'.join(collective.modes)} only")
+        self.factor = busbw_factor(collective.name, self.n)
+        self.out = out  # callback(results of one size) for streaming output
+        self.notes: list[str] = []
+        self._gloo = None
+        if "gloo" in self.algorithms:
+            from bench import gloo
+            self._gloo = gloo.init(comm)
+            if self._gloo is None:
+                self.notes.append("gloo: torch is not importable, skipped")
+                self.algorithms.remove("gloo")
+
+    def _callables(self, coll, count):
+        """{(algorithm, mode): (call, result array, reset)} for one size."""
+        spec, dtype, n, rank = self.spec, self.dtype, self.n, self.rank
+        cin, cout, _ = spec.counts(count, n)
+        data = rank_data(rank, cin, dtype, self.op)
+        x = data.copy()
+        out = np.zeros(cout, dtype)
+        buf = data.copy()  # the in-place buffer
+        root = max(self.root, 0)
+        calls = {}
+        for alg in self.algorithms:
+            for mode in self.modes:
+                arr_x = buf if mode == "in" else x
+
+                def reset(arr_x=arr_x, zero=False):
+                    if zero:
+                        arr_x.fill(0)
+                    else:
+                        np.copyto(arr_x, data)
+                if alg == "gloo":
+                    fn = self._gloo.call(spec, arr_x, out, mode, self.op, root)
+                    if fn is None:
+                        continue
+                else:
+                    fn = spec.call(coll, arr_x, out, mode, alg, self.op, root, self.comm)
+                calls[(alg, mode)] = (fn, spec.result(arr_x, out, mode), reset)
+        return calls, cin
+
+    def _measure(self, fn, iters: int) -> float:
+        self.comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+
+    def run_size(self, nbytes: int, progress=None) -> list[Result]:
+        """Measure every algorithm and mode at one size (interleaved)."""
+        import collectives as coll
+        spec, n = self.spec, self.n
+        count = max(1, nbytes // self.dtype.itemsize)
+        cin, cout, ccol = spec.counts(count, n)
+        size_col = ccol * self.dtype.itemsize
+        calls, cin = self._callables(coll, count)
+        results = {key: Result(spec.name, size_col, ccol, self.dtype.name, self.op or "none",
+                               self.root, key[0], key[1], n, self.factor) for key in calls}
+        if self.check:
+            want = spec.expected(self.rank, n, cin, self.dtype, self.op, max(self.root, 0))
+            for key, (fn, res, reset) in calls.items():
+                reset()
+                fn()
+                bad = 0 if want is None else int(np.count_nonzero(res != want))
+                results[key].wrong = _sum(self.comm, bad)
+                reset()
+        for key, (fn, res, reset) in calls.items():
+            if key[1] == "in":
+                # Repeated in-place sums would overflow to inf: time on zeros, which stay put.
+                reset(zero=True)
+        for key, (fn, _res, _reset) in calls.items():
+            # Warm-up: one call, then as many more (up to -w) as fit in the budget; the same
+            # number on every rank, from the slowest rank's time.
+            est = _max(self.comm, self._measure(fn, 1))
+            more = min(self.warmup - 1, int(self.budget / max(est, 1e-9)))
+            if more > 0:
+                est = _max(self.comm, self._measure(fn, more))
+            if self.iters:
+                iters = self.iters
+            else:
+                iters = int(min(1000, max(1, math.ceil(self.budget / max(est, 1e-9)))))
+            results[key].iters = iters
+        for r in range(self.rounds):
+            for key, (fn, _res, _reset) in calls.items():
+                t = self._measure(fn, results[key].iters)
+                ranks_t = _gather(self.comm, t)
+                results[key].rounds.append(max(ranks_t))
+                results[key].ranks_t.append(ranks_t)
+            if progress is not None:
+                progress.step(f"{format_size(size_col)} round {r + 1}/{self.rounds}")
+        return list(results.values())
+
+    def run(self, sizes) -> list[Result]:
+        """Every size in turn; calls ``out(results)`` after each size."""
+        progress = _Progress(len(sizes) * self.rounds, self.rank == 0)
+        allres = []
+        try:
+            for nbytes in sizes:
+                res = self.run_size(nbytes, progress)
+                allres.extend(res)
+                if self.out is not None:
+                    self.out(res)
+        finally:
+            progress.close()
+        return allres
+
+    def close(self):
+        if self._gloo is not None:
+            self._gloo.close()
+
+
+# -- reports ------------------------------------------------------------------------------------
+_MODE_HEAD = {"out": "out-of-place", "in": "in-place"}
+
+
+def _fmt_time(t: float) -> str:
+    return f"{t * 1e6:10.2f}" if t < 1e4 else f"{t * 1e6:10.0f}"
+
+
+def header(spec: Collective, modes, *, latency=False, ratio=True, bound=False) -> list[str]:
+    """The column header lines of the nccl-tests table."""
+    left = f"{'size':>10} {'count':>11} {'type':>9} {'redop':>6} {'root':>5} {'algorithm':<19}"
+    units = f"{'(B)':>10} {'(elements)':>11} {'':>9} {'':>6} {'':>5} {'':<19}"
+    group = " " * len(left)
+    mid, mid_u = "", ""
+    for mode in modes:
+        block = f" {'time':>10} {'±%':>4} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+        unit = f" {'(us)':>10} {'':>4} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+        group += f"{_MODE_HEAD[mode]:^{len(block)}}"
+        mid += block
+        mid_u += unit
+    tail, tail_u = "", ""
+    if latency:
+        tail += f" {'lat-min':>9} {'lat-avg':>9} {'lat-max':>9} {'iters':>6}"
+        tail_u += f" {'(us)':>9} {'(us)':>9} {'(us)':>9} {'':>6}"
+    if ratio:
+        tail += f" {'xnative':>7}"
+        tail_u += f" {'':>7}"
+    if bound:
+        tail += f" {'%bound':>6}"
+        tail_u += f" {'':>6}"
+    return ["#" + group[1:], "#" + (left + mid + tail)[1:], "#" + (units + mid_u + tail_u)[1:]]
+
+
+def rows(results: list[Result], modes, *, latency=False, ratio=True, membw_Bps=None) -> list[str]:
+    """Table lines for the results of one size: one per algorithm."""
+    by = {(r.algorithm, r.mode): r for r in results}
+    lines = []
+    algs = list(dict.fromkeys(r.algorithm for r in results))
+    for alg in algs:
+        first = next(by[(alg, m)] for m in modes if (alg, m) in by)
+        line = (f"{first.nbytes:>10} {first.count:>11} {first.dtype:>9} {first.op:>6} "
+                f"{first.root:>5} {alg:<19}")
+        for mode in modes:
+            r = by.get((alg, mode))
+            if r is None:
+                line += f" {'-':>10} {'':>4} {'-':>7} {'-':>7} {'-':>6}"
+                continue
+            wrong = "N/A" if r.wrong is None else str(r.wrong)
+            line += (f" {_fmt_time(r.time)} {100 * r.spread:4.0f} {r.algbw / 1e9:7.2f} "
+                     f"{r.busbw / 1e9:7.2f} {wrong:>6}")
+        main = by.get((alg, modes[0])) or first
+        if latency:
+            lo, avg, hi = main.latency()
+            line += f" {lo * 1e6:9.2f} {avg * 1e6:9.2f} {hi * 1e6:9.2f} {main.iters:>6}"
+        if ratio:
+            base = by.get(("native", main.mode))
+            line += (f" {base.time / main.time:7.2f}" if base is not None and main.time > 0
+                     else f" {'-':>7}")
+        if membw_Bps:
+            bound = 2 * main.n * main.nbytes / membw_Bps
+            line += f" {100 * bound / main.time:6.1f}"
+        lines.append(line)
+    return lines
+
+
+def footer(results: list[Result], modes) -> list[str]:
+    """nccl-tests' closing lines: average busbw of each algorithm over the sweep."""
+    lines = ["#", "# Avg bus bandwidth (GB/s, over sizes; first mode):"]
+    for alg in dict.fromkeys(r.algorithm for r in results):
+        bw = [r.busbw for r in results if r.algorithm == alg and r.mode == modes[0]]
+        wrong = [r.wrong for r in results if r.algorithm == alg and r.wrong is not None]
+        if bw:
+            lines.append(f"#   {alg:<19} {np.mean(bw) / 1e9:8.3f}"
+                         + (f"   #wrong {sum(wrong)}" if wrong else ""))
+    return lines
+
+
+def format_table(spec: Collective, results: list[Result], modes=None, **kw) -> str:
+    """The whole table for ``results`` (any number of sizes) as one string."""
+    modes = list(modes or spec.modes)
+    lines = header(spec, modes, latency=kw.get("latency", False), ratio=kw.get("ratio", True),
+                   bound=bool(kw.get("membw_Bps")))
+    for nbytes in dict.fromkeys(r.nbytes for r in results):
+        lines += rows([r for r in results if r.nbytes == nbytes], modes, **kw)
+    return "\n".join(lines)
+
+
+def write_json(path, results: list[Result], meta: dict) -> None:
+    """Results and run metadata as JSON (what ``bench plot`` reads back)."""
+    with open(path, "w") as f:
+        json.dump(dict(meta, results=[r.to_dict() for r in results]), f, indent=1)
+        f.write("\n")
+
+
+def write_csv(path, results: list[Result]) -> None:
+    """One CSV row per (size, algorithm, mode)."""
+    dicts = [r.to_dict() for r in results]
+    if not dicts:
+        return
+    fields = [k for k in dicts[0] if k != "rounds_us"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(dicts)
+
+
+# -- command line -------------------------------------------------------------------------------
+def parser(spec: Collective) -> argparse.ArgumentParser:
+    """The nccl-tests/OSU options of ``python -m bench <collective>``."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m bench {spec.name}",
+        description=f"{spec.name} bandwidth and latency, every algorithm beside MPI's own "
+                    f"(run under mpiexec -n N)")
+    p.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8)")
+    p.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
+    p.add_argument("-f", "--stepfactor", type=float, default=4, help="size factor (default 4)")
+    p.add_argument("-d", "--datatype", default="float32", help="numpy dtype (default float32)")
+    if spec.has_op:
+        p.add_argument("-o", "--op", default="sum",
+                       help="sum, prod, min, max, avg, band, bor, bxor (default sum)")
+    if spec.rooted:
+        p.add_argument("-r", "--root", type=int, default=0, help="root rank (default 0)")
+    p.add_argument("-n", "--iters", type=int, default=0,
+                   help="calls per round (default: enough for --budget ms)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up calls (default 2)")
+    p.add_argument("-c", "--check", type=int, default=1, help="check results (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--budget", type=float, default=10,
+                   help="ms per round when -n is not given (default 10)")
+    p.add_argument("--algorithms", default=None,
+                   help="comma-separated (default: every registered one, auto, gloo)")
+    p.add_argument("--modes", default=None, help=f"out,in (default: {','.join(spec.modes)})")
+    p.add_argument("--latency", action="store_true", help="OSU min/avg/max latency columns")
+    p.add_argument("--json", default=None, help="write the results as JSON")
+    p.add_argument("--csv", default=None, help="write the results as CSV")
+    p.add_argument("--plot", default=None, help="draw busbw vs size into this PNG")
+    return p
+
+
+def _abort_on_error(comm):
+    """An exception on one rank must end the whole job, not leave the others waiting."""
+    def hook(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+        sys.stderr.flush()
+        comm.Abort(1)
+    if comm.Get_size() > 1:
+        sys.excepthook = hook
+
+
+def run_info(comm, sweep: Sweep) -> dict:
+    """Metadata of a run: ranks, host, MPI library, dtype, op."""
+    from mpi4py import MPI
+    return {"collective": sweep.spec.name, "ranks": sweep.n, "host": socket.gethostname(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "dtype": sweep.dtype.name, "op": sweep.op, "root": sweep.root,
+            "rounds": sweep.rounds, "notes": sweep.notes}
+
+
+def main(spec: Collective, argv=None) -> int:
+    """``python -m bench <collective> [options]`` (see ``parser``)."""
+    args = parser(spec).parse_args(argv)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    _abort_on_error(comm)
+    sizes = byte_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    algorithms = args.algorithms.split(",") if args.algorithms else None
+    if algorithms:
+        import collectives
+        known = set(collectives.algorithms(spec.name)) | {"auto", "gloo"}
+        unknown = [a for a in algorithms if a not in known]
+        if unknown:
+            raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)} for {spec.name}; "
+                             f"expected some of {', '.join(sorted(known))}")
+    modes = args.modes.split(",") if args.modes else None
+    rank0 = comm.Get_rank() == 0
+    bw = membw(comm) if spec.name == "allreduce" else None
+    lines_kw = dict(latency=args.latency, membw_Bps=bw)
+
+    def show(res):
+        if rank0:
+            print("\n".join(rows(res, sweep.modes, **lines_kw)), flush=True)
+
+    sweep = Sweep(spec, comm, dtype=args.datatype, op=getattr(args, "op", None),
+                  root=getattr(args, "root", 0), algorithms=algorithms, iters=args.iters,
+                  warmup=args.warmup_iters, rounds=args.rounds, budget=args.budget / 1e3,
+                  check=bool(args.check), modes=modes, out=show)
+    info = run_info(comm, sweep)
+    if rank0:
+        print(f"# collectives benchmark: {spec.name}, {sweep.n} ranks on {info['host']}, "
+              f"{sweep.dtype.name}" + (f" {sweep.op}" if sweep.op else "")
+              + (f", root {sweep.root}" if spec.rooted else ""))
+        print(f"# {info['mpi']}")
+        print(f"# {sweep.rounds} rounds per size, interleaved over algorithms; time = per-call "
+              f"time, max over ranks, median of rounds; ±% = (max - min) / median")
+        print(f"# algorithms: {', '.join(sweep.algorithms)}"
+              + "".join(f"\n# note: {n}" for n in sweep.notes))
+        print("#")
+        print("\n".join(header(spec, sweep.modes, latency=args.latency, bound=bool(bw))),
+              flush=True)
+    try:
+        results = sweep.run(sizes)
+    finally:
+        sweep.close()
+    if rank0:
+        print("\n".join(footer(results, sweep.modes)))
+        if bw:
+            print(f"# memory bandwidth: {bw / 1e9:.2f} GB/s (numpy.copyto of 32 MiB on every "
+                  f"rank at once, read + write); %bound = time to move 2 n N bytes at that "
+                  f"bandwidth / time")
+        info["membw_GBps"] = bw / 1e9 if bw else None
+        if args.json:
+            write_json(args.json, results, info)
+        if args.csv:
+            write_csv(args.csv, results)
+        if args.plot:
+            from bench import plot
+            plot.plot([r.to_dict() for r in results], args.plot, info)
+            print(f"# plot: {args.plot}")
+    return 0

@@ -1,0 +1,265 @@
+"""``python -m bench tune``: measure every algorithm, write the tuning table ``auto`` reads.
+
+Under ``mpiexec -n N``: for each collective (default all five) every registered algorithm
+(``native`` included) runs interleaved over a grid of sizes (``-b/-e/-f``, as the benchmark);
+at each size the fastest median time wins, and consecutive sizes with the same winner become one
+rule ``[max_bytes, name]`` (``max_bytes`` = the per-rank input bytes of the last size it won,
+``null`` for the last rule). The rules are stored for this communicator size in the JSON schema
+of ``collectives.select``::
+
+    {"version": 1, "signature": "<host / cpu / cores / MPI / nodes>",
+     "tables": {"allreduce": {"2": [[4096, "native"], [null, "ring"]], ...}, ...}}
+
+at ``COLLECTIVES_TUNING`` or ``~/.cache/collectives/tuning.json``, merged with the sizes already
+in the file when its signature matches (a file of another machine is moved to ``.bak``). It then
+prints, per size, the best measured algorithm, what ``auto`` picked before and picks now, and
+their measured times; ``--verify`` runs the benchmark again with ``auto`` to show the ratio
+``auto / best`` measured afresh.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+
+__all__ = ["main", "rules", "signature", "tuning_file", "merge"]
+
+_SPECS = {
+    "allreduce": ("bench.allreduce", "Allreduce"),
+    "reduce_scatter": ("bench.reduce_scatter", "ReduceScatter"),
+    "allgather": ("bench.allgather", "Allgather"),
+    "broadcast": ("bench.broadcast", "Broadcast"),
+    "reduce": ("bench.reduce", "Reduce"),
+}
+
+
+def spec(collective: str):
+    """The benchmark's ``Collective`` for ``collective``."""
+    import importlib
+    module, cls = _SPECS[collective]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def tuning_file() -> Path:
+    """Where ``tune`` writes: ``COLLECTIVES_TUNING`` or the default user cache path."""
+    env = os.environ.get("COLLECTIVES_TUNING")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "collectives" / \
+        "tuning.json"
+
+
+def signature(comm) -> str:
+    """What the table is valid for: host kind, cores, MPI library, nodes x ranks per node."""
+    from mpi4py import MPI
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    per_node = local.Get_size()
+    local.Free()
+    nodes = len(set(comm.allgather(socket.gethostname())))
+    return (f"{cpu} | {os.cpu_count()} cores | "
+            f"{MPI.Get_library_version().splitlines()[0].strip()} | {nodes} node(s) x "
+            f"{per_node} ranks")
+
+
+def rules(best: list[tuple[int, str]]) -> list[list]:
+    """``[(input bytes, winner)]`` sorted by size -> ``[[max_bytes, name], ..., [None, name]]``."""
+    out: list[list] = []
+    for nbytes, name in sorted(best):
+        if out and out[-1][1] == name:
+            out[-1][0] = nbytes
+        else:
+            out.append([nbytes, name])
+    if out:
+        out[-1][0] = None
+    return out
+
+
+def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]:
+    """The file's content with ``new`` ({collective: rules}) stored for ``size``; and a note."""
+    data, note = None, None
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            note = f"{path} was not valid JSON: replaced"
+        if data is not None and data.get("signature") != sig:
+            backup = path.with_name(path.name + ".bak")
+            path.replace(backup)
+            note = f"{path} was tuned for another machine ({data.get('signature')}): moved to " \
+                   f"{backup}"
+            data = None
+    if data is None:
+        data = {"version": 1, "signature": sig, "tables": {}}
+    for collective, table in new.items():
+        data["tables"].setdefault(collective, {})[str(size)] = table
+    return data, note
+
+
+def _input_bytes(collective, result) -> int:
+    """The per-rank input bytes ``auto`` sees for a benchmark size."""
+    if collective == "allgather":
+        return result.nbytes // result.n
+    return result.nbytes
+
+
+def main(argv=None) -> int:
+    """``[mpiexec -n N] python -m bench tune [options]``."""
+    p = argparse.ArgumentParser(prog="python -m bench tune",
+                                description="measure every algorithm and write the tuning "
+                                            "table that algorithm='auto' reads")
+    p.add_argument("--collectives", default=",".join(_SPECS),
+                   help="comma-separated (default: all five)")
+    p.add_argument("-b", "--minbytes", default="8")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=float, default=4)
+    p.add_argument("-d", "--datatype", default="float32")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--budget", type=float, default=20, help="ms per round (default 20)")
+    p.add_argument("-o", "--output", default=None,
+                   help="tuning file (default: $COLLECTIVES_TUNING or "
+                        "~/.cache/collectives/tuning.json)")
+    p.add_argument("--dry-run", action="store_true", help="print, do not write")
+    p.add_argument("--verify", action="store_true",
+                   help="benchmark auto again with the new table")
+    args = p.parse_args(argv)
+    from mpi4py import MPI
+
+    from bench.harness import Sweep, _abort_on_error, byte_sizes, parse_size
+    from collectives import select
+    comm = MPI.COMM_WORLD
+    _abort_on_error(comm)
+    n, rank0 = comm.Get_size(), comm.Get_rank() == 0
+    sizes = byte_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    collectives = args.collectives.split(",")
+    for c in collectives:
+        if c not in _SPECS:
+            raise SystemExit(f"unknown collective {c!r}; expected some of {', '.join(_SPECS)}")
+    path = Path(args.output) if args.output else tuning_file()
+    if args.output:
+        os.environ["COLLECTIVES_TUNING"] = str(path)  # so auto reads the table we write
+    sig = signature(comm)
+    measured, new = {}, {}
+    for c in collectives:
+        s = spec(c)
+        algs = [a for a in select.algorithms(c)]
+        if rank0:
+            print(f"# tune {c} on {n} ranks: {', '.join(algs)} over {len(sizes)} sizes",
+                  flush=True)
+        sweep = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
+                      budget=args.budget / 1e3, check=False, modes=[s.modes[0]])
+        res = sweep.run(sizes)
+        measured[c] = res
+        best = []
+        for nbytes in dict.fromkeys(r.nbytes for r in res):
+            row = [r for r in res if r.nbytes == nbytes]
+            win = min(row, key=lambda r: r.time)
+            best.append((_input_bytes(c, win), win.algorithm))
+        new[c] = rules(best)
+    before = _auto_now(collectives, measured, n, path)
+    note = None
+    if rank0 and not args.dry_run:
+        data, note = merge(path, sig, n, new)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+    comm.Barrier()
+    if not args.dry_run:
+        select.load_table(reload=True)  # auto reads the table once per process: now the new one
+    if rank0:
+        _report(collectives, measured, before, new, n, path, sig, note, args.dry_run)
+    if args.verify and not args.dry_run:
+        _verify(comm, collectives, sizes, args)
+    return 0
+
+
+def _auto_now(collectives, measured, n, path: Path) -> dict:
+    """What ``auto`` picks now for every measured size (built-in table if no file yet)."""
+    import tempfile
+
+    from collectives import select
+    saved = os.environ.get("COLLECTIVES_TUNING")
+    empty = None
+    if not path.exists():
+        # select refuses a COLLECTIVES_TUNING that names no file: point it at an empty table.
+        fd, empty = tempfile.mkstemp(suffix=".json")
+        os.write(fd, b'{"version": 1, "tables": {}}')
+        os.close(fd)
+        os.environ["COLLECTIVES_TUNING"] = empty
+    try:
+        return {c: {r.nbytes: select.auto(c, _input_bytes(c, r), n) for r in measured[c]}
+                for c in collectives}
+    finally:
+        if empty is not None:
+            os.unlink(empty)
+            if saved is None:
+                del os.environ["COLLECTIVES_TUNING"]
+            else:
+                os.environ["COLLECTIVES_TUNING"] = saved
+
+
+def _after(rules_: list, nbytes: int) -> str:
+    for limit, name in rules_:
+        if limit is None or nbytes <= limit:
+            return name
+    return "native"
+
+
+def _report(collectives, measured, before, new, n, path, sig, note, dry):
+    print(f"#\n# tuning table for {n} ranks " + ("(dry run, not written)" if dry else
+                                                f"written to {path}"))
+    print(f"# signature: {sig}")
+    if note:
+        print(f"# note: {note}")
+    for c in collectives:
+        res = measured[c]
+        print(f"#\n# {c}: rules {json.dumps(new[c])}")
+        print(f"# {'size':>10} {'best':>19} {'time(us)':>10}   {'auto before':>19} "
+              f"{'time(us)':>10} {'x best':>6}   {'auto after':>19} {'time(us)':>10} "
+              f"{'x best':>6}")
+        for nbytes in dict.fromkeys(r.nbytes for r in res):
+            row = {r.algorithm: r for r in res if r.nbytes == nbytes}
+            win = min(row.values(), key=lambda r: r.time)
+            b = before[c][nbytes]
+            a = _after(new[c], _input_bytes(c, win))
+            tb = row[b].time if b in row else float("nan")
+            ta = row[a].time
+            print(f"  {nbytes:>10} {win.algorithm:>19} {win.time * 1e6:10.1f}   {b:>19} "
+                  f"{tb * 1e6:10.1f} {win.time / tb:6.2f}   {a:>19} {ta * 1e6:10.1f} "
+                  f"{win.time / ta:6.2f}")
+    print("# x best = best time / that algorithm's time (1.00: auto picks the fastest)")
+
+
+def _verify(comm, collectives, sizes, args):
+    """Benchmark ``auto`` beside every algorithm with the new table in force."""
+    from bench.harness import Sweep
+    from collectives import select
+    rank0 = comm.Get_rank() == 0
+    if rank0:
+        print("#\n# verify: auto / best, measured afresh with the new table")
+    for c in collectives:
+        s = spec(c)
+        algs = list(select.algorithms(c)) + ["auto"]
+        res = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
+                    budget=args.budget / 1e3, check=False, modes=[s.modes[0]]).run(sizes)
+        if rank0:
+            worst = 1.0
+            for nbytes in dict.fromkeys(r.nbytes for r in res):
+                row = {r.algorithm: r for r in res if r.nbytes == nbytes}
+                best = min((r for a, r in row.items() if a != "auto"), key=lambda r: r.time)
+                ratio = best.time / row["auto"].time
+                worst = min(worst, ratio)
+                picked = select.auto(c, _input_bytes(c, best), comm.Get_size())
+                print(f"  {c:<15} {nbytes:>10} auto={picked:<19} best={best.algorithm:<19} "
+                      f"best/auto={ratio:5.2f}")
+            print(f"# {c}: worst best/auto over the grid {worst:.2f} (>= 0.95 is the target)")

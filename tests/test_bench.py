@@ -1,0 +1,257 @@
+"""The benchmark: harness pieces in process, and small real runs under mpiexec."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import harness, tune
+from bench.allgather import Allgather
+from bench.allreduce import Allreduce
+from bench.reduce_scatter import ReduceScatter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_parse_size():
+    assert harness.parse_size("8") == 8
+    assert harness.parse_size("64K") == 64 << 10
+    assert harness.parse_size("64M") == 64 << 20
+    assert harness.parse_size("1G") == 1 << 30
+    assert harness.parse_size("1KiB") == 1024
+    assert harness.parse_size("256MB") == 256 << 20
+    assert harness.parse_size("1.5K") == 1536
+    assert harness.parse_size(12) == 12
+    for bad in ("", "M", "12Q", "-1", "0.5"):
+        with pytest.raises(ValueError):
+            harness.parse_size(bad)
+
+
+def test_parse_time_and_rate():
+    assert harness.parse_time("5us") == pytest.approx(5e-6)
+    assert harness.parse_time("1.5ms") == pytest.approx(1.5e-3)
+    assert harness.parse_time("2e-6") == pytest.approx(2e-6)
+    assert harness.parse_rate("25GB/s") == pytest.approx(25e9)
+    assert harness.parse_rate("100Gb/s") == pytest.approx(12.5e9)
+    assert harness.parse_rate("10GiB/s") == pytest.approx(10 * 2 ** 30)
+    assert harness.parse_rate("800MB/s") == pytest.approx(8e8)
+    with pytest.raises(ValueError):
+        harness.parse_time("fast")
+    for bad in ("25GB", "lots", "5us"):  # "25GB" without /s reads like a size: refused
+        with pytest.raises(ValueError):
+            harness.parse_rate(bad)
+
+
+def test_format_size_and_sizes():
+    assert [harness.format_size(n) for n in (8, 1024, 3 << 20, 1 << 30, 1536)] == \
+        ["8", "1K", "3M", "1G", "1536"]
+    assert harness.byte_sizes(8, 64, 2) == [8, 16, 32, 64]
+    assert harness.byte_sizes(8, 100, 4) == [8, 32]
+    assert harness.byte_sizes(1, 3, 1.5) == [1, 2, 3]
+    with pytest.raises(ValueError):
+        harness.byte_sizes(64, 8, 2)
+    with pytest.raises(ValueError):
+        harness.byte_sizes(8, 64, 1)
+
+
+def test_busbw_factors():
+    assert harness.busbw_factor("allreduce", 4) == 1.5
+    assert harness.busbw_factor("allreduce", 1) == 0
+    assert harness.busbw_factor("reduce_scatter", 4) == 0.75
+    assert harness.busbw_factor("allgather", 2) == 0.5
+    assert harness.busbw_factor("broadcast", 8) == 1
+    assert harness.busbw_factor("reduce", 8) == 1
+    with pytest.raises(ValueError, match="unknown collective"):
+        harness.busbw_factor("alltoall", 2)
+
+
+def test_counts_follow_nccl_tests():
+    assert Allreduce().counts(10, 3) == (10, 10, 10)
+    # reduce-scatter: the size column is the whole input; rank gets count // n
+    assert ReduceScatter().counts(10, 3) == (9, 3, 9)
+    # all-gather: the size column is the whole output
+    assert Allgather().counts(10, 3) == (3, 9, 9)
+    assert Allgather().counts(2, 3) == (1, 3, 3)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "prod", "min", "max"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "float64"])
+def test_expected_reduce_is_exact(op, dtype):
+    if op == "avg" and dtype == "int32":
+        pytest.skip("avg is for floats")
+    n, count = 5, 23
+    got = harness.expected_reduce(n, count, dtype, op)
+    data = np.stack([harness.rank_data(r, count, dtype, op).astype(np.float64)
+                     for r in range(n)])
+    ref = {"sum": data.sum(0), "avg": data.sum(0), "prod": data.prod(0), "min": data.min(0),
+           "max": data.max(0)}[op]
+    if op == "avg":
+        ref = (ref.astype(dtype) / np.asarray(n, dtype)).astype(np.float64)
+    assert got.dtype == np.dtype(dtype)
+    assert (got.astype(np.float64) == ref).all()
+    # rank-dependent: two ranks' data differ
+    assert (harness.rank_data(0, count, dtype, op) != harness.rank_data(1, count, dtype, op)).any()
+
+
+def _result(alg, mode, t, nbytes=1024, n=2, wrong=0, rounds=(1.0, 1.0, 1.0)):
+    r = harness.Result("allreduce", nbytes, nbytes // 4, "float32", "sum", -1, alg, mode, n,
+                       harness.busbw_factor("allreduce", n))
+    r.rounds = [t * x for x in rounds]
+    r.ranks_t = [[t * x * 0.9, t * x] for x in rounds]
+    r.iters, r.wrong = 10, wrong
+    return r
+
+
+def test_result_statistics():
+    r = _result("ring", "out", 1e-3, rounds=(1.0, 1.2, 0.9))
+    assert r.time == pytest.approx(1e-3)
+    assert r.spread == pytest.approx(0.3)
+    assert r.algbw == pytest.approx(1024 / 1e-3)
+    assert r.busbw == pytest.approx(r.algbw * 1.0)  # 2(n-1)/n = 1 for n = 2
+    lo, avg, hi = r.latency()
+    assert (lo, hi) == (pytest.approx(0.9e-3), pytest.approx(1e-3))
+    assert r.to_dict()["busbw_GBps"] == pytest.approx(r.busbw / 1e9)
+
+
+def test_table_has_every_column_and_ratio_to_native():
+    spec = Allreduce()
+    res = [_result("native", "out", 2e-3), _result("native", "in", 2e-3),
+           _result("ring", "out", 1e-3), _result("ring", "in", 4e-3, wrong=None),
+           _result("gloo", "in", 8e-3)]
+    text = harness.format_table(spec, res, latency=True, membw_Bps=1e9)
+    head = text.splitlines()[:3]
+    for col in ("size", "count", "type", "redop", "root", "algorithm", "time", "algbw",
+                "busbw", "#wrong", "xnative", "%bound", "lat-min", "lat-avg", "lat-max"):
+        assert col in head[1], col
+    assert "out-of-place" in head[0] and "in-place" in head[0]
+    rows = {ln.split()[5]: ln.split() for ln in text.splitlines()[3:]}
+    assert set(rows) == {"native", "ring", "gloo"}
+    assert rows["ring"][-2] == "2.00"          # twice as fast as native, out of place
+    assert rows["native"][-2] == "1.00"
+    assert "N/A" in rows["ring"]                # unchecked in place
+    assert rows["gloo"][6] == "-"               # gloo has no out-of-place allreduce
+    assert rows["gloo"][-2] == "0.25"           # its ratio comes from the in-place column
+    # %bound: 2 n N bytes at 1 GB/s over the time
+    assert float(rows["ring"][-1]) == pytest.approx(100 * 2 * 2 * 1024 / 1e9 / 1e-3, abs=0.1)
+    foot = "\n".join(harness.footer(res, ["out", "in"]))
+    assert "Avg bus bandwidth" in foot and "ring" in foot
+
+
+def test_json_and_csv(tmp_path):
+    res = [_result("native", "out", 2e-3), _result("ring", "out", 1e-3)]
+    harness.write_json(tmp_path / "r.json", res, {"ranks": 2})
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["ranks"] == 2 and len(data["results"]) == 2
+    harness.write_csv(tmp_path / "r.csv", res)
+    lines = (tmp_path / "r.csv").read_text().splitlines()
+    assert lines[0].startswith("collective,size,count") and len(lines) == 3
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import plot
+    res = [_result(a, "out", t, nbytes=b).to_dict() for a, t in (("native", 2e-3),
+           ("ring", 1e-3), ("gloo", 3e-3)) for b in (8, 1024, 1 << 20)]
+    plot.plot(res, tmp_path / "p.png", {"collective": "allreduce", "ranks": 2,
+                                        "dtype": "float32", "op": "sum", "host": "h"})
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "r.json").write_text(json.dumps({"collective": "allreduce", "ranks": 2,
+                                                 "results": res}))
+    assert plot.main([str(tmp_path / "r.json"), "-o", str(tmp_path / "q.png")]) == 0
+    assert (tmp_path / "q.png").exists()
+
+
+def test_tune_rules_and_merge(tmp_path):
+    assert tune.rules([(8, "native"), (32, "native"), (128, "ring"), (512, "ring")]) == \
+        [[32, "native"], [None, "ring"]]
+    assert tune.rules([(1024, "ring"), (8, "native")]) == [[8, "native"], [None, "ring"]]
+    assert tune.rules([]) == []
+    path = tmp_path / "tuning.json"
+    data, note = tune.merge(path, "sig", 2, {"allreduce": [[None, "ring"]]})
+    assert note is None and data["tables"]["allreduce"] == {"2": [[None, "ring"]]}
+    path.write_text(json.dumps(data))
+    data, note = tune.merge(path, "sig", 3, {"allreduce": [[64, "native"], [None, "ring"]]})
+    assert set(data["tables"]["allreduce"]) == {"2", "3"}
+    path.write_text(json.dumps(data))
+    data, note = tune.merge(path, "other machine", 2, {"allreduce": [[None, "tree"]]})
+    assert "another machine" in note and (tmp_path / "tuning.json.bak").exists()
+    assert data["tables"] == {"allreduce": {"2": [[None, "tree"]]}}
+
+
+def test_tuning_file_is_what_select_reads(tmp_path, monkeypatch):
+    from collectives import select
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(path))
+    assert tune.tuning_file() == path
+    data, _ = tune.merge(path, "sig", 2, {"allreduce": [[100, "native"], [None, "tree"]]})
+    path.write_text(json.dumps(data))
+    assert select.auto("allreduce", 64, 2) == "native"
+    assert select.auto("allreduce", 1000, 2) == "tree"
+
+
+def test_dispatch(monkeypatch, capsys):
+    from bench import __main__ as entry
+    assert entry.main([]) == 0 and "commands" in capsys.readouterr().out
+    assert entry.main(["nope"]) == 2
+    seen = {}
+
+    class Fake:
+        @staticmethod
+        def main(argv):
+            seen["argv"] = argv
+            return 0
+
+    import importlib
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name: Fake if name == "bench.ddp" else real(name))
+    assert entry.main(["ddp", "--steps", "3"]) == 0
+    assert seen["argv"] == ["--steps", "3"]
+
+
+# -- under mpiexec --------------------------------------------------------------------------
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
+                       os.environ.get("PATH", ""))
+
+
+def _run(args, timeout=200, env=None):
+    cmd = ["timeout", str(timeout), MPIEXEC, "-n", "2", sys.executable, "-m", "bench"] + args
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 20,
+                          env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
+def test_allreduce_benchmark_under_mpiexec(tmp_path):
+    import collectives
+    out = tmp_path / "r.json"
+    p = _run(["allreduce", "-b", "8", "-e", "64K", "-f", "8", "--rounds", "1", "--budget", "2",
+              "--json", str(out)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln and not ln.startswith("#")]
+    want = set(collectives.algorithms("allreduce")) | {"auto"}
+    assert want <= {r[5] for r in rows}
+    data = json.loads(out.read_text())
+    assert {r["size"] for r in data["results"]} == {8, 64, 512, 4096, 32768}
+    assert want <= {r["algorithm"] for r in data["results"]}
+    assert all(r["wrong"] == 0 for r in data["results"]), \
+        [r for r in data["results"] if r["wrong"]]
+    assert all(r["time_us"] > 0 for r in data["results"])
+    assert "# Avg bus bandwidth" in p.stdout and "memory bandwidth" in p.stdout
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
+def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
+    path = tmp_path / "tuning.json"
+    p = _run(["tune", "--collectives", "allreduce,broadcast", "-b", "8", "-e", "4K", "-f", "16",
+              "--rounds", "1", "--budget", "2", "-o", str(path)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["signature"]
+    for c in ("allreduce", "broadcast"):
+        table = data["tables"][c]["2"]
+        assert table[-1][0] is None and all(isinstance(name, str) for _, name in table)
+    assert "auto before" in p.stdout and "auto after" in p.stdout

@@ -1,0 +1,233 @@
+"""The alpha-beta-gamma cost model (collectives.sim): closed-form cases, symmetry, parameters."""
+import json
+import math
+
+import pytest
+
+from collectives import ring, sim, tree
+from collectives.schedule import OUT, TMP, Schedule
+
+ALPHA, BW, NET_ALPHA, NET_BW = 2e-6, 1e9, 5e-6, 4e9
+RED_BW, COPY_BW, O = 2e9, 8e9, 1e-6
+
+
+def model(call=0.0, overhead=O):
+    return sim.CostModel({"numa": ALPHA, "node": ALPHA, "net": NET_ALPHA},
+                         {"numa": BW, "node": BW, "net": NET_BW}, RED_BW, COPY_BW,
+                         overhead, call)
+
+
+def one_message(rank, nbytes, src=0, dst=1, size=2):
+    s = Schedule(rank, size, nbytes)
+    if rank == src:
+        s.send(dst, (OUT, 0, nbytes))
+    elif rank == dst:
+        s.recv(src, (OUT, 0, nbytes))
+    return s
+
+
+def test_one_message_inside_a_node():
+    m = 1000
+    p = sim.critical_path([one_message(r, m) for r in range(2)], sim.Topology(2), model(), 1)
+    # issue the send, copy the bytes (both CPUs), latency, complete the receive
+    assert p.time == pytest.approx(O + m / BW + ALPHA + O)
+    assert p.path["transfer"] == pytest.approx(m / BW)
+    assert p.path["latency"] == pytest.approx(ALPHA)
+    assert p.path["overhead"] == pytest.approx(2 * O)
+    assert p.hops == 1
+
+
+def test_one_message_over_the_network_and_call_overhead():
+    m = 4000
+    topo = sim.Topology(2, ranks_per_node=1)
+    p = sim.critical_path([one_message(r, m) for r in range(2)], topo, model(call=7e-6), 1)
+    assert p.time == pytest.approx(7e-6 + O + m / NET_BW + NET_ALPHA + O)
+
+
+def test_pingpong_closed_form():
+    m, trips = 64, 5
+    scheds = []
+    for r in range(2):
+        s = Schedule(r, 2, m)
+        for _ in range(trips):
+            if r == 0:
+                s.send(1, (OUT, 0, m))
+                s.recv(1, (OUT, 0, m))
+            else:
+                s.recv(0, (OUT, 0, m))
+                s.send(0, (OUT, 0, m))
+        scheds.append(s)
+    p = sim.critical_path(scheds, sim.Topology(2), model(), 1)
+    assert p.time == pytest.approx(2 * trips * (2 * O + ALPHA + m / BW))
+    assert p.hops == 2 * trips
+
+
+def test_reduce_and_copy_cost_and_oversubscription():
+    n = 1 << 20
+    s = Schedule(0, 1, n)
+    t = s.scratch(n)
+    s.reduce((OUT, 0, n), (OUT, 0, n), (TMP, t, t + n))
+    s.copy((TMP, t, t + n), (OUT, 0, n))
+    p = sim.critical_path([s], sim.Topology(1), model(), 4)
+    want = 2 * O + 4 * n / RED_BW + 4 * n / COPY_BW
+    assert p.time == pytest.approx(want)
+    assert p.path["compute"] == pytest.approx(want)
+    # 4 ranks on a node of 2 cores: every CPU cost doubles
+    busy = sim.Topology(4, cores_per_node=2)
+    assert busy.oversubscription == 2
+    scheds = {0: s}
+    p2 = sim.critical_path(scheds, busy, model(), 4)
+    assert p2.time == pytest.approx(2 * want)
+
+
+def test_nic_is_shared_by_the_ranks_of_a_node():
+    m = 8000
+    topo = sim.Topology(4, ranks_per_node=2)
+    scheds = []
+    for r in range(4):
+        s = Schedule(r, 4, m)
+        if r < 2:
+            s.send(r + 2, (OUT, 0, m))
+        else:
+            s.recv(r - 2, (OUT, 0, m))
+        scheds.append(s)
+    p = sim.critical_path(scheds, topo, model(), 1)
+    # the second message waits for the node's NIC
+    assert p.time == pytest.approx(O + 2 * m / NET_BW + NET_ALPHA + O)
+
+
+def test_deadlock_is_reported():
+    s0 = Schedule(0, 2, 4)
+    s0.recv(1, (OUT, 0, 4))
+    s1 = Schedule(1, 2, 4)
+    with pytest.raises(sim.Deadlock, match="never sent"):
+        sim.critical_path([s0, s1], sim.Topology(2), model(), 1)
+
+
+def _closure(deps):
+    anc = []
+    for d in deps:
+        a = set(d)
+        for j in d:
+            a |= anc[j]
+        anc.append(a)
+    return anc
+
+
+@pytest.mark.parametrize("builder", [ring.allreduce, tree.allreduce, tree.binomial_allreduce,
+                                     tree.rabenseifner_allreduce,
+                                     tree.double_binary_tree_allreduce])
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_fast_deps_orders_like_schedule_deps(builder, size):
+    for count in (1, 7, 40):
+        for r in range(size):
+            s = builder(r, size, count, seg=3)
+            assert _closure(sim.fast_deps(s)) == _closure(s.deps())
+
+
+def test_topology_links_and_period():
+    t = sim.Topology(16, ranks_per_node=8, ranks_per_numa=4)
+    assert sim.LINKS[t.link(0, 3)] == "numa"
+    assert sim.LINKS[t.link(0, 4)] == "node"
+    assert sim.LINKS[t.link(7, 8)] == "net"
+    assert t.period() == 8
+    assert sim.Topology(8).period() == 1
+    assert sim.Topology(8, ranks_per_numa=2).period() == 2
+    assert sim.Topology(12, ranks_per_node=8).period() is None
+    assert t.groups()["nodes"] == (tuple(range(8)), tuple(range(8, 16)))
+    with pytest.raises(ValueError, match="must divide"):
+        sim.Topology(16, ranks_per_node=8, ranks_per_numa=3)
+    with pytest.raises(ValueError):
+        sim.Topology(0)
+
+
+def test_cost_model_file_round_trip(tmp_path):
+    m = model(call=3e-5)
+    path = m.save(tmp_path / "cm.json")
+    back = sim.CostModel.load(path)
+    assert back.to_dict() == m.to_dict()
+    assert json.loads(path.read_text())["links"]["net"]["bandwidth"] == NET_BW
+    faster = m.replace(net=(1e-6, None))
+    assert faster.alpha["net"] == 1e-6 and faster.bandwidth["net"] == NET_BW
+    with pytest.raises(ValueError, match="bandwidth"):
+        m.replace(node=(None, 0))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a cost model"):
+        sim.CostModel.load(tmp_path / "bad.json")
+
+
+def test_default_path_and_fallback(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_COST_MODEL", str(tmp_path / "none.json"))
+    with pytest.raises(FileNotFoundError, match="calibrate"):
+        sim.CostModel.load()
+    monkeypatch.delenv("COLLECTIVES_COST_MODEL")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert sim.CostModel.load() is sim.DEFAULT_MODEL
+
+
+@pytest.mark.parametrize("name, kind", [("ring", "shift"), ("recursive_doubling", "xor"),
+                                        ("rabenseifner", "xor")])
+def test_symmetry_matches_simulating_every_rank(name, kind):
+    topo = sim.Topology(64, ranks_per_node=8)
+    fast = sim.predict("allreduce", name, 64, 1 << 20, topology=topo, model=model())
+    full = sim.predict("allreduce", name, 64, 1 << 20, topology=topo, model=model(),
+                       symmetry="none")
+    assert fast.method == f"{kind} symmetry" and fast.simulated == 8
+    assert full.method == "all ranks" and full.simulated == 64
+    assert fast.time == pytest.approx(full.time, rel=1e-9)
+
+
+def test_no_symmetry_for_rooted_trees():
+    topo = sim.Topology(32, ranks_per_node=4)
+    p = sim.predict("allreduce", "tree", 32, 1 << 16, topology=topo, model=model())
+    assert p.method == "all ranks"
+
+
+def test_extrapolation_close_to_full_simulation():
+    topo = sim.Topology(16, ranks_per_node=4)
+    kw = dict(topology=topo, model=model(), seg_bytes=4096)
+    full = sim.predict("broadcast", "tree", 16, 1 << 20, **kw)
+    est = sim.predict("broadcast", "tree", 16, 1 << 20, max_ops=1500, **kw)
+    assert est.method.startswith("extrapolated")
+    assert est.time == pytest.approx(full.time, rel=0.05)
+
+
+def test_predict_scales_like_alpha_beta():
+    topo = sim.Topology(4)
+    small = sim.predict("allreduce", "ring", 4, 1024, topology=topo, model=model())
+    big = sim.predict("allreduce", "ring", 4, 64 << 20, topology=topo, model=model())
+    bigger = sim.predict("allreduce", "ring", 4, 128 << 20, topology=topo, model=model())
+    assert small.time < big.time < bigger.time
+    # large messages are bandwidth-bound: twice the bytes, about twice the time
+    assert bigger.time / big.time == pytest.approx(2, rel=0.05)
+    assert sim.predict("allreduce", "ring", 1, 1024, model=model()).time == 0
+
+
+def test_predict_refuses_what_is_not_a_schedule():
+    with pytest.raises(ValueError, match="not a schedule"):
+        sim.predict("allreduce", "native", 4, 1024, model=model())
+    with pytest.raises(ValueError, match="symmetry"):
+        sim.predict("allreduce", "ring", 4, 1024, model=model(), symmetry="maybe")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        sim.predict("allreduce", "nope", 4, 1024, model=model())
+
+
+def test_every_registered_schedule_algorithm_can_be_modelled():
+    from collectives import select
+    topo = sim.Topology(6, ranks_per_node=3)
+    for collective in select.COLLECTIVES:
+        for name in select.algorithms(collective):
+            b = select.get(collective, name)
+            if b == select.NATIVE or hasattr(b, "launch"):
+                continue
+            p = sim.predict(collective, name, 6, 3 * 6 * 1000, topology=topo, model=model())
+            assert p.time > 0 and math.isfinite(p.time), (collective, name)
+
+
+def test_simulate_still_moves_the_data():
+    import numpy as np
+    ins = [np.arange(10, dtype=np.int64) * (r + 1) for r in range(3)]
+    outs, net = sim.simulate(ring.allreduce, ins, "sum", count=10)
+    for o in outs:
+        assert (o == np.arange(10) * 6).all()
+    assert net.traffic.sent_by(0) > 0
