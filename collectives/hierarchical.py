@@ -417,6 +417,7 @@ class ShmNodes:
 
     @staticmethod
     def launch(call):
+        """Start ``call`` (the ``launch`` protocol of ``collectives.api``)."""
         from collectives import api, select, shm
         from collectives.executor import context
         from collectives.topology import communicators, topology

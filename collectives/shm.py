@@ -117,6 +117,7 @@ class Window:
         self.closed = False
 
     def slot(self, dtype, s: int, j: int):
+        """Slot ``s`` of rank ``j`` as a flat ``dtype`` array (views cached)."""
         key = (dtype, s, j)
         view = self._views.get(key)
         if view is None:
@@ -130,6 +131,7 @@ class Window:
         return [j for j in range(self.size) if self.counters[phase][j] < value]
 
     def close(self) -> None:
+        """Unlock and free the window and its communicator (context teardown)."""
         if self.closed:
             return
         self.closed = True
@@ -183,6 +185,7 @@ class ShmWork:
             win.queue.append(self)
 
     def start(self):
+        """Nothing to post: the work runs in ``wait`` (or the progress thread)."""
         return self
 
     def _run_next(self, block: bool) -> bool:
@@ -213,6 +216,7 @@ class ShmWork:
         return True
 
     def wait(self):
+        """Run this call (after the window's earlier ones) to completion; raise its error."""
         while not self.done:
             self._run_next(block=True)
         if self.error is not None:
@@ -228,6 +232,7 @@ class ShmWork:
         return self.done
 
     def waiting_for(self) -> str:
+        """What this call waits on now (for the watchdog)."""
         where = self.where
         if self.done:
             return "nothing"

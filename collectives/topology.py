@@ -328,6 +328,7 @@ class Communicators:
         self.node, self.cross, self.numa, self.leaders = node, cross, numa, leaders
 
     def close(self) -> None:
+        """Free the sub-communicators (the context does this when its communicator goes)."""
         from mpi4py import MPI
         if MPI.Is_finalized():
             return
@@ -370,6 +371,7 @@ class LinkTraffic:
         self.messages = [0, 0, 0]
 
     def add(self, peer: int, nbytes: int) -> None:
+        """Count one message of ``nbytes`` to ``peer``."""
         k = self.classes[peer]
         self.nbytes[k] += nbytes
         self.messages[k] += 1
