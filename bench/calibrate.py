@@ -4,7 +4,8 @@
    (same node: the ``numa`` and ``node`` classes) and between rank 0 and the first rank on
    another node if there is one (``net``; else ``--net-alpha``/``--net-bw`` are kept): alpha is
    half the round trip of 8 bytes, the bandwidth the inverse slope of a least-squares line
-   through the half round trips of 256 KiB .. 64 MiB.
+   through the half round trips of 256 KiB .. 64 MiB. Each is the 5th percentile of many
+   timed round trips, so that a busy machine's outliers do not count.
 2. *reduce and copy bandwidth*: ``numpy.add(a, b, out=c)`` and ``numpy.copyto`` over 64 MiB in
    segment-sized pieces, every rank at once (the ranks of an allreduce reduce at the same time);
    bytes of result per second of the slowest rank.
@@ -17,9 +18,9 @@ The result goes to ``COLLECTIVES_COST_MODEL`` or ``~/.cache/collectives/costmode
 ``-o``), where ``python -m bench model`` finds it. Run it with 2 ranks on an idle machine.
 
 Run again with more ranks than cores (``mpiexec -n 3`` on 2 cores) to add ``switch``: the extra
-latency of a message when every rank is busy and the receiver may be descheduled (ranks 0 and 1
-ping-pong while the others spin in a barrier); the model adds it to messages inside a node that
-has more ranks than cores.
+latency of a message when every rank is busy and the receiver may be descheduled (every rank
+passes 8 bytes around the ring at once); the model adds it to messages inside a node that has
+more ranks than cores.
 """
 from __future__ import annotations
 
@@ -41,26 +42,28 @@ def fit_line(xs, ys) -> tuple[float, float]:
 
 
 def pingpong(comm, peer: int, nbytes: int, iters: int, active: bool) -> float:
-    """Half the round-trip time (s) of ``nbytes`` between this rank and ``peer`` (best of 3
-    rounds of ``iters``: what the machine can do, not what a noisy neighbour left); ranks not
-    ``active`` only take part in the barriers."""
+    """Half the round-trip time (s) of ``nbytes`` between this rank and ``peer``: the 5th
+    percentile of ``iters`` timed round trips, after a few untimed ones (what the machine does
+    when nobody else is in the way: a loaded machine only adds slow outliers). Ranks not
+    ``active`` only take part in the barrier."""
     buf = np.zeros(max(nbytes, 1), np.uint8)
     rank = comm.Get_rank()
+    comm.Barrier()
+    if not active:
+        return 0.0
+    mpibyte = _byte()
     times = []
-    for _ in range(3):
-        comm.Barrier()
-        if not active:
-            continue
+    for k in range(iters + 3):
         t0 = time.perf_counter()
-        for _ in range(iters):
-            if rank < peer:
-                comm.Send([buf, nbytes, _byte()], peer, 7)
-                comm.Recv([buf, nbytes, _byte()], peer, 7)
-            else:
-                comm.Recv([buf, nbytes, _byte()], peer, 7)
-                comm.Send([buf, nbytes, _byte()], peer, 7)
-        times.append((time.perf_counter() - t0) / iters / 2)
-    return float(min(times)) if times else 0.0
+        if rank < peer:
+            comm.Send([buf, nbytes, mpibyte], peer, 7)
+            comm.Recv([buf, nbytes, mpibyte], peer, 7)
+        else:
+            comm.Recv([buf, nbytes, mpibyte], peer, 7)
+            comm.Send([buf, nbytes, mpibyte], peer, 7)
+        if k >= 3:
+            times.append(time.perf_counter() - t0)
+    return float(np.percentile(times, 5)) / 2
 
 
 def _byte():
@@ -69,7 +72,7 @@ def _byte():
 
 
 def _iters(nbytes: int) -> int:
-    return int(min(300, max(3, (64 << 20) // max(nbytes, 1) // 4)))
+    return int(min(500, max(10, (256 << 20) // max(nbytes, 1) // 4)))
 
 
 def _link(comm, a: int, b: int, sizes) -> tuple[float, float, list]:
@@ -133,7 +136,7 @@ def _executor_time(comm, trips: int) -> float:
         tmp = np.zeros(1, np.float32)
         transport = MPITransport(pair)
         op = resolve("sum", np.float32)
-        for k in range(5):
+        for k in range(20):
             pair.Barrier()
             t0 = time.perf_counter()
             Run(plan, buf, buf, tmp, op, transport, 11 + k).start().wait()
@@ -143,22 +146,21 @@ def _executor_time(comm, trips: int) -> float:
 
 
 def _api_time(comm) -> float:
-    """Seconds of an 8-byte ring allreduce through the public API on ``comm`` (best of 5
-    rounds, slowest rank)."""
+    """Seconds of an 8-byte ring allreduce through the public API on ``comm``: the 5th
+    percentile of 1000 timed calls, slowest rank."""
     import collectives as coll
     x = np.ones(2, np.float32)
     out = np.empty_like(x)
     for _ in range(20):
         coll.allreduce(x, out=out, comm=comm, algorithm="ring")
-    rounds = []
-    for _ in range(5):
-        comm.Barrier()
+    comm.Barrier()
+    times = np.empty(1000)
+    for k in range(len(times)):
         t0 = time.perf_counter()
-        for _ in range(200):
-            coll.allreduce(x, out=out, comm=comm, algorithm="ring")
-        rounds.append((time.perf_counter() - t0) / 200)
+        coll.allreduce(x, out=out, comm=comm, algorithm="ring")
+        times[k] = time.perf_counter() - t0
     from bench.harness import _max
-    return _max(comm, float(min(rounds)))
+    return _max(comm, float(np.percentile(times, 5)))
 
 
 def _fit(measured: float, model_time) -> float:
@@ -170,45 +172,40 @@ def _fit(measured: float, model_time) -> float:
 
 def _oversubscribed(comm, args, n, cores) -> int:
     """More ranks than cores: measure only ``switch``, the extra latency of a message when
-    every rank is busy (ranks 0 and 1 ping-pong while the others spin in a barrier), and add it
-    to the model calibrated before with 2 ranks."""
+    every rank is busy, and add it to the model calibrated before with 2 ranks. Every rank
+    passes 8 bytes around the ring (send right, receive from the left) as a collective does;
+    switch = the time per hop minus alpha."""
     from collectives import sim
     model = sim.CostModel.load(args.output)
-    rows = []
-    for _ in range(3):
-        rows.append(_median_pingpong(comm, 8))
-    half = float(np.median(rows))
-    switch = max(0.0, half - model.alpha["node"])
+    hop = _ring_hop(comm)
+    switch = max(0.0, hop - model.alpha["node"])
     model = sim.CostModel(model.alpha, model.bandwidth, model.reduce_bandwidth,
                           model.copy_bandwidth, model.overhead, model.call,
-                          model.source + f"; switch with {n} ranks on {cores} cores", switch)
+                          model.source.split("; switch")[0]
+                          + f"; switch with {n} ranks on {cores} cores", switch)
     if comm.Get_rank() == 0:
-        print(f"# {n} ranks on {cores} cores: 8-byte half round trip {half * 1e6:.1f} us "
-              f"(alone: {model.alpha['node'] * 1e6:.1f} us): switch {switch * 1e6:.1f} us")
+        print(f"# {n} ranks on {cores} cores: 8 bytes around the ring take {hop * 1e6:.1f} us "
+              f"per hop (alone: {model.alpha['node'] * 1e6:.1f} us): switch {switch * 1e6:.1f} us")
         if not args.dry_run:
             print(f"# saved to {model.save(args.output)}")
     return 0
 
 
-def _median_pingpong(comm, nbytes, iters=100) -> float:
-    """Half round trip between ranks 0 and 1, averaged over ``iters`` (the others wait)."""
-    rank = comm.Get_rank()
-    buf = np.zeros(nbytes, np.uint8)
-    comm.Barrier()
-    t = 0.0
-    if rank < 2:
-        peer = 1 - rank
+def _ring_hop(comm, laps=200) -> float:
+    """Seconds per hop of 8 bytes passed around the ring by every rank at once (median of 5)."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    sbuf, rbuf = np.zeros(8, np.uint8), np.zeros(8, np.uint8)
+    mpibyte = _byte()
+    rounds = []
+    for _ in range(5):
+        comm.Barrier()
         t0 = time.perf_counter()
-        for _ in range(iters):
-            if rank == 0:
-                comm.Send([buf, _byte()], peer, 7)
-                comm.Recv([buf, _byte()], peer, 7)
-            else:
-                comm.Recv([buf, _byte()], peer, 7)
-                comm.Send([buf, _byte()], peer, 7)
-        t = (time.perf_counter() - t0) / iters / 2
-    comm.Barrier()
-    return comm.bcast(t, root=0)
+        for _ in range(laps):
+            comm.Sendrecv([sbuf, mpibyte], right, 7, [rbuf, mpibyte], left, 7)
+        rounds.append((time.perf_counter() - t0) / laps)
+    from bench.harness import _max
+    return _max(comm, float(np.median(rounds)))
 
 
 def main(argv=None) -> int:
@@ -264,7 +261,7 @@ def main(argv=None) -> int:
                           source=f"python -m bench calibrate on {hosts[0]}, "
                                  f"{time.strftime('%Y-%m-%d %H:%M')}")
     # 3. per-op overhead, fitted through the model on the executor's ping-pong schedule.
-    trips = 200
+    trips = 50
     measured = _executor_time(comm, trips)
     pair_topo = sim.Topology(2, 2 if hosts[1] == hosts[0] else 1)
     scheds = [_pingpong_schedule(r, trips, 2) for r in range(2)]

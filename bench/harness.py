@@ -32,6 +32,11 @@ import time
 
 import numpy as np
 
+try:
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so -d bfloat16 works
+except ImportError:  # pragma: no cover - a dependency of the toolkit
+    pass
+
 __all__ = [
     "parse_size", "parse_time", "parse_rate", "format_size", "byte_sizes", "BUSBW",
     "busbw_factor", "rank_data", "expected_reduce", "Collective", "Result", "Sweep",

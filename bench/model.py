@@ -24,7 +24,7 @@ import math
 import os
 import time
 
-__all__ = ["main", "model_from_args", "schedule_algorithms"]
+__all__ = ["main", "model_from_args", "schedule_algorithms", "validate", "markdown"]
 
 
 def schedule_algorithms(collective: str) -> list[str]:
@@ -87,6 +87,8 @@ def _parser():
     p.add_argument("-e", "--maxbytes", default="64M", help="--validate: largest size")
     p.add_argument("-f", "--stepfactor", type=float, default=4, help="--validate: factor")
     p.add_argument("--rounds", type=int, default=3, help="--validate: rounds")
+    p.add_argument("--markdown", action="store_true",
+                   help="--validate: also print a Markdown table (measured us (pred/meas))")
     return p
 
 
@@ -104,7 +106,9 @@ def main(argv=None) -> int:
     if args.ranks is None:
         raise SystemExit("--ranks is required (or --validate under mpiexec)")
     import numpy as np
-    itemsize = np.dtype(args.datatype if args.datatype != "bfloat16" else "int16").itemsize
+
+    import bench.harness  # noqa: F401 - registers bfloat16 with numpy
+    itemsize = np.dtype(args.datatype).itemsize
     model = model_from_args(args)
     topo = sim.Topology(args.ranks, args.ranks_per_node, args.ranks_per_numa,
                         args.cores_per_node)
@@ -245,7 +249,25 @@ def validate(args) -> int:
                 inside = sum(1 for r in group if 0.5 <= r["ratio"] <= 2)
                 print(f"# {label}: {inside}/{len(group)} predictions within 2x of measured; "
                       f"worst {worst['ratio']:.2f} ({worst['algorithm']}, {worst['size']} B)")
+        if args.markdown:
+            print(markdown(rows))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": n, "model": model.to_dict(), "rows": rows}, f, indent=1)
     return 0
+
+
+def markdown(rows) -> str:
+    """Validation rows as a Markdown table: a row per size, a column per algorithm, each cell
+    "measured us (predicted / measured)"."""
+    from bench.harness import format_size
+    algs = list(dict.fromkeys(r["algorithm"] for r in rows))
+    n = rows[0]["ranks"] if rows else 0
+    lines = [f"| n = {n}, size | " + " | ".join(algs) + " |",
+             "|---:|" + "---:|" * len(algs)]
+    for size in dict.fromkeys(r["size"] for r in rows):
+        cells = {r["algorithm"]: r for r in rows if r["size"] == size}
+        lines.append(f"| {format_size(size)} | " + " | ".join(
+            f"{cells[a]['measured_us']:.0f} ({cells[a]['ratio']:.2f})" if a in cells else ""
+            for a in algs) + " |")
+    return "\n".join(lines)

@@ -28,14 +28,27 @@ def plot(results: list[dict], path, info: dict, *, mode: str | None = None) -> N
     mode = mode or ("out" if "out" in modes else "in")
     rows = [r for r in results if r["mode"] == mode]
     algs = list(dict.fromkeys(r["algorithm"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
-    for alg in algs:
-        pts = sorted((r["size"], r["busbw_GBps"]) for r in rows if r["algorithm"] == alg)
-        style = {"native": dict(ls="--", lw=2.2, color="black"),
-                 "gloo": dict(ls=":", lw=2.0, color="tab:gray"),
-                 "auto": dict(ls="-", lw=3.0, alpha=0.35, color="tab:green")}.get(alg, dict(lw=1.6))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, label=alg,
-                **style)
+    # An algorithm with no run in this mode (gloo's in-place-only allreduce) is drawn from the
+    # other mode, and says so: better than leaving the baseline out of the picture.
+    extra = [a for a in dict.fromkeys(r["algorithm"] for r in results) if a not in algs]
+    fig, ax = plt.subplots(figsize=(9.5, 5.8), dpi=110)
+    # tab10 then its light shades, without the greys that gloo and native use.
+    tab20 = plt.get_cmap("tab20").colors
+    colors = [tab20[2 * i] for i in range(10) if i != 7] + \
+        [tab20[2 * i + 1] for i in range(10) if i != 7]
+    markers = "os^vDPX*<>hp"
+    k = 0
+    for alg in algs + extra:
+        pts = sorted((r["size"], r["busbw_GBps"]) for r in results
+                     if r["algorithm"] == alg and (r["mode"] == mode or alg in extra))
+        label = alg if alg in algs else f"{alg} ({'in' if mode == 'out' else 'out-of'}-place)"
+        style = {"native": dict(ls="--", lw=2.4, color="black", marker="o"),
+                 "gloo": dict(ls=":", lw=2.2, color="dimgray", marker="x"),
+                 "auto": dict(ls="-", lw=5, alpha=0.3, color="tab:green", marker="o")}.get(alg)
+        if style is None:
+            style = dict(lw=1.5, color=colors[k % len(colors)], marker=markers[k % len(markers)])
+            k += 1
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=4, label=label, **style)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(LogLocator(base=4))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _label(v)))

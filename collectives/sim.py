@@ -178,11 +178,11 @@ def simulate(builder, inputs: list[np.ndarray], op="sum", *, out_counts=None, in
 #   Python work per op), a reduce also ``bytes * gamma`` and a copy ``bytes * delta``, and a
 #   receive ``overhead`` again when it completes. Requests are served first come, first served.
 # - a message of m bytes over a link of class c (NUMA / node / network) takes
-#   ``alpha_c + m * beta_c`` from the moment it can start. Inside a node the bytes are copied by
-#   the CPUs (shared memory): the sender's CPU copies them in for ``m * beta_c``, the receiver's
-#   copies them out for as long, starting with the sender or when it is free, and ending no
-#   earlier than the sender. Across nodes the NICs move them: the transfer occupies the sending
-#   node's outgoing and the receiving node's incoming NIC port (shared by the node's ranks).
+#   ``alpha_c + m * beta_c`` from the moment it can start. Inside a node a CPU copies the bytes
+#   (shared memory, single copy as MPI's large-message path does): the receiver's CPU is busy
+#   for ``m * beta_c`` from when the send is issued or it is free. Across nodes the NICs move
+#   them: the transfer occupies the sending node's outgoing and the receiving node's incoming
+#   NIC port (shared by the node's ranks), and no CPU.
 # - sends and receives to and from one peer are issued in program order, as the executor does;
 #   a send completes when its message has arrived, a receive when it is issued and the message
 #   has arrived.
@@ -202,7 +202,6 @@ _NUMA, _NODE, _NET = 0, 1, 2
 # Kinds of critical-path steps.
 _PATH = ("latency", "transfer", "compute", "overhead")
 _LAT, _XFER, _COMP, _OVH = 0, 1, 2, 3
-_COPY = 3  # schedule op kind
 
 
 class Topology:
@@ -601,7 +600,6 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
     nic_in: dict[int, tuple[float, int]] = {}
     arrived: dict = {}   # (src, dst, n) -> (time, node) of a message nobody received yet
     waiting: dict = {}   # (src, dst, n) -> (time, node, rank, op) of a posted receive
-    copying: dict = {}   # (rank, op) -> (time, node) the sender of a message has copied it in
     last = [0.0, 0]  # finish time and node of the op that ends last
 
     for st in ranks.values():
@@ -698,29 +696,22 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
                 xn = len(nt) - 1
                 nic_out[a] = nic_in[b] = (end, xn)
             else:
-                # The sender copies the bytes in (its CPU, from t); the receiver copies them
-                # out as they come (below, at t: bookings are made in time order).
-                if st.cpu > t:
-                    t, nd = st.cpu, st.cpu_node
-                sent = t + wire
-                nt_add(sent), npred_add(nd), nkind_add(_XFER)
-                st.cpu, st.cpu_node = sent, len(nt) - 1
-                copying[(rank, i)] = (sent, st.cpu_node)
+                # Inside a node the receiver's CPU copies the bytes (single copy, as MPI's
+                # large-message shared-memory path does), from when the send is issued or the
+                # CPU is free; booked below at t, so that bookings are made in time order.
                 heappush(heap, (t, next(tick), 3, rank, i, nd))
                 continue
             arrive(st, i, rep, src, end + alphas[cls], xn)
-        elif what == 3:  # the receiver of an intra-node message starts copying it out
-            sent, sn = copying.pop((rank, i))
+        elif what == 3:  # the receiver of an intra-node message copies it
             rep, src = canon(st.peers[i], rank)
             other = ranks[rep]  # under symmetry maybe the sender itself (its image)
             if other.cpu > t:
                 t, nd = other.cpu, other.cpu_node
-            end = t + st.nbytes[i] * betas[link(rank, st.peers[i])]
-            if sent > end:  # it cannot finish before the sender has copied everything in
-                end, nd = sent, sn
+            cls = link(rank, st.peers[i])
+            end = t + st.nbytes[i] * betas[cls]
             nt_add(end), npred_add(nd), nkind_add(_XFER)
             other.cpu, other.cpu_node = end, len(nt) - 1
-            arrive(st, i, rep, src, end + alphas[link(rank, st.peers[i])], other.cpu_node)
+            arrive(st, i, rep, src, end + alphas[cls], other.cpu_node)
         else:  # a receive's message is in: the executor completes it
             end, en = cpu_at(st, t, nd, o, _OVH)
             finish(st, i, end, en)

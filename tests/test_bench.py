@@ -193,6 +193,17 @@ def test_tuning_file_is_what_select_reads(tmp_path, monkeypatch):
     assert select.auto("allreduce", 1000, 2) == "tree"
 
 
+def test_validation_markdown():
+    from bench.model import markdown
+    rows = [{"ranks": 2, "size": s, "algorithm": a, "measured_us": t, "ratio": r}
+            for s, a, t, r in ((1 << 20, "ring", 400.0, 1.25), (1 << 20, "tree", 700.0, 0.5),
+                               (4 << 20, "ring", 1600.0, 1.0))]
+    lines = markdown(rows).splitlines()
+    assert lines[0] == "| n = 2, size | ring | tree |"
+    assert lines[2] == "| 1M | 400 (1.25) | 700 (0.50) |"
+    assert lines[3] == "| 4M | 1600 (1.00) |  |"
+
+
 def test_dispatch(monkeypatch, capsys):
     from bench import __main__ as entry
     assert entry.main([]) == 0 and "commands" in capsys.readouterr().out
