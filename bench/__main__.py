@@ -26,6 +26,7 @@ COMMANDS = {
 
 
 def usage() -> str:
+    """The help text: every command and what it does."""
     lines = ["usage: [mpiexec -n N] python -m bench <command> [options]", "", "commands:"]
     lines += [f"  {name:<15} {text}" for name, text in COMMANDS.items()]
     lines += ["", "python -m bench <command> -h shows a command's options"]

@@ -49,6 +49,7 @@ class Gloo:
         return spec.gloo(self.dist, tx, tout, mode, torch_op, root)
 
     def close(self) -> None:
+        """Destroy the process group."""
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 

@@ -220,6 +220,7 @@ class Result:
 
     @property
     def busbw(self) -> float:
+        """algbw x the collective's bus-bandwidth factor (bytes per second)."""
         return self.algbw * self.factor
 
     def latency(self) -> tuple[float, float, float]:
@@ -231,6 +232,7 @@ class Result:
         return min(t), sum(t) / len(t), max(t)
 
     def to_dict(self) -> dict:
+        """One JSON/CSV row (times in us, bandwidths in GB/s)."""
         lat = self.latency()
         return {"collective": self.collective, "size": self.nbytes, "count": self.count,
                 "type": self.dtype, "redop": self.op, "root": self.root,
@@ -340,9 +342,14 @@ class Sweep:
         self._gloo = None
         if "gloo" in self.algorithms:
             from bench import gloo
-            self._gloo = gloo.init(comm)
+            why = None
+            if self.dtype.kind == "b":
+                why = "gloo has no bool"
+            elif self.op is not None and self.op not in gloo.OPS:
+                why = f"gloo has no {self.op!r}"
+            self._gloo = None if why else gloo.init(comm)
             if self._gloo is None:
-                self.notes.append("gloo: torch is not importable, skipped")
+                self.notes.append(f"{why or 'gloo: torch is not importable'}, skipped")
                 self.algorithms.remove("gloo")
 
     def _callables(self, coll, count):
@@ -439,6 +446,7 @@ class Sweep:
         return allres
 
     def close(self):
+        """End the gloo process group, if one was started."""
         if self._gloo is not None:
             self._gloo.close()
 

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     model = model_from_args(args)
     topo = sim.Topology(args.ranks, args.ranks_per_node, args.ranks_per_numa,
                         args.cores_per_node)
-    collectives = list(sim_collectives()) if args.collective == "all" else [args.collective]
+    collectives = list(_collectives()) if args.collective == "all" else [args.collective]
     seg = parse_size(args.seg) if args.seg else None
     nodes = math.ceil(args.ranks / topo.ranks_per_node)
     print(f"# cost model: {args.ranks} ranks = {nodes} node(s) x {topo.ranks_per_node}"
@@ -192,7 +192,8 @@ def _map(fn, items, jobs):
         yield from pool.map(fn, items)
 
 
-def sim_collectives():
+def _collectives():
+    """Every collective the toolkit has."""
     from collectives.select import COLLECTIVES
     return COLLECTIVES
 
@@ -214,7 +215,7 @@ def validate(args) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     topo = sim.Topology(n, per_node, args.ranks_per_numa, cores)
     sizes = byte_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
-    collectives = list(sim_collectives()) if args.collective == "all" else [args.collective]
+    collectives = list(_collectives()) if args.collective == "all" else [args.collective]
     rows = []
     for collective in collectives:
         s = spec(collective)

@@ -381,13 +381,14 @@ class CostModel:
                 f"call {self.call * 1e6:.1f} us, switch {self.switch * 1e6:.1f} us)")
 
 
-# Measured on the project's CI machine kind by ``python -m bench calibrate`` (2 cores, MPICH
-# from the package index); the network is a typical 100 Gb/s fabric (5 us, 12.5 GB/s).
+# Measured on the project's CI machine kind by ``python -m bench calibrate`` (2 cores shared with
+# other jobs, MPICH 5.0.2 from the package index; rounded over several runs), without ``switch``
+# (it depends on the load); the network is a typical 100 Gb/s fabric (5 us, 12.5 GB/s).
 DEFAULT_MODEL = CostModel(
-    alpha={"numa": 3e-6, "node": 3e-6, "net": 5e-6},
-    bandwidth={"numa": 4e9, "node": 4e9, "net": 12.5e9},
-    reduce_bandwidth=3e9, copy_bandwidth=6e9, overhead=4e-6, call=30e-6,
-    source="built-in defaults")
+    alpha={"numa": 2.5e-6, "node": 2.5e-6, "net": 5e-6},
+    bandwidth={"numa": 3.3e9, "node": 3.3e9, "net": 12.5e9},
+    reduce_bandwidth=2e9, copy_bandwidth=3.5e9, overhead=1.5e-6, call=50e-6,
+    source="built-in defaults (this project's 2-core CI machine kind)")
 
 
 class Prediction:
