@@ -8,16 +8,24 @@ parameters, batch 32 per rank, one torch thread per rank, for each variant:
 
 - ``ours``: ``collectives.torch.DistributedDataParallel`` (buckets allreduced while backward
   runs);
+- ``ours_nothread``: the same with ``COLLECTIVES_PROGRESS_THREAD=0`` during its steps: no
+  progress thread, the bytes move when DDP's gradient hooks poll and in the end-of-backward
+  wait (for machines without a spare core per rank);
 - ``gloo``: ``torch.nn.parallel.DistributedDataParallel`` over torch's gloo backend (file
   store, ranks from MPI);
 - ``no_overlap``: the same model with its gradients in one flat buffer, averaged by one
   ``collectives.torch.all_reduce`` after backward (what overlap buys);
-- ``single``: every rank steps its own model, no communication (the floor).
+- ``single``: every rank steps its own model, no communication (the floor);
+- ``torch_ours`` (not run by default): torch's own DDP over the ``collectives`` backend
+  (``collectives.torch.backend``): torch's C++ Reducer, our allreduce.
 
 Variants run interleaved in rounds within the same job, so load on the machine hits all of
 them alike; a step's time is the slowest rank's, and the table shows medians, each variant's
 ratio to gloo and to ``single``, and for ``ours`` the fraction of the communication span that
-was hidden behind backward (``DistributedDataParallel.stats``).
+was hidden behind backward (``DistributedDataParallel.stats``). ``cpu ms`` is the CPU time of
+the slowest rank's process (all its threads) per step: the work behind a step, which on a
+machine with as many cores as ranks is what the step time converges to, and which load from
+other jobs disturbs less than wall time.
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ import time
 
 __all__ = ["main", "mlp", "VARIANTS"]
 
-VARIANTS = ("ours", "gloo", "no_overlap", "single")
+VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single", "torch_ours")
+DEFAULT_VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single")
 
 
 def mlp(params_m: float = 25.0, width: int = 2048, io: int = 1024):
@@ -54,11 +63,14 @@ def _parser():
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (6)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant and round (3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (2)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="our DDP's bucket cap (25)")
     p.add_argument("--algorithm", default="auto", help="our allreduce algorithm (auto)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    p.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
+                   help="optimizer.zero_grad(set_to_none=...): 'none' (torch's default) frees "
+                        "the gradients each step, 'zeros' zeroes them in place")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -123,12 +135,16 @@ def main(argv=None) -> int:
     models, store = {}, None
     for v in variants:
         m = build()
-        if v == "ours":
+        if v in ("ours", "ours_nothread"):
             m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
                                         algorithm=args.algorithm)
         elif v == "gloo":
             store = _gloo(comm)
             m = nn.parallel.DistributedDataParallel(m)
+        elif v == "torch_ours":
+            from collectives.torch.backend import ProcessGroupCollectives
+            m = nn.parallel.DistributedDataParallel(
+                m, process_group=ProcessGroupCollectives(comm, args.algorithm))
         models[v] = m
     flat = _Flat(models["no_overlap"], comm, args.algorithm) if "no_overlap" in models \
         else None
@@ -139,34 +155,44 @@ def main(argv=None) -> int:
     y = torch.randn(args.batch, 1024, generator=gen)
 
     def step(v):
-        opts[v].zero_grad()
+        # The toolkit reads COLLECTIVES_PROGRESS_THREAD as each collective starts.
+        os.environ["COLLECTIVES_PROGRESS_THREAD"] = "0" if v == "ours_nothread" else thread_env
+        opts[v].zero_grad(set_to_none=args.zero_grad == "none")
         nn.functional.mse_loss(models[v](x), y).backward()
         if v == "no_overlap":
             flat.reduce()
         opts[v].step()
 
+    thread_env = os.environ.get("COLLECTIVES_PROGRESS_THREAD", "1")
+
     times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}  # process CPU time (all threads), the work behind a step
     for v in variants:
         for _ in range(args.warmup):
             step(v)
-    if "ours" in models:
-        models["ours"].stats.reset()
+    for v in ("ours", "ours_nothread"):
+        if v in models:
+            models[v].stats.reset()
     for _ in range(args.rounds):
         for v in variants:
             for _ in range(args.steps):
                 comm.Barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 step(v)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
-    hidden = models["ours"].stats.hidden_fraction() if "ours" in models else None
-    hidden = comm.allreduce(hidden, op=MPI.MIN) if hidden is not None else None
+                cpu[v].append(comm.allreduce(dc, op=MPI.MAX))
+    hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
+              for v in ("ours", "ours_nothread") if v in models}
+    os.environ["COLLECTIVES_PROGRESS_THREAD"] = thread_env
 
     result = {"ranks": size, "params": n_params, "batch": args.batch, "threads": args.threads,
               "bucket_cap_mb": args.bucket_cap_mb, "algorithm": args.algorithm,
+              "zero_grad": args.zero_grad,
               "median_ms": {v: 1e3 * statistics.median(t) for v, t in times.items()},
+              "median_cpu_ms": {v: 1e3 * statistics.median(t) for v, t in cpu.items()},
               "all_ms": {v: [round(1e3 * s, 2) for s in t] for v, t in times.items()},
-              "ours_hidden_fraction": hidden}
+              "hidden_fraction": hidden}
     if rank == 0:
         _print(result)
         if args.json:
@@ -182,16 +208,19 @@ def _print(r) -> None:
     med = r["median_ms"]
     print(f"# DDP step: {r['params'] / 1e6:.1f}M-parameter MLP, batch {r['batch']} per rank, "
           f"{r['ranks']} ranks, {r['threads']} thread(s) per rank, bucket cap "
-          f"{r['bucket_cap_mb']:g} MB, algorithm {r['algorithm']}")
-    print(f"# {'variant':<12} {'median ms':>10} {'vs gloo':>8} {'vs single':>10}  steps (ms)")
+          f"{r['bucket_cap_mb']:g} MB, algorithm {r['algorithm']}, zero_grad to "
+          f"{r['zero_grad']}")
+    print(f"# {'variant':<12} {'median ms':>10} {'vs gloo':>8} {'vs single':>10} "
+          f"{'cpu ms':>8}  steps (ms)")
     for v, m in med.items():
         vs_gloo = f"{m / med['gloo']:.2f}x" if "gloo" in med else "-"
         vs_single = f"{m / med['single']:.2f}x" if "single" in med else "-"
         runs = " ".join(f"{t:.0f}" for t in r["all_ms"][v])
-        print(f"  {v:<12} {m:>10.1f} {vs_gloo:>8} {vs_single:>10}  {runs}")
-    if r["ours_hidden_fraction"] is not None:
-        print(f"# ours: {100 * r['ours_hidden_fraction']:.0f}% of the gradient communication "
-              f"span hidden behind backward")
+        print(f"  {v:<12} {m:>10.1f} {vs_gloo:>8} {vs_single:>10} "
+              f"{r['median_cpu_ms'][v]:>8.1f}  {runs}")
+    for v, h in r["hidden_fraction"].items():
+        print(f"# {v}: {100 * h:.0f}% of the gradient communication span hidden behind "
+              f"backward")
     if "no_overlap" in med and "ours" in med:
         print(f"# overlap gain: no_overlap - ours = {med['no_overlap'] - med['ours']:.1f} ms "
               f"per step")

@@ -331,5 +331,14 @@ def test_torch_ddp_on_the_collectives_backend():
                 msgs.append(f"{name}: {str(exc).splitlines()[:3]}")
         assert_all(not msgs, str(msgs))
         assert_all(dist.get_backend() == "collectives", dist.get_backend())
+        # torch's own fp16 compression hook, on our backend.
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        net16 = _net(0)
+        ddp16 = nn.parallel.DistributedDataParallel(net16, bucket_cap_mb=0.01)
+        ddp16.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        nn.functional.mse_loss(ddp16(X[mine], extra=True), Y[mine]).backward()
+        err = max(((p.grad - q.grad).norm() / q.grad.norm()).item()
+                  for p, q in zip(net16.parameters(), ref.parameters()))
+        assert_all(err < 2e-3, f"fp16 hook on the collectives backend: relative error {err}")
     finally:
         dist.destroy_process_group()

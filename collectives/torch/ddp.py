@@ -182,7 +182,7 @@ class DistributedDataParallel(nn.Module):
         self._register_load_state_dict_pre_hook(_accept_unprefixed)
 
         self._require_sync = True
-        self._rebuild_pending = self.size > 1
+        self._rebuild_pending = True
         self._order: list[int] = []
         self._used = bytearray(len(self._params))   # got a gradient since the last sync
         self._none_before: list[int] = []            # unused here and grad was None
@@ -347,6 +347,7 @@ class DistributedDataParallel(nn.Module):
             self._into_bucket(p.grad, view, True)
         if sync:
             self._mark_ready(index, b)
+            functional.progress()  # without a progress thread, this is when bytes move
 
     def _into_bucket(self, grad, view, sync: bool) -> None:
         """Copy ``grad`` into its bucket slot, divided by the rank count if DDP divides."""

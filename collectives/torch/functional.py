@@ -24,7 +24,7 @@ from collections import deque
 import collectives as coll
 
 __all__ = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-           "Work", "wait_future", "op_name"]
+           "Work", "wait_future", "progress", "op_name"]
 
 _TORCH_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg",
               "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -143,6 +143,18 @@ def wait_future(fut):
                                    "collectives.torch is in flight to complete it")
             _PENDING.popleft()._finish()
     return fut.wait()
+
+
+def progress() -> None:
+    """Advance the in-flight collectives without blocking or completing any future.
+
+    With the progress thread (the default) this only looks; with
+    ``COLLECTIVES_PROGRESS_THREAD=0`` it moves whatever bytes can move now, in this thread --
+    DDP calls it from every gradient hook so that buckets progress while backward runs.
+    """
+    for work in tuple(_PENDING):
+        if not work._done:
+            work._request.test()
 
 
 # -- the collectives -------------------------------------------------------------------------
