@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from .functional import all_reduce
 
 __all__ = ["DefaultState", "PowerSGDState", "allreduce_hook", "fp16_compress_wrapper",
@@ -73,7 +75,6 @@ def allreduce_hook(state: DefaultState, bucket):
 
 def noop_hook(state, bucket):
     """No communication: each rank keeps its local gradients (for measuring, never training)."""
-    import torch
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
@@ -100,42 +101,18 @@ def _compress_wrapper(hook, dtype, label: str):
 
 def fp16_compress_wrapper(hook):
     """``hook`` run on a float16 copy of the bucket (half the bytes), cast back after."""
-    import torch
     return _compress_wrapper(hook, torch.float16, "fp16")
 
 
 def bf16_compress_wrapper(hook):
     """``hook`` run on a bfloat16 copy of the bucket (half the bytes), cast back after."""
-    import torch
     return _compress_wrapper(hook, torch.bfloat16, "bf16")
 
 
-def fp16_compress_hook(state: DefaultState, bucket):
-    """``fp16_compress_wrapper(allreduce_hook)``: average in float16."""
-    return _FP16(state, bucket)
-
-
-def bf16_compress_hook(state: DefaultState, bucket):
-    """``bf16_compress_wrapper(allreduce_hook)``: average in bfloat16."""
-    return _BF16(state, bucket)
-
-
-class _Lazy:
-    """Builds a wrapped hook on first use, so importing this module does not import torch."""
-
-    __slots__ = ("make", "hook")
-
-    def __init__(self, make):
-        self.make, self.hook = make, None
-
-    def __call__(self, state, bucket):
-        if self.hook is None:
-            self.hook = self.make(allreduce_hook)
-        return self.hook(state, bucket)
-
-
-_FP16 = _Lazy(fp16_compress_wrapper)
-_BF16 = _Lazy(bf16_compress_wrapper)
+fp16_compress_hook = fp16_compress_wrapper(allreduce_hook)
+fp16_compress_hook.__doc__ = "``fp16_compress_wrapper(allreduce_hook)``: average in float16."
+bf16_compress_hook = bf16_compress_wrapper(allreduce_hook)
+bf16_compress_hook.__doc__ = "``bf16_compress_wrapper(allreduce_hook)``: average in bfloat16."
 
 
 # -- PowerSGD ------------------------------------------------------------------------------------
@@ -155,7 +132,6 @@ class PowerSGDState(DefaultState):
                  start_powerSGD_iter: int = 10, min_compression_rate: float = 2.0,
                  use_error_feedback: bool = True, warm_start: bool = True,
                  random_seed: int = 0):
-        import torch
         super().__init__(comm, algorithm)
         if int(matrix_approximation_rank) < 1:
             raise ValueError(f"matrix_approximation_rank must be at least 1, got "
@@ -186,7 +162,6 @@ class PowerSGDState(DefaultState):
 
 def _orthonormalize(p) -> None:
     """Replace the columns of ``p`` (n x r) by an orthonormal basis of their span, in place."""
-    import torch
     if p.shape[1] == 1:
         norm = torch.linalg.vector_norm(p)
         p.div_(norm if norm > 0 else 1.0)
@@ -198,7 +173,6 @@ def _orthonormalize(p) -> None:
 
 def powerSGD_hook(state: PowerSGDState, bucket):
     """PowerSGD (Vogels et al. 2019): low-rank averaging with error feedback and warm start."""
-    import torch
     if state.iter < state.start_powerSGD_iter:
         state._count_iteration(bucket)
         return allreduce_hook(state, bucket)
