@@ -1,6 +1,6 @@
 """Data-parallel training of a small CNN with ``collectives.torch.DistributedDataParallel``.
 
-    mpiexec -n 3 python examples/train_ddp.py                     # ~20 s on 2 cores
+    mpiexec -n 3 python examples/train_ddp.py                     # ~10 s on 2 cores
     mpiexec -n 3 python examples/train_ddp.py --hook powersgd     # or fp16, bf16
     mpiexec -n 2 python examples/train_ddp.py --epochs 10 --width 64 --samples 12288
 
