@@ -24,6 +24,8 @@ message, so chunk splits may leave empty chunks (``count < size``).
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 __all__ = [
     "IN", "OUT", "TMP", "SEND", "RECV", "REDUCE", "COPY",
     "Schedule", "Op", "split", "segments",
@@ -140,30 +142,26 @@ class Schedule:
             self.ops.append(Op((COPY, -1, tuple(dst), (tuple(src),))))
 
     # -- analysis ---------------------------------------------------------------------------
-    def _key(self, buf: int) -> int:
-        return OUT if (buf == IN and self.alias) else buf
-
     def deps(self) -> list[tuple[int, ...]]:
-        """For each op, the earlier ops it must wait for (derived from region overlaps)."""
-        # Per buffer: list of (start, stop, op index, writes) of earlier accesses.
-        history: dict[int, list[tuple[int, int, int, bool]]] = {}
+        """For each op, the earlier ops it must wait for (derived from region overlaps).
+
+        Each buffer keeps disjoint intervals with their last writer and the readers since, so
+        an access costs O(log ops): a 4096-rank ring schedule (8k ops) takes a fraction of a
+        second. A read follows the interval's writer; a write follows the writer and readers.
+        """
+        maps = {IN: _Intervals(), OUT: _Intervals(), TMP: _Intervals()}
+        if self.alias:
+            maps[IN] = maps[OUT]
         result = []
-        for i, (kind, _peer, dst, srcs) in enumerate(self.ops):
-            need = set()
-            accesses = [(r, False) for r in srcs]
+        for i, (_kind, _peer, dst, srcs) in enumerate(self.ops):
+            need: set[int] = set()
+            # Reads first, then the write: an op that reads and writes one region follows
+            # only earlier ops (itself is dropped below).
+            for buf, a, b in srcs:
+                maps[buf].access(a, b, i, False, need)
             if dst is not None:
-                accesses.append((dst, True))
-            for (buf, a, b), writes in accesses:
-                for (c, d, j, wrote) in history.get(self._key(buf), ()):
-                    if (writes or wrote) and a < d and c < b:
-                        need.add(j)
-            for (buf, a, b), writes in accesses:
-                past = history.setdefault(self._key(buf), [])
-                if writes:
-                    # An access inside this write is ordered before it, and whatever later
-                    # overlaps the access overlaps this write too: it need not be kept.
-                    past[:] = [e for e in past if not (a <= e[0] and e[1] <= b)]
-                past.append((a, b, i, writes))
+                maps[dst[0]].access(dst[1], dst[2], i, True, need)
+            need.discard(i)
             result.append(tuple(sorted(need)))
         return result
 
@@ -227,3 +225,57 @@ class Plan:
                 self.order[i] = len(q)
                 q.append(i)
         self.roots = [i for i, n in enumerate(self.ndeps) if n == 0]
+
+
+class _Intervals:
+    """Disjoint sorted intervals of one buffer: the last writer and the readers since."""
+
+    __slots__ = ("lo", "hi", "w", "r")
+
+    def __init__(self):
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+        self.w: list[int] = []
+        self.r: list[list[int]] = []
+
+    def access(self, a, b, i, writes, need):
+        """Add the ops that an access of ``[a, b)`` by op ``i`` must follow to ``need``, then
+        record the access."""
+        lo, hi, w, r = self.lo, self.hi, self.w, self.r
+        if not lo or a >= hi[-1]:  # past every interval: the common case of a fresh region
+            lo.append(a), hi.append(b), w.append(i if writes else -1)
+            r.append([] if writes else [i])
+            return
+        j0 = bisect_right(hi, a)
+        j1 = j0
+        while j1 < len(lo) and lo[j1] < b:
+            if w[j1] >= 0:
+                need.add(w[j1])
+            if writes:
+                need.update(r[j1])
+            j1 += 1
+        if j1 == j0 + 1 and lo[j0] == a and hi[j0] == b:  # exactly one known interval
+            if writes:
+                w[j0], r[j0] = i, []
+            else:
+                r[j0].append(i)
+            return
+        new_lo, new_hi, new_w, new_r = [], [], [], []
+        if j0 < j1 and lo[j0] < a:  # the part of the first interval before a stays as it was
+            new_lo.append(lo[j0]), new_hi.append(a), new_w.append(w[j0]), new_r.append(r[j0])
+        if writes:
+            new_lo.append(a), new_hi.append(b), new_w.append(i), new_r.append([])
+        else:
+            at = a
+            for j in range(j0, j1):
+                if lo[j] > at:  # a gap never accessed before
+                    new_lo.append(at), new_hi.append(lo[j]), new_w.append(-1), new_r.append([i])
+                s, e = max(lo[j], a), min(hi[j], b)
+                new_lo.append(s), new_hi.append(e), new_w.append(w[j]), new_r.append(r[j] + [i])
+                at = e
+            if at < b:
+                new_lo.append(at), new_hi.append(b), new_w.append(-1), new_r.append([i])
+        if j0 < j1 and hi[j1 - 1] > b:
+            new_lo.append(b), new_hi.append(hi[j1 - 1]), new_w.append(w[j1 - 1])
+            new_r.append(list(r[j1 - 1]))
+        lo[j0:j1], hi[j0:j1], w[j0:j1], r[j0:j1] = new_lo, new_hi, new_w, new_r

@@ -409,78 +409,9 @@ class Prediction:
                 f"{self.simulated} ranks simulated, {self.method})")
 
 
-class _Intervals:
-    """Disjoint sorted intervals of one buffer: the last writer and the readers since."""
-
-    __slots__ = ("lo", "hi", "w", "r")
-
-    def __init__(self):
-        self.lo: list[int] = []
-        self.hi: list[int] = []
-        self.w: list[int] = []
-        self.r: list[list[int]] = []
-
-    def access(self, a, b, i, writes, need):
-        """Add the ops that an access of ``[a, b)`` by op ``i`` must follow to ``need``, then
-        record the access."""
-        lo, hi, w, r = self.lo, self.hi, self.w, self.r
-        if not lo or a >= hi[-1]:  # past every interval: the common case of a fresh region
-            lo.append(a), hi.append(b), w.append(i if writes else -1)
-            r.append([] if writes else [i])
-            return
-        j0 = bisect_right(hi, a)
-        j1 = j0
-        while j1 < len(lo) and lo[j1] < b:
-            if w[j1] >= 0:
-                need.add(w[j1])
-            if writes:
-                need.update(r[j1])
-            j1 += 1
-        if j1 == j0 + 1 and lo[j0] == a and hi[j0] == b:  # exactly one known interval
-            if writes:
-                w[j0], r[j0] = i, []
-            else:
-                r[j0].append(i)
-            return
-        new_lo, new_hi, new_w, new_r = [], [], [], []
-        if j0 < j1 and lo[j0] < a:  # the part of the first interval before a stays as it was
-            new_lo.append(lo[j0]), new_hi.append(a), new_w.append(w[j0]), new_r.append(r[j0])
-        if writes:
-            new_lo.append(a), new_hi.append(b), new_w.append(i), new_r.append([])
-        else:
-            at = a
-            for j in range(j0, j1):
-                if lo[j] > at:  # a gap never accessed before
-                    new_lo.append(at), new_hi.append(lo[j]), new_w.append(-1), new_r.append([i])
-                s, e = max(lo[j], a), min(hi[j], b)
-                new_lo.append(s), new_hi.append(e), new_w.append(w[j]), new_r.append(r[j] + [i])
-                at = e
-            if at < b:
-                new_lo.append(at), new_hi.append(b), new_w.append(-1), new_r.append([i])
-        if j0 < j1 and hi[j1 - 1] > b:
-            new_lo.append(b), new_hi.append(hi[j1 - 1]), new_w.append(w[j1 - 1])
-            new_r.append(list(r[j1 - 1]))
-        lo[j0:j1], hi[j0:j1], w[j0:j1], r[j0:j1] = new_lo, new_hi, new_w, new_r
-
-
 def fast_deps(schedule: Schedule) -> list[tuple[int, ...]]:
-    """``Schedule.deps()`` in O(log) per access: the same ordering (its transitive closure is
-    equal), computed with interval maps; used for the long schedules of large rank counts."""
-    maps = {IN: _Intervals(), OUT: _Intervals(), 2: _Intervals()}
-    if schedule.alias:
-        maps[IN] = maps[OUT]
-    result = []
-    for i, (_kind, _peer, dst, srcs) in enumerate(schedule.ops):
-        need: set[int] = set()
-        # Reads first, then the write: an op that reads and writes one region follows only
-        # earlier ops (itself is dropped below).
-        for buf, a, b in srcs:
-            maps[buf].access(a, b, i, False, need)
-        if dst is not None:
-            maps[dst[0]].access(dst[1], dst[2], i, True, need)
-        need.discard(i)
-        result.append(tuple(sorted(need)) if len(need) > 1 else tuple(need))
-    return result
+    """``Schedule.deps()`` (kept under this name for the cost model's callers)."""
+    return schedule.deps()
 
 
 class _Compiled:
