@@ -8,7 +8,8 @@ releases the GIL), so the caller keeps computing (autograd, say) while the bytes
 
 ``Request.wait()`` returns the result; ``Request.test()`` says whether it is complete. Several
 requests may be outstanding and waited on in any order. With ``COLLECTIVES_PROGRESS_THREAD=0``
-no thread is started and ``test()``/``wait()`` advance the collective in the caller's thread.
+(or ``auto``, the default, on a node with no core to spare: see ``use_thread``) no thread is
+started and ``test()``/``wait()`` advance the collective in the caller's thread.
 """
 from __future__ import annotations
 
@@ -21,8 +22,38 @@ from .errors import network_error
 __all__ = ["Request", "Done", "NativeWork", "use_thread"]
 
 
+def _local_ranks() -> int | None:
+    """Ranks on this node, as the launcher says (MPICH's Hydra, Open MPI, Slurm)."""
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def use_thread() -> bool:
-    return os.environ.get("COLLECTIVES_PROGRESS_THREAD", "1") not in ("0", "false", "no", "")
+    """Whether ``i*`` collectives get the progress thread (``COLLECTIVES_PROGRESS_THREAD``).
+
+    ``1``: always; ``0``: never (``test``/``wait`` progress them in the caller's thread);
+    ``auto`` (default): only when the node has a core to spare for it. MPI waits by spinning,
+    so a progress thread on a node with as many ranks as cores takes the core the caller's
+    own computation (autograd) needs: measured here, DDP's step was 0.83x gloo's with the
+    thread and 0.72x without it at 2 ranks on 2 cores.
+    """
+    setting = os.environ.get("COLLECTIVES_PROGRESS_THREAD", "auto").lower()
+    if setting in ("0", "false", "no", "off", ""):
+        return False
+    if setting != "auto":
+        return True
+    local = _local_ranks()
+    return local is None or local < _cores()
 
 
 class Done:

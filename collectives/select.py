@@ -127,7 +127,7 @@ def load_table(reload: bool = False) -> dict:
         return _TABLE_CACHE[key]
     path = tuning_path()
     table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
-    if path is not None:
+    if path is not None and path.exists():  # a file not written yet: the defaults
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
