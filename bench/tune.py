@@ -7,7 +7,7 @@ rule ``[max_bytes, name]`` (``max_bytes`` = the per-rank input bytes of the last
 ``null`` for the last rule). The rules are stored for this communicator size in the JSON schema
 of ``collectives.select``::
 
-    {"version": 1, "signature": "<host / cpu / cores / MPI / nodes>",
+    {"version": 1, "signature": "<cpu / cores / MPI library>",
      "tables": {"allreduce": {"2": [[4096, "native"], [null, "ring"]], ...}, ...}}
 
 at ``COLLECTIVES_TUNING`` or ``~/.cache/collectives/tuning.json``, merged with the sizes already
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 from pathlib import Path
 
 __all__ = ["main", "rules", "signature", "tuning_file", "merge"]
@@ -53,7 +52,7 @@ def tuning_file() -> Path:
 
 
 def signature(comm) -> str:
-    """What the table is valid for: host kind, cores, MPI library, nodes x ranks per node."""
+    """What the table is valid for: host kind, cores, MPI library (rank counts key the rules)."""
     from mpi4py import MPI
     cpu = platform.processor() or platform.machine()
     try:
@@ -62,13 +61,7 @@ def signature(comm) -> str:
                        cpu)
     except OSError:
         pass
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    per_node = local.Get_size()
-    local.Free()
-    nodes = len(set(comm.allgather(socket.gethostname())))
-    return (f"{cpu} | {os.cpu_count()} cores | "
-            f"{MPI.Get_library_version().splitlines()[0].strip()} | {nodes} node(s) x "
-            f"{per_node} ranks")
+    return f"{cpu} | {os.cpu_count()} cores | {MPI.Get_library_version().splitlines()[0].strip()}"
 
 
 def rules(best: list[tuple[int, str]]) -> list[list]:

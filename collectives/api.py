@@ -107,6 +107,12 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
     return o, same
 
 
+def _single_node(ctx) -> bool:
+    """Whether ``ctx``'s ranks share one node (collective on first use, then cached)."""
+    from .topology import topology
+    return topology(ctx).single_node
+
+
 def _root(root, size) -> int:
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or \
             not 0 <= root < size:
@@ -142,8 +148,8 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     ctx = call.ctx
     nbytes = call.count * call.x.dtype.itemsize
     try:
-        name = select.auto(call.collective, nbytes, ctx.size) if algorithm == "auto" \
-            else algorithm
+        name = select.auto(call.collective, nbytes, ctx.size, lambda: _single_node(ctx)) \
+            if algorithm == "auto" else algorithm
         builder = select.get(call.collective, name)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, call.collective, check, exc)

@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 from array import array
-from bisect import bisect_right
 from collections import deque
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import numpy as np
 from .errors import CollectiveError, MessageSizeError
 from .executor import Run
 from .ops import Op, resolve
-from .schedule import IN, OUT, RECV, REDUCE, SEND, Schedule, split
+from .schedule import RECV, REDUCE, SEND, Schedule, split
 
 __all__ = ["simulate", "run_schedules", "SimNetwork", "Deadlock", "Traffic",
            "LINKS", "Topology", "CostModel", "Prediction", "critical_path", "predict",
