@@ -162,6 +162,20 @@ def load_table(reload: bool = False) -> dict:
     return table
 
 
+_RULES: dict = {}
+
+
+def _rules(table, collective: str, size: int) -> list:
+    """The rules for ``size`` ranks (see the module doc), restricted to registered names."""
+    rules_by_size = table.get(collective, {})
+    rules = rules_by_size.get(str(size))
+    if rules is None:
+        smaller = [int(k) for k in rules_by_size if k.isdigit() and int(k) < size]
+        rules = rules_by_size[str(max(smaller))] if smaller else rules_by_size.get("default")
+    _load_builtin()
+    return [(limit, name) for limit, name in rules or () if name in _REGISTRY[collective]]
+
+
 def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks.
 
@@ -169,14 +183,13 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     single-node algorithm chosen for a communicator that spans nodes is replaced by its
     hierarchical counterpart.
     """
-    rules_by_size = load_table().get(collective, {})
-    rules = rules_by_size.get(str(size))
+    table = load_table()
+    rules = _RULES.get((id(table), collective, size))
     if rules is None:
-        smaller = [int(k) for k in rules_by_size if k.isdigit() and int(k) < size]
-        rules = rules_by_size[str(max(smaller))] if smaller else rules_by_size.get("default")
-    _load_builtin()
-    for limit, name in rules or ():
-        if (limit is None or nbytes <= limit) and name in _REGISTRY[collective]:
+        rules = _rules(table, collective, size)
+        _RULES[(id(table), collective, size)] = rules
+    for limit, name in rules:
+        if limit is None or nbytes <= limit:
             if name in MULTI_NODE and not (single_node() if callable(single_node)
                                            else single_node):
                 swap = MULTI_NODE[name]
