@@ -32,6 +32,7 @@ from collections import deque
 import numpy as np
 
 from .errors import CollectiveError, MessageSizeError, network_error
+from .progress import polite_waits
 from .schedule import COPY, RECV, REDUCE, SEND
 
 __all__ = ["Context", "context", "Run", "MPITransport", "SEGMENT_BYTES", "segment_elems",
@@ -142,7 +143,7 @@ def context(comm) -> Context:
 class MPITransport:
     """Non-blocking byte transfers on one communicator."""
 
-    __slots__ = ("comm", "_byte", "_mpi", "counter")
+    __slots__ = ("comm", "_byte", "_mpi", "counter", "polite")
 
     def __init__(self, comm):
         from mpi4py import MPI
@@ -150,6 +151,10 @@ class MPITransport:
         self.counter = None  # collectives.topology.count_traffic installs a LinkTraffic here
         self._mpi = MPI
         self._byte = MPI.BYTE
+        # On a node with no core to spare, MPI's spinning Waitany keeps the core that the
+        # rank being waited for needs: poll and yield instead (measured: 3 ranks on 2 cores,
+        # an 8-byte ring allreduce took 8.3 ms spinning, 0.22 ms yielding).
+        self.polite = polite_waits()
 
     def isend(self, view, peer: int, tag: int):
         if self.counter is not None:
@@ -171,6 +176,13 @@ class MPITransport:
     def waitany(self, handles):
         """Block until one of ``handles`` completes: ``(index, status)``."""
         status = self._mpi.Status()  # one per call: the progress thread may wait at once
+        if self.polite:
+            testany = self._mpi.Request.Testany
+            while True:
+                k, done = testany(handles, status)
+                if done:
+                    return k, status
+                os.sched_yield()
         k = self._mpi.Request.Waitany(handles, status)
         return k, status
 

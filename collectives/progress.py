@@ -38,6 +38,24 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def busy_node() -> bool:
+    """Whether this node runs at least as many ranks as this rank has cores (launcher's word)."""
+    local = _local_ranks()
+    return local is not None and local >= _cores()
+
+
+def polite_waits() -> bool:
+    """Whether waits poll and yield the core instead of spinning inside MPI.
+
+    ``COLLECTIVES_WAIT=yield`` or ``spin`` decides; by default, yield on a busy node."""
+    setting = os.environ.get("COLLECTIVES_WAIT", "auto").lower()
+    if setting in ("yield", "poll"):
+        return True
+    if setting in ("spin", "block"):
+        return False
+    return busy_node()
+
+
 def use_thread() -> bool:
     """Whether ``i*`` collectives get the progress thread (``COLLECTIVES_PROGRESS_THREAD``).
 
@@ -52,8 +70,7 @@ def use_thread() -> bool:
         return False
     if setting != "auto":
         return True
-    local = _local_ranks()
-    return local is None or local < _cores()
+    return not busy_node()
 
 
 class Done:
