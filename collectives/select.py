@@ -101,21 +101,26 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[256 << 10, NATIVE], [1 << 20, "ring"], [None, "shm"]],
-        "3": [[128 << 10, NATIVE], [None, "shm"]],
+        "2": [[256 << 10, NATIVE], [2 << 20, "ring"], [32 << 20, "rabenseifner"],
+              [None, "shm"]],
+        "3": [[512 << 10, NATIVE], [None, "shm"]],
     },
     "reduce_scatter": {
         "2": [[512 << 10, NATIVE], [None, "shm"]],
-        "3": [[32 << 10, NATIVE], [None, "shm"]],
+        "3": [[128 << 10, NATIVE], [None, "shm"]],
     },
     "allgather": {
         "2": [[256 << 10, NATIVE], [None, "ring"]],
-        "3": [[64 << 10, NATIVE], [None, "shm"]],
+        "3": [[64 << 10, NATIVE], [2 << 20, "shm"], [None, "recursive_doubling"]],
     },
-    "broadcast": {"2": [[8 << 20, NATIVE], [None, "shm"]]},
+    "broadcast": {
+        "2": [[8 << 20, NATIVE], [None, "shm"]],
+        "3": [[8 << 20, NATIVE], [None, "binomial"]],
+    },
     "reduce": {
         "2": [[2 << 20, NATIVE], [None, "binomial"]],
-        "3": [[8 << 20, NATIVE], [None, "binomial"]],
+        "3": [[128 << 10, NATIVE], [512 << 10, "binomial"], [8 << 20, "tree"],
+              [None, "hierarchical"]],
     },
 }
 for _rules in DEFAULT_TABLE.values():
