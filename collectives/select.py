@@ -101,8 +101,7 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[256 << 10, NATIVE], [2 << 20, "ring"], [32 << 20, "rabenseifner"],
-              [None, "shm"]],
+        "2": [[256 << 10, NATIVE], [32 << 20, "ring"], [None, "shm"]],
         "3": [[512 << 10, NATIVE], [None, "shm"]],
     },
     "reduce_scatter": {
