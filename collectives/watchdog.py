@@ -376,7 +376,8 @@ def _fire(entry: _Entry) -> None:
             elif msg[0] == "answer" and msg[1] == entry.seq:
                 answers[msg[2]] = msg[3]
     if lower_asked:
-        time.sleep(_grace())   # the lower rank aborts the job meanwhile; if not, we do
+        # The lower rank prints the summary and aborts the job meanwhile; if not, we do.
+        time.sleep(2 * _grace() + 1)
     _write(_summary(entry, _state(ctx), answers))
     _abort()
 
@@ -439,4 +440,5 @@ def _ranks(ranks) -> str:
 
 def _abort() -> None:
     from mpi4py import MPI
+    time.sleep(0.5)  # let the launcher forward what was just written before it kills us
     MPI.COMM_WORLD.Abort(EXIT_CODE)
