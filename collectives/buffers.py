@@ -70,9 +70,12 @@ def register(adaptor, *, first: bool = False) -> None:
         _ADAPTORS.append(adaptor)
 
 
+_DTYPE_SET = frozenset(DTYPES)
+
+
 def check_dtype(dtype) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in DTYPES:
+    if dtype not in _DTYPE_SET:
         raise TypeError(f"unsupported dtype {dtype.name}; supported: "
                         f"{', '.join(d.name for d in DTYPES)}")
     return dtype

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from .ops import Op
-from .progress import NativeWork
+from .progress import Done, NativeWork
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "mpi_type_op"]
 
 _CACHE: dict = {}
+_DONE = Done()  # stateless: one serves every blocking call
 
 # (op name, numpy kind) pairs MPI defines on the matching builtin type.
 _BUILTIN = {
@@ -75,7 +76,7 @@ def allreduce(comm, x, out, op: Op, blocking: bool):
     recv = [out, out.shape[0], mpitype]
     if blocking:
         comm.Allreduce(_send(x, out, mpitype), recv, mpiop)
-        return _done()
+        return _DONE
     return _work(comm.Iallreduce(_send(x, out, mpitype), recv, mpiop), False, "Iallreduce")
 
 
@@ -87,7 +88,7 @@ def reduce(comm, x, out, op: Op, root: int, blocking: bool):
     recv = [out, out.shape[0], mpitype] if is_root else None
     if blocking:
         comm.Reduce(send, recv, mpiop, root)
-        return _done()
+        return _DONE
     return _work(comm.Ireduce(send, recv, mpiop, root), False, "Ireduce")
 
 
@@ -96,7 +97,7 @@ def broadcast(comm, buf, root: int, blocking: bool):
     view = [buf.view(np.uint8), MPI.BYTE]
     if blocking:
         comm.Bcast(view, root)
-        return _done()
+        return _DONE
     return _work(comm.Ibcast(view, root), False, "Ibcast")
 
 
@@ -105,7 +106,7 @@ def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
     recv = [out, counts[comm.Get_rank()], mpitype]
     if blocking:
         comm.Reduce_scatter([x, sum(counts), mpitype], recv, counts, mpiop)
-        return _done()
+        return _DONE
     return _work(comm.Ireduce_scatter([x, sum(counts), mpitype], recv, counts, mpiop),
                  False, "Ireduce_scatter")
 
@@ -119,10 +120,6 @@ def allgather(comm, x, out, counts, blocking: bool):
     recv = [out.view(np.uint8), (nbytes, displs), MPI.BYTE]
     if blocking:
         comm.Allgatherv(send, recv)
-        return _done()
+        return _DONE
     return _work(comm.Iallgatherv(send, recv), False, "Iallgatherv")
 
-
-def _done():
-    from .progress import Done
-    return Done()
