@@ -18,12 +18,11 @@ error as it would without checking. With checking off nothing is exchanged: the 
 """
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
 
-from .errors import MismatchError
+from .errors import MismatchError, getenv
 
 __all__ = ["enabled", "verify", "failed", "settle", "FIELDS"]
 
@@ -35,7 +34,7 @@ def enabled(check=None) -> bool:
     """Per-call ``check`` wins; else ``COLLECTIVES_CHECK``."""
     if check is not None:
         return bool(check)
-    return os.environ.get("COLLECTIVES_CHECK", "0") not in ("0", "", "false", "no")
+    return getenv("COLLECTIVES_CHECK", b"COLLECTIVES_CHECK") not in (None, "0", "", "false", "no")
 
 
 def _code(field: str, value) -> int:

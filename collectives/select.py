@@ -26,6 +26,8 @@ import json
 import os
 from pathlib import Path
 
+from .errors import getenv
+
 __all__ = ["NATIVE", "register", "get", "algorithms", "auto", "load_table", "DEFAULT_TABLE",
            "COLLECTIVES", "tuning_path"]
 
@@ -148,7 +150,7 @@ def load_table(reload: bool = False) -> dict:
     Read once per process (and again when ``COLLECTIVES_TUNING`` changes or ``reload``), so
     that ``auto`` costs no file-system call per collective.
     """
-    key = os.environ.get("COLLECTIVES_TUNING")
+    key = getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING")
     if not reload and key in _TABLE_CACHE:
         return _TABLE_CACHE[key]
     path = tuning_path()
