@@ -23,7 +23,7 @@ import functools
 import numpy as np
 
 from . import check as _check
-from . import select
+from . import native, select
 from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
 from .errors import network_error
@@ -70,10 +70,15 @@ class Call:
 
 
 # -- step 1: checks and buffers ---------------------------------------------------------------
+_WORLD = []  # MPI.COMM_WORLD, looked up once (mpi4py is imported on the first call only)
+
+
 def _context(comm):
     if comm is None:
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
+        if not _WORLD:
+            from mpi4py import MPI
+            _WORLD.append(MPI.COMM_WORLD)
+        comm = _WORLD[0]
     try:
         return context(comm)
     except AttributeError:
@@ -260,7 +265,6 @@ def _native(call: Call):
 
 
 def _native_mpi(call: Call):
-    from . import native
     comm, x, blocking = call.ctx.comm, call.x.flat, call.blocking
     out = None if call.out is None else call.out.flat
     if call.collective == "allreduce":

@@ -153,6 +153,7 @@ def load_table(reload: bool = False) -> dict:
     key = getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING")
     if not reload and key in _TABLE_CACHE:
         return _TABLE_CACHE[key]
+    _RULES.pop(key, None)  # rules memoized from an older read of this table
     path = tuning_path()
     table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
     if path is not None and path.exists():  # a file not written yet: the defaults
@@ -189,11 +190,13 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     single-node algorithm chosen for a communicator that spans nodes is replaced by its
     hierarchical counterpart.
     """
-    table = load_table()
-    rules = _RULES.get((id(table), collective, size))
+    memo = _RULES.get(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"))
+    rules = None if memo is None else memo.get((collective, size))
     if rules is None:
+        table = load_table()
         rules = _rules(table, collective, size)
-        _RULES[(id(table), collective, size)] = rules
+        _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})[
+            (collective, size)] = rules
     for limit, name in rules:
         if limit is None or nbytes <= limit:
             if name in MULTI_NODE and not (single_node() if callable(single_node)
