@@ -421,8 +421,12 @@ class Sweep:
             else:
                 iters = int(min(1000, max(1, math.ceil(self.budget / max(est, 1e-9)))))
             results[key].iters = iters
+        keys = list(calls)
         for r in range(self.rounds):
-            for key, (fn, _res, _reset) in calls.items():
+            # Each round starts one algorithm later, so that none always runs first or last.
+            shift = r % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                fn = calls[key][0]
                 t = self._measure(fn, results[key].iters)
                 ranks_t = _gather(self.comm, t)
                 results[key].rounds.append(max(ranks_t))
