@@ -1,7 +1,8 @@
 """Helpers for MPI tests: agree on failure before asserting, exact rank-dependent data."""
 import numpy as np
 
-__all__ = ["world", "assert_all", "rank_data", "exact_sum", "DTYPES", "FLOAT_DTYPES"]
+__all__ = ["world", "assert_all", "rank_data", "exact_sum", "op_inputs", "DTYPES",
+           "FLOAT_DTYPES"]
 
 from collectives.buffers import DTYPES  # noqa: E402
 
@@ -38,3 +39,20 @@ def rank_data(rank: int, n: int, dtype, *, base: int = 1) -> np.ndarray:
 def exact_sum(size: int, n: int, dtype, *, base: int = 1) -> np.ndarray:
     """Sum over ranks of ``rank_data`` in float64 (exact for these small integers)."""
     return sum(rank_data(r, n, dtype, base=base).astype(np.float64) for r in range(size))
+
+
+def op_inputs(size: int, n: int, dtype, op: str) -> list:
+    """Every rank's input for ``op``: exact small values (1-2 for prod, so products stay exact,
+    a pattern for bool), so that each rank can compute the answer locally."""
+    dtype = np.dtype(dtype)
+    out = []
+    for r in range(size):
+        i = np.arange(n)
+        if op == "prod":
+            v = 1 + (r + i) % 2
+        elif dtype.kind == "b":
+            v = (r + i) % 3 == 0
+        else:
+            v = (r + 1) * 3 + i % 5
+        out.append(np.asarray(v).astype(dtype))
+    return out

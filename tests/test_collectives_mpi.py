@@ -10,7 +10,7 @@ import collectives as coll
 from collectives.buffers import DTYPES
 from collectives.executor import set_segment_bytes
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
-from tests.mpiutil import assert_all, world
+from tests.mpiutil import assert_all, world, op_inputs
 
 pytestmark = pytest.mark.mpi
 
@@ -25,20 +25,7 @@ def small_segments():
     set_segment_bytes(old)
 
 
-def inputs(size, n, dtype, op):
-    """Every rank's input (so each rank knows the exact answer)."""
-    dtype = np.dtype(dtype)
-    out = []
-    for r in range(size):
-        i = np.arange(n)
-        if op == "prod":
-            v = 1 + (r + i) % 2
-        elif dtype.kind == "b":
-            v = (r + i) % 3 == 0
-        else:
-            v = (r + 1) * 3 + i % 5
-        out.append(np.asarray(v).astype(dtype))
-    return out
+inputs = op_inputs
 
 
 def reference(xs, op, dtype):

@@ -7,6 +7,7 @@ import collectives as coll
 from collectives import shm
 from collectives.buffers import DTYPES
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
+from tests.mpiutil import op_inputs
 
 LENGTHS = (0, 1, 2, 3, 13, 97)
 
@@ -23,20 +24,7 @@ def test_registered():
         assert "shm" in coll.algorithms(c)
 
 
-def inputs(size, n, dtype, op):
-    """Every rank's input: exact small values (1-2 for prod, so products stay exact)."""
-    dtype = np.dtype(dtype)
-    out = []
-    for r in range(size):
-        i = np.arange(n)
-        if op == "prod":
-            v = 1 + (r + i) % 2
-        elif dtype.kind == "b":
-            v = (r + i) % 3 == 0
-        else:
-            v = (r + 1) * 3 + i % 5
-        out.append(np.asarray(v).astype(dtype))
-    return out
+inputs = op_inputs
 
 
 def reference(xs, op, dtype):
