@@ -342,3 +342,24 @@ def test_torch_ddp_on_the_collectives_backend():
         assert_all(err < 2e-3, f"fp16 hook on the collectives backend: relative error {err}")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+def test_watchdog_names_the_bucket_and_its_parameters(monkeypatch):
+    """A bucket's allreduce is registered with the watchdog under its bucket and parameters."""
+    import collectives.api as api
+    seen = []
+    watch = api._watchdog.watch
+
+    def spy(ctx, call=None, what="", phase="run"):
+        entry = watch(ctx, call, what, phase)
+        seen.append(entry.describe())
+        return entry
+
+    monkeypatch.setattr(api._watchdog, "watch", spy)
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    ddp(torch.randn(4, 8)).sum().backward()
+    labelled = [s for s in seen if "[DDP bucket 0 of 1: " in s]
+    ok = world().Get_size() == 1 or (labelled and "0.weight" in labelled[0])
+    assert_all(bool(ok), f"watchdog descriptions: {seen}")

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 import collectives as coll
+from collectives import watchdog
 
 from . import functional
 from .buckets import Bucket, GradBucket, assign
@@ -373,7 +374,11 @@ class DistributedDataParallel(nn.Module):
         params = [self._params[i] for i in b.members]
         b.grad_bucket = GradBucket(b.index, b.flat, params, b.index == len(self._buckets) - 1)
         hook = _sum_hook if self._prescale else self._hook
-        fut = hook(self._hook_state, b.grad_bucket)
+        names = [self._names[i] for i in b.members]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        # A collective that hangs is reported by the watchdog with its bucket and parameters.
+        with watchdog.label(f"DDP bucket {b.index} of {len(self._buckets)}: {shown}"):
+            fut = hook(self._hook_state, b.grad_bucket)
         if not isinstance(fut, torch._C.Future):  # torch.futures.Future and then()'s
             raise TypeError(f"comm hook {getattr(self._hook, '__name__', self._hook)!r} "
                             f"returned {type(fut).__name__}, expected a torch.futures.Future")
