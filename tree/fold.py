@@ -14,6 +14,8 @@ pairing costs two extra messages of latency and, for whole-buffer collectives, 2
 traffic on the paired ranks (MPICH's choice too: simple, and rare at scale where p is a power
 of two).
 """
+from collectives.schedule import IN, OUT
+
 __all__ = ["Fold"]
 
 
@@ -45,3 +47,14 @@ class Fold:
     def paired(self, rank: int) -> bool:
         """Whether ``rank`` is in a pair (it either sits out or stands for two ranks)."""
         return rank < 2 * self.rem
+
+    def sit_out(self, s, rank: int, pieces) -> bool:
+        """For a rank that sits the butterfly out, append its whole part to ``s`` (hand the
+        input to its partner, get the result back, segment by segment) and return True."""
+        if self.vrank(rank) is not None:
+            return False
+        for a, b in pieces:
+            s.send(rank + 1, (IN, a, b))
+        for a, b in pieces:
+            s.recv(rank + 1, (OUT, a, b))
+        return True

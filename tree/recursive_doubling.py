@@ -72,11 +72,7 @@ def recursive_doubling_allreduce(rank: int, size: int, count: int, *, seg=None) 
     fold = Fold(size)
     v = fold.vrank(rank)
     pieces = list(segments(0, count, seg))
-    if v is None:  # 1. sit out: hand the input over, get the result back
-        for a, b in pieces:
-            s.send(rank + 1, (IN, a, b))
-        for a, b in pieces:
-            s.recv(rank + 1, (OUT, a, b))
+    if fold.sit_out(s, rank, pieces):  # 1. hand the input over, get the result back
         return s
     slots = Slots(s, count, seg)
     partial = IN
