@@ -9,6 +9,10 @@
 2. *reduce and copy bandwidth*: ``numpy.add(a, b, out=c)`` and ``numpy.copyto`` over 64 MiB in
    segment-sized pieces, every rank at once (the ranks of an allreduce reduce at the same time);
    bytes of result per second of the slowest rank.
+   *Curves*: the same rates, and the ping-pong's, over buffers of 256 KiB .. 64 MiB. They fall
+   by 2-5x from the smallest to the largest (cache, then memory). They are keyed by the bytes
+   of all the ranks' buffers on the node (the cache is shared), and the model reads a call's
+   rates at its buffers' bytes on a node (``CostModel.sized``); the scalars are the 64 MiB rates.
 3. *overhead per op*: the executor's own cost, fitted through the model: a schedule of many
    8-byte ping-pongs runs through the MPI executor, and the overhead is the value that makes the
    model's time for that schedule equal the measured one.
@@ -92,20 +96,33 @@ def _link(comm, a: int, b: int, sizes) -> tuple[float, float, list]:
 
 
 def _kernel_bandwidth(comm, fn, nbytes=64 << 20, piece=4 << 20) -> float:
-    """Bytes of result per second of ``fn(dst, a, b)`` over ``nbytes`` in ``piece`` chunks,
-    every rank at once; the slowest rank's best of three."""
+    """Bytes of result per second of ``fn(dst, a, b)`` over buffers of ``nbytes`` in ``piece``
+    chunks, every rank at once, repeated over at least 256 MiB (a small buffer stays in cache,
+    as a collective's does); the slowest rank's best of three."""
     from bench.harness import _max
     n = nbytes // 4
     a, b, c = (np.full(n, 1.0, np.float32) for _ in range(3))
-    step = piece // 4
+    step = min(piece, nbytes) // 4
+    reps = max(1, (256 << 20) // nbytes)
     best = np.inf
     for _ in range(3):
         comm.Barrier()
         t0 = time.perf_counter()
-        for i in range(0, n, step):
-            fn(c[i:i + step], a[i:i + step], b[i:i + step])
+        for _ in range(reps):
+            for i in range(0, n, step):
+                fn(c[i:i + step], a[i:i + step], b[i:i + step])
         best = min(best, time.perf_counter() - t0)
-    return c.nbytes / _max(comm, best)
+    return c.nbytes * reps / _max(comm, best)
+
+
+# Buffer sizes of the curves, per rank (the model reads them by the bytes on a node: ``sized``).
+CURVE_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+
+def _link_curve(rows, alpha) -> list:
+    """[(bytes on the node, bandwidth)] from ping-pong ``rows`` at the curve's sizes: two
+    buffers of m bytes, m / (t - alpha)."""
+    return [(2 * m, m / max(t - alpha, 1e-12)) for m, t in rows if m in CURVE_SIZES]
 
 
 def _pingpong_schedule(rank: int, trips: int, count: int):
@@ -182,7 +199,7 @@ def _oversubscribed(comm, args, n, cores) -> int:
     model = sim.CostModel(model.alpha, model.bandwidth, model.reduce_bandwidth,
                           model.copy_bandwidth, model.overhead, model.call,
                           model.source.split("; switch")[0]
-                          + f"; switch with {n} ranks on {cores} cores", switch)
+                          + f"; switch with {n} ranks on {cores} cores", switch, model.curves)
     if comm.Get_rank() == 0:
         print(f"# {n} ranks on {cores} cores: 8 bytes around the ring take {hop * 1e6:.1f} us "
               f"per hop (alone: {model.alpha['node'] * 1e6:.1f} us): switch {switch * 1e6:.1f} us")
@@ -255,11 +272,18 @@ def main(argv=None) -> int:
     def add(c, a, b):
         np.add(a, b, out=c)
 
-    reduce_bw = _kernel_bandwidth(comm, add)
-    copy_bw = _kernel_bandwidth(comm, lambda c, a, b: np.copyto(c, a))
+    def copy(c, a, b):
+        np.copyto(c, a)
+
+    # Keyed by the bytes of buffers on the node, as the model reads them (n ranks at once).
+    curves = {"reduce": [(n * m, _kernel_bandwidth(comm, add, m)) for m in CURVE_SIZES],
+              "copy": [(n * m, _kernel_bandwidth(comm, copy, m)) for m in CURVE_SIZES]}
+    if "node" in table:
+        curves["node"] = _link_curve(table["node"], alpha["node"])
+    reduce_bw, copy_bw = curves["reduce"][-1][1], curves["copy"][-1][1]
     model = sim.CostModel(alpha, bandwidth, reduce_bw, copy_bw, 0.0, 0.0,
                           source=f"python -m bench calibrate on {hosts[0]}, "
-                                 f"{time.strftime('%Y-%m-%d %H:%M')}")
+                                 f"{time.strftime('%Y-%m-%d %H:%M')}", curves=curves)
     # 3. per-op overhead, fitted through the model on the executor's ping-pong schedule.
     trips = 50
     measured = _executor_time(comm, trips)
@@ -268,7 +292,7 @@ def main(argv=None) -> int:
 
     def with_overhead(o, call=0.0):
         return sim.CostModel(model.alpha, model.bandwidth, reduce_bw, copy_bw, o, call,
-                             model.source)
+                             model.source, curves=curves)
 
     overhead = _fit(measured, lambda o: sim.critical_path(scheds, pair_topo, with_overhead(o),
                                                            4).time)
@@ -290,6 +314,11 @@ def main(argv=None) -> int:
                   f"{model.bandwidth[k] / 1e9:7.3f} GB/s")
         print(f"  reduce (numpy.add)   {reduce_bw / 1e9:7.3f} GB/s of result")
         print(f"  copy (numpy.copyto)  {copy_bw / 1e9:7.3f} GB/s")
+        print("# rates by buffer size per rank (GB/s; the model reads a call's rates at the "
+              "size of its buffers on a node)")
+        print(f"  {'bytes':>10}  " + "  ".join(f"{k:>7}" for k in curves))
+        for i, m in enumerate(CURVE_SIZES):
+            print(f"  {m:>10}  " + "  ".join(f"{v[i][1] / 1e9:7.3f}" for v in curves.values()))
         print(f"  executor overhead    {overhead * 1e6:7.2f} us per op "
               f"(ping-pong schedule: {measured / trips / 2 * 1e6:.2f} us per hop)")
         print(f"  call overhead        {call * 1e6:7.2f} us "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import os
 from array import array
 from collections import deque
@@ -185,8 +186,14 @@ def simulate(builder, inputs: list[np.ndarray], op="sum", *, out_counts=None, in
 # - sends and receives to and from one peer are issued in program order, as the executor does;
 #   a send completes when its message has arrived, a receive when it is issued and the message
 #   has arrived.
-# - with more ranks on a node than cores, every CPU cost is multiplied by ranks / cores, and a
-#   message inside the node waits ``switch`` longer (the receiver may be descheduled).
+# - with more ranks on a node than cores, ranks share cores: rank r runs on core r mod cores of
+#   its node (a collective's ranks move in step, and the scheduler does not rebalance them
+#   fast enough to matter: a 3-rank ring on 2 cores runs at the pace of the two ranks sharing a
+#   core, while in a binomial tree the busy root mostly has its core to itself), and a message
+#   inside the node waits ``switch`` longer (the receiver may be descheduled).
+# - the memory-bound rates (copies inside a node, reduce, copy) are read at the size of the
+#   call's buffers on a node, all its ranks together (``CostModel.sized``): what fits in the
+#   (shared) cache moves faster than what does not.
 #
 # The schedules form a DAG (the ops, their dependencies, the messages and the resource order), so
 # the finish time is the length of its critical path; ``Prediction.path`` splits that path into
@@ -197,6 +204,7 @@ def simulate(builder, inputs: list[np.ndarray], op="sum", *, out_counts=None, in
 # its image inside. The symmetry is checked on a few sample ranks before it is used.
 
 LINKS = ("numa", "node", "net")
+CURVES = ("node", "reduce", "copy")
 _NUMA, _NODE, _NET = 0, 1, 2
 # Kinds of critical-path steps.
 _PATH = ("latency", "transfer", "compute", "overhead")
@@ -243,10 +251,11 @@ class Topology:
 
     @property
     def oversubscription(self) -> float:
-        """How much slower a CPU runs: ranks on a node / cores, at least 1."""
+        """The most ranks that share one core of a node, ``ceil(ranks / cores)`` (at least
+        1): how much slower a rank runs when every rank is busy."""
         if self.cores_per_node is None:
             return 1.0
-        return max(1.0, min(self.ranks_per_node, self.size) / self.cores_per_node)
+        return float(max(1, -(-min(self.ranks_per_node, self.size) // self.cores_per_node)))
 
     def groups(self) -> dict:
         """``nodes`` and ``numas`` as tuples of rank groups (what topology-aware builders,
@@ -272,14 +281,23 @@ class CostModel:
     (bytes/s); the reduction and copy bandwidths (bytes of result per second); the executor's
     CPU ``overhead`` per op (s), the per-call overhead ``call`` (s), and ``switch`` (s): the
     extra latency of a message inside a node with more ranks than cores, where the receiver may
-    have to be scheduled in first."""
+    have to be scheduled in first.
+
+    ``curves`` (optional): how the memory-bound rates depend on the size of the call, since a
+    buffer that fits in cache moves several times faster than one streamed from memory (here a
+    1 MiB ``numpy.add`` runs at 2.3x the rate of a 64 MiB one). ``{"node": [(bytes, bytes/s),
+    ...], "reduce": [...], "copy": [...]}`` with bytes the buffers of *all the ranks of a node*
+    together (the cache is shared), as ``bench calibrate`` measures them; ``sized(nbytes)``
+    reads them (log-log interpolation, flat beyond the ends) into a plain model for a call with
+    ``nbytes`` of buffers per node. ``node`` stands for both links inside a node. Without curves
+    the scalar rates hold at every size."""
 
     __slots__ = ("alpha", "bandwidth", "reduce_bandwidth", "copy_bandwidth", "overhead", "call",
-                 "switch", "source")
+                 "switch", "source", "curves")
 
     def __init__(self, alpha, bandwidth, reduce_bandwidth: float, copy_bandwidth: float,
                  overhead: float = 0.0, call: float = 0.0, source: str = "",
-                 switch: float = 0.0):
+                 switch: float = 0.0, curves: dict | None = None):
         alpha, bandwidth = dict(alpha), dict(bandwidth)
         for name in LINKS:
             if alpha.get(name) is None or alpha[name] < 0:
@@ -299,6 +317,28 @@ class CostModel:
         self.copy_bandwidth = float(copy_bandwidth)
         self.overhead, self.call, self.source = float(overhead), float(call), source
         self.switch = float(switch)
+        self.curves = {}
+        for name, points in (curves or {}).items():
+            if name not in CURVES:
+                raise ValueError(f"unknown curve {name!r}; expected some of {CURVES}")
+            points = sorted((int(m), float(v)) for m, v in points)
+            if not points or any(m <= 0 or v <= 0 for m, v in points):
+                raise ValueError(f"curve {name!r}: points must be (bytes > 0, rate > 0), got "
+                                 f"{points!r}")
+            self.curves[name] = points
+
+    def sized(self, nbytes: int) -> CostModel:
+        """The model for a call with ``nbytes`` of buffers per node: the scalar rates replaced
+        by the curves' values at that size (itself when there are no curves)."""
+        if not self.curves or nbytes <= 0:
+            return self
+        rate = {name: _interpolate(points, nbytes) for name, points in self.curves.items()}
+        bandwidth = dict(self.bandwidth)
+        if "node" in rate:
+            bandwidth.update(numa=rate["node"], node=rate["node"])
+        return CostModel(self.alpha, bandwidth, rate.get("reduce", self.reduce_bandwidth),
+                         rate.get("copy", self.copy_bandwidth), self.overhead, self.call,
+                         self.source, self.switch)
 
     @property
     def gamma(self) -> float:
@@ -320,7 +360,7 @@ class CostModel:
             if bw is not None:
                 bandwidth[name] = bw
         return CostModel(alpha, bandwidth, self.reduce_bandwidth, self.copy_bandwidth,
-                         self.overhead, self.call, self.source, self.switch)
+                         self.overhead, self.call, self.source, self.switch, self.curves)
 
     def to_dict(self) -> dict:
         """The JSON form (seconds and bytes per second)."""
@@ -329,6 +369,7 @@ class CostModel:
                           for k in LINKS},
                 "reduce_bandwidth": self.reduce_bandwidth, "copy_bandwidth": self.copy_bandwidth,
                 "overhead": self.overhead, "call": self.call, "switch": self.switch,
+                "curves": {k: [list(p) for p in v] for k, v in self.curves.items()},
                 "source": self.source}
 
     @classmethod
@@ -340,7 +381,8 @@ class CostModel:
         return cls({k: links[k]["alpha"] for k in LINKS},
                    {k: links[k]["bandwidth"] for k in LINKS},
                    data["reduce_bandwidth"], data["copy_bandwidth"], data.get("overhead", 0.0),
-                   data.get("call", 0.0), data.get("source", ""), data.get("switch", 0.0))
+                   data.get("call", 0.0), data.get("source", ""), data.get("switch", 0.0),
+                   data.get("curves"))
 
     @staticmethod
     def default_path() -> Path:
@@ -377,7 +419,19 @@ class CostModel:
                           for k in LINKS)
         return (f"CostModel({links}; reduce {self.reduce_bandwidth / 1e9:.2f} GB/s, copy "
                 f"{self.copy_bandwidth / 1e9:.2f} GB/s, overhead {self.overhead * 1e6:.2f} us/op, "
-                f"call {self.call * 1e6:.1f} us, switch {self.switch * 1e6:.1f} us)")
+                f"call {self.call * 1e6:.1f} us, switch {self.switch * 1e6:.1f} us"
+                + (f"; curves: {', '.join(self.curves)}" if self.curves else "") + ")")
+
+
+def _interpolate(points, x: float) -> float:
+    """Piecewise log-log linear through ``points`` [(x, y), ...] sorted by x; flat outside."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+    return points[-1][1]
 
 
 # Measured on the project's CI machine kind by ``python -m bench calibrate`` (2 cores shared with
@@ -457,7 +511,7 @@ class _Rank:
     """One simulated rank: its compiled schedule, peers, and the state of the simulation."""
 
     __slots__ = ("rank", "kinds", "peers", "nbytes", "users", "pending", "rtime", "rnode",
-                 "order", "qid", "queues", "next", "posted", "cpu", "cpu_node")
+                 "order", "qid", "queues", "next", "posted", "cpu")
 
     def __init__(self, rank, schedule, itemsize, cache: dict):
         key = _shape(schedule)
@@ -475,7 +529,7 @@ class _Rank:
         self.rnode = [0] * n
         self.next = [0] * len(c.queues)
         self.posted: list = [None] * n
-        self.cpu, self.cpu_node = 0.0, 0
+        self.cpu = [0.0, 0]  # when its core is free next, and that critical-path node
 
 
 def _identity_canon(size):
@@ -510,16 +564,19 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
     canon = canon or _identity_canon(size)
     cache: dict = {}
     ranks = {r: _Rank(r, s, itemsize, cache) for r, s in schedules.items()}
-    slow = topology.oversubscription
-    o = model.overhead * slow
-    gam, dlt = slow / model.reduce_bandwidth, slow / model.copy_bandwidth
+    o = model.overhead
+    gam, dlt = 1.0 / model.reduce_bandwidth, 1.0 / model.copy_bandwidth
     alphas = [model.alpha[k] for k in LINKS]
-    if slow > 1:  # oversubscribed nodes: the receiver may first have to be scheduled in
+    if topology.oversubscription > 1:
+        # Ranks share cores: rank r runs on core (r mod cores) of its node, one timeline per
+        # core, and a message waits ``switch`` longer (its receiver may be descheduled).
+        rpn, cores = topology.ranks_per_node, topology.cores_per_node
+        shared: dict = {}
+        for r, st in ranks.items():
+            st.cpu = shared.setdefault((r // rpn, r % rpn % cores), st.cpu)
         alphas[_NUMA] += model.switch
         alphas[_NODE] += model.switch
     betas = [1.0 / model.bandwidth[k] for k in LINKS]
-    betas[_NUMA] *= slow
-    betas[_NODE] *= slow
     # Critical-path nodes: time, predecessor, kind of the step from the predecessor.
     nt, npred, nkind = array("d", [0.0]), array("q", [-1]), array("b", [_OVH])
     nt_add, npred_add, nkind_add = nt.append, npred.append, nkind.append
@@ -535,9 +592,8 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
 
     for st in ranks.values():
         if model.call:
-            st.cpu = model.call * slow
-            nt_add(st.cpu), npred_add(0), nkind_add(_OVH)
-            st.cpu_node = len(nt) - 1
+            nt_add(st.cpu[0] + model.call), npred_add(st.cpu[1]), nkind_add(_OVH)
+            st.cpu[:] = nt[-1], len(nt) - 1
         for i, n in enumerate(st.pending):
             if n == 0:
                 heap.append((0.0, next(tick), 0, st.rank, i, 0))
@@ -557,12 +613,13 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
 
     def cpu_at(st, t, nd, cost, kind):
         """Book the CPU of ``st`` for ``cost`` from ``t`` (first come, first served)."""
-        if st.cpu > t:
-            t, nd = st.cpu, st.cpu_node
+        cpu = st.cpu
+        if cpu[0] > t:
+            t, nd = cpu
         end = t + cost
         nt_add(end), npred_add(nd), nkind_add(kind)
-        st.cpu, st.cpu_node = end, len(nt) - 1
-        return end, st.cpu_node
+        cpu[0], cpu[1] = end, len(nt) - 1
+        return end, cpu[1]
 
     def arrive(st, i, rep, src, arrival, xn):
         """Send i of ``st`` arrives at ``rep`` (from ``src``, as rep sees it) at ``arrival``."""
@@ -636,13 +693,14 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
         elif what == 3:  # the receiver of an intra-node message copies it
             rep, src = canon(st.peers[i], rank)
             other = ranks[rep]  # under symmetry maybe the sender itself (its image)
-            if other.cpu > t:
-                t, nd = other.cpu, other.cpu_node
+            cpu = other.cpu
+            if cpu[0] > t:
+                t, nd = cpu
             cls = link(rank, st.peers[i])
             end = t + st.nbytes[i] * betas[cls]
             nt_add(end), npred_add(nd), nkind_add(_XFER)
-            other.cpu, other.cpu_node = end, len(nt) - 1
-            arrive(st, i, rep, src, end + alphas[cls], other.cpu_node)
+            cpu[0], cpu[1] = end, len(nt) - 1
+            arrive(st, i, rep, src, end + alphas[cls], cpu[1])
         else:  # a receive's message is in: the executor completes it
             end, en = cpu_at(st, t, nd, o, _OVH)
             finish(st, i, end, en)
@@ -749,7 +807,7 @@ def predict(collective: str, algorithm, size: int, nbytes: int, *, itemsize: int
         raise ValueError(f"symmetry must be 'auto' or 'none', got {symmetry!r}")
     if topology.size != size:
         raise ValueError(f"topology has {topology.size} ranks, expected {size}")
-    model = model or CostModel.load()
+    model = (model or CostModel.load()).sized(nbytes * min(topology.ranks_per_node, size))
     seg = max(1, (seg_bytes or executor.SEGMENT_BYTES) // itemsize)
     count = nbytes // itemsize
     if count == 0 or size == 1:
@@ -762,6 +820,8 @@ def predict(collective: str, algorithm, size: int, nbytes: int, *, itemsize: int
 
     build = builds(count)
     period = topology.period()
+    if topology.oversubscription > 1 and period is not None and period % topology.ranks_per_node:
+        period = None  # ranks share cores: simulate whole nodes
     if symmetry == "auto" and size >= SYMMETRY_MIN and period is not None and period < size:
         reps = {r: build(r) for r in range(period)}
         found = _symmetry(build, size, period, reps)

@@ -72,12 +72,38 @@ def test_reduce_and_copy_cost_and_oversubscription():
     want = 2 * O + 4 * n / RED_BW + 4 * n / COPY_BW
     assert p.time == pytest.approx(want)
     assert p.path["compute"] == pytest.approx(want)
-    # 4 ranks on a node of 2 cores: every CPU cost doubles
+    # 4 ranks on a node of 2 cores: ranks 0 and 2 share core 0, 1 and 3 core 1. Two ranks with
+    # that work: sharing a core they take twice as long, on two cores no longer than one.
     busy = sim.Topology(4, cores_per_node=2)
     assert busy.oversubscription == 2
-    scheds = {0: s}
-    p2 = sim.critical_path(scheds, busy, model(), 4)
-    assert p2.time == pytest.approx(2 * want)
+    assert sim.Topology(3, cores_per_node=2).oversubscription == 2
+    for pair, factor in (((0, 2), 2), ((0, 1), 1)):
+        scheds = {r: s if r in pair else Schedule(r, 4, n) for r in range(4)}
+        assert sim.critical_path(scheds, busy, model(), 4).time == pytest.approx(factor * want)
+
+
+def test_rates_by_size():
+    curves = {"reduce": [(1 << 20, 8e9), (64 << 20, 2e9)], "node": [(1 << 20, 4e9)]}
+    m = sim.CostModel({"numa": ALPHA, "node": ALPHA, "net": NET_ALPHA},
+                      {"numa": BW, "node": BW, "net": NET_BW}, RED_BW, COPY_BW, curves=curves)
+    assert m.sized(1 << 10).reduce_bandwidth == 8e9          # flat below the first point
+    assert m.sized(64 << 30).reduce_bandwidth == 2e9         # and beyond the last
+    assert m.sized(8 << 20).reduce_bandwidth == pytest.approx(4e9)  # log-log: halfway
+    assert m.sized(8 << 20).bandwidth["numa"] == 4e9 == m.sized(8 << 20).bandwidth["node"]
+    assert m.sized(8 << 20).bandwidth["net"] == NET_BW
+    assert m.sized(8 << 20).copy_bandwidth == COPY_BW        # no curve: the scalar
+    assert model().sized(1 << 20) is not None and not model().curves
+    back = sim.CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert back.sized(8 << 20).reduce_bandwidth == pytest.approx(4e9)
+    with pytest.raises(ValueError, match="unknown curve"):
+        sim.CostModel(m.alpha, m.bandwidth, 1, 1, curves={"disk": [(1, 1)]})
+    with pytest.raises(ValueError, match="rate > 0"):
+        sim.CostModel(m.alpha, m.bandwidth, 1, 1, curves={"copy": [(1, 0)]})
+    # predict reads the rates at the call's size: a reduction-bound binomial allreduce of 1 MiB
+    # at 8 GB/s beats the same at the scalar 2 GB/s
+    fast = sim.predict("allreduce", "binomial", 2, 1 << 20, model=m).time
+    flat = sim.predict("allreduce", "binomial", 2, 1 << 20, model=model(overhead=0.0)).time
+    assert fast < flat
 
 
 def test_nic_is_shared_by_the_ranks_of_a_node():
