@@ -36,8 +36,9 @@ class Buffer:
     def __init__(self, obj, flat, shape, kind, *, device="cpu", readonly=False, new=None):
         self.obj = obj
         self.flat = flat
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(flat.dtype)
+        self.shape = shape if type(shape) is tuple else tuple(shape)
+        dtype = flat.dtype
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         self.kind = kind
         self.device = device
         self.readonly = readonly
@@ -74,6 +75,8 @@ _DTYPE_SET = frozenset(DTYPES)
 
 
 def check_dtype(dtype) -> np.dtype:
+    if isinstance(dtype, np.dtype) and dtype in _DTYPE_SET:
+        return dtype
     dtype = np.dtype(dtype)
     if dtype not in _DTYPE_SET:
         raise TypeError(f"unsupported dtype {dtype.name}; supported: "
@@ -83,6 +86,8 @@ def check_dtype(dtype) -> np.dtype:
 
 def wrap(x, what: str = "x") -> Buffer:
     """The ``Buffer`` for a numpy array, torch tensor or cupy array; TypeError/ValueError else."""
+    if type(x) is np.ndarray:  # the common case, checked by _numpy itself
+        return _numpy(x)
     for adaptor in _ADAPTORS:
         buf = adaptor(x)
         if buf is not None:
@@ -102,9 +107,10 @@ def _contiguous(ok: bool, x, what="buffer") -> None:
 def _numpy(x):
     if not isinstance(x, np.ndarray):
         return None
-    _contiguous(x.flags.c_contiguous, x, "numpy array")
+    flags = x.flags
+    _contiguous(flags.c_contiguous, x, "numpy array")
     check_dtype(x.dtype)
-    return Buffer(x, x.reshape(-1), x.shape, "numpy", readonly=not x.flags.writeable,
+    return Buffer(x, x.reshape(-1), x.shape, "numpy", readonly=not flags.writeable,
                   new=lambda shape: _numpy(np.empty(shape, x.dtype)))
 
 

@@ -128,6 +128,10 @@ def _delete_context(comm, keyval, ctx):
 def context(comm) -> Context:
     """The toolkit's ``Context`` for ``comm`` (created on first use, cached on the comm)."""
     global _KEYVAL
+    if _KEYVAL is not None:  # after the first call: one attribute lookup, no lock
+        ctx = comm.Get_attr(_KEYVAL)
+        if ctx is not None:
+            return ctx
     from mpi4py import MPI
     with _KEYVAL_LOCK:
         if _KEYVAL is None:

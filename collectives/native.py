@@ -67,8 +67,10 @@ def _work(request, blocking, info):
 
 def _send(x, out, mpitype):
     """The send argument: ``MPI.IN_PLACE`` when x and out are one array."""
-    from mpi4py import MPI
-    return MPI.IN_PLACE if x is out else [x, x.shape[0], mpitype]
+    if x is out:
+        from mpi4py import MPI
+        return MPI.IN_PLACE
+    return [x, x.shape[0], mpitype]
 
 
 def allreduce(comm, x, out, op: Op, blocking: bool):

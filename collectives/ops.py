@@ -72,8 +72,23 @@ class Op:
         return f"Op({self.name!r}, {self.dtype})"
 
 
+_RESOLVED: dict = {}  # (name, dtype) -> Op: the per-call lookup of the common case
+
+
 def resolve(op, dtype) -> Op:
     """The ``Op`` for ``op`` (a name or an ``MPI.Op``) on ``dtype``, or a clear error."""
+    if type(op) is str:
+        hit = _RESOLVED.get((op, dtype))
+        if hit is not None:
+            return hit
+        result = _resolve(op, dtype)
+        if len(_RESOLVED) < 1024:
+            _RESOLVED[(op, dtype)] = result
+        return result
+    return _resolve(op, dtype)
+
+
+def _resolve(op, dtype) -> Op:
     if isinstance(op, Op):
         op = op.name
     if not isinstance(op, str):
