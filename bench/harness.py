@@ -11,7 +11,8 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   with factor 2(n-1)/n for allreduce, (n-1)/n for reduce-scatter and all-gather, 1 otherwise.
 - for each size, every algorithm and mode (out-of-place, in-place) runs interleaved: check
   (``-c``: exact rank-dependent data, wrong elements counted), warm-up (``-w``), then ``--rounds``
-  rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms). A round's
+  rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
+  random order every round, each block after one untimed call of its own. A round's
   per-iteration time is each rank's average, then the *max over ranks* (nccl-tests); the table
   shows the median over rounds and the spread (max - min) / median. ``--latency`` adds OSU's
   min/avg/max over ranks.
@@ -25,6 +26,7 @@ import argparse
 import csv
 import json
 import math
+import random
 import re
 import socket
 import sys
@@ -411,22 +413,34 @@ class Sweep:
                 reset(zero=True)
         for key, (fn, _res, _reset) in calls.items():
             # Warm-up: one call, then as many more (up to -w) as fit in the budget; the same
-            # number on every rank, from the slowest rank's time.
+            # number on every rank, from the slowest rank's time. Then the time per call: the
+            # best of three blocks of an eighth of the budget, so that every algorithm's
+            # rounds last the budget (from one call, a noisy estimate gave one algorithm
+            # blocks 1.5-2x as long as another's, and a longer block more often takes a
+            # preemption: its median was 4-5% slower for the same code).
             est = _max(self.comm, self._measure(fn, 1))
             more = min(self.warmup - 1, int(self.budget / max(est, 1e-9)))
             if more > 0:
                 est = _max(self.comm, self._measure(fn, more))
+            k = int(min(1000, self.budget / 8 / max(est, 1e-9)))
+            if k > 1 and not self.iters:
+                est = min(_max(self.comm, self._measure(fn, k)) for _ in range(3))
             if self.iters:
                 iters = self.iters
             else:
                 iters = int(min(1000, max(1, math.ceil(self.budget / max(est, 1e-9)))))
             results[key].iters = iters
         keys = list(calls)
+        order = random.Random(nbytes)  # the same on every rank
         for r in range(self.rounds):
-            # Each round starts one algorithm later, so that none always runs first or last.
-            shift = r % len(keys)
-            for key in keys[shift:] + keys[:shift]:
+            # A fresh order each round, so that no algorithm always runs first, last or after
+            # the same one; and one untimed call first, so that each timed block starts in
+            # the algorithm's own steady state, not in what the one before left (measured: an
+            # algorithm timed right after itself ran 4-6% faster at small sizes).
+            order.shuffle(keys)
+            for key in keys:
                 fn = calls[key][0]
+                fn()
                 t = self._measure(fn, results[key].iters)
                 ranks_t = _gather(self.comm, t)
                 results[key].rounds.append(max(ranks_t))

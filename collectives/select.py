@@ -26,7 +26,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import getenv
+from .errors import env_raw, getenv
 
 __all__ = ["NATIVE", "register", "get", "algorithms", "auto", "load_table", "DEFAULT_TABLE",
            "COLLECTIVES", "tuning_path"]
@@ -103,7 +103,7 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[256 << 10, NATIVE], [32 << 20, "ring"], [None, "shm"]],
+        "2": [[512 << 10, NATIVE], [32 << 20, "ring"], [None, "shm"]],
         "3": [[512 << 10, NATIVE], [None, "shm"]],
     },
     "reduce_scatter": {
@@ -154,6 +154,7 @@ def load_table(reload: bool = False) -> dict:
     if not reload and key in _TABLE_CACHE:
         return _TABLE_CACHE[key]
     _RULES.pop(key, None)  # rules memoized from an older read of this table
+    PICKS.clear()
     path = tuning_path()
     table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
     if path is not None and path.exists():  # a file not written yet: the defaults
@@ -170,6 +171,8 @@ def load_table(reload: bool = False) -> dict:
 
 
 _RULES: dict = {}
+# (raw COLLECTIVES_TUNING, collective, ranks, bytes) -> the table's pick, before MULTI_NODE.
+PICKS: dict = {}
 
 
 def _rules(table, collective: str, size: int) -> list:
@@ -190,20 +193,27 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     single-node algorithm chosen for a communicator that spans nodes is replaced by its
     hierarchical counterpart.
     """
-    memo = _RULES.get(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"))
-    rules = None if memo is None else memo.get((collective, size))
+    key = (env_raw(b"COLLECTIVES_TUNING"), collective, size, nbytes)
+    name = PICKS.get(key)  # per call: one dict lookup (api._start looks it up inline)
+    if name is None:
+        name = _pick(collective, nbytes, size)
+        if len(PICKS) < 4096:  # the sizes a program uses are few; a bound all the same
+            PICKS[key] = name
+    if name in MULTI_NODE and not (single_node() if callable(single_node) else single_node):
+        swap = MULTI_NODE[name]
+        name = swap.get(collective, swap["default"])
+        if name not in _REGISTRY[collective]:
+            return NATIVE
+    return name
+
+
+def _pick(collective: str, nbytes: int, size: int) -> str:
+    """The table's algorithm for ``nbytes`` on ``size`` ranks (memoized by ``auto``)."""
+    memo = _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})
+    rules = memo.get((collective, size))
     if rules is None:
-        table = load_table()
-        rules = _rules(table, collective, size)
-        _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})[
-            (collective, size)] = rules
+        rules = memo[(collective, size)] = _rules(load_table(), collective, size)
     for limit, name in rules:
         if limit is None or nbytes <= limit:
-            if name in MULTI_NODE and not (single_node() if callable(single_node)
-                                           else single_node):
-                swap = MULTI_NODE[name]
-                name = swap.get(collective, swap["default"])
-                if name not in _REGISTRY[collective]:
-                    return NATIVE
             return name
     return NATIVE
