@@ -411,24 +411,27 @@ class Sweep:
             if key[1] == "in":
                 # Repeated in-place sums would overflow to inf: time on zeros, which stay put.
                 reset(zero=True)
+        ests = []
         for key, (fn, _res, _reset) in calls.items():
             # Warm-up: one call, then as many more (up to -w) as fit in the budget; the same
-            # number on every rank, from the slowest rank's time. Then the time per call: the
-            # best of three blocks of an eighth of the budget, so that every algorithm's
-            # rounds last the budget (from one call, a noisy estimate gave one algorithm
-            # blocks 1.5-2x as long as another's, and a longer block more often takes a
-            # preemption: its median was 4-5% slower for the same code).
+            # number on every rank, from the slowest rank's time. Then the time per call from
+            # a block of an eighth of the budget.
             est = _max(self.comm, self._measure(fn, 1))
             more = min(self.warmup - 1, int(self.budget / max(est, 1e-9)))
             if more > 0:
                 est = _max(self.comm, self._measure(fn, more))
             k = int(min(1000, self.budget / 8 / max(est, 1e-9)))
             if k > 1 and not self.iters:
-                est = min(_max(self.comm, self._measure(fn, k)) for _ in range(3))
-            if self.iters:
-                iters = self.iters
-            else:
-                iters = int(min(1000, max(1, math.ceil(self.budget / max(est, 1e-9)))))
+                est = _max(self.comm, self._measure(fn, k))
+            ests.append(est)
+        # One call count for every algorithm at this size (enough for the budget at the median
+        # algorithm's pace): algorithms of about the same speed, the ones a reader compares,
+        # then run blocks of the same length. With a count per algorithm, noisy estimates gave
+        # one algorithm blocks 1.5-2x as long as another's, and a longer block more often
+        # takes a preemption: its median was 4-5% slower for the same code.
+        iters = self.iters or int(min(1000, max(1, math.ceil(
+            self.budget / max(float(np.median(ests)), 1e-9)))))
+        for key in calls:
             results[key].iters = iters
         keys = list(calls)
         order = random.Random(nbytes)  # the same on every rank

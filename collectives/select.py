@@ -104,7 +104,7 @@ def algorithms(collective: str) -> tuple[str, ...]:
 DEFAULT_TABLE = {
     "allreduce": {
         "2": [[512 << 10, NATIVE], [32 << 20, "ring"], [None, "shm"]],
-        "3": [[512 << 10, NATIVE], [None, "shm"]],
+        "3": [[256 << 10, NATIVE], [None, "shm"]],
     },
     "reduce_scatter": {
         "2": [[512 << 10, NATIVE], [None, "shm"]],
