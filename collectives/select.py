@@ -209,10 +209,11 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
 
 def _pick(collective: str, nbytes: int, size: int) -> str:
     """The table's algorithm for ``nbytes`` on ``size`` ranks (memoized by ``auto``)."""
+    table = load_table()  # first: a (re)read drops the rules memoized from the old table
     memo = _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})
     rules = memo.get((collective, size))
     if rules is None:
-        rules = memo[(collective, size)] = _rules(load_table(), collective, size)
+        rules = memo[(collective, size)] = _rules(table, collective, size)
     for limit, name in rules:
         if limit is None or nbytes <= limit:
             return name

@@ -693,14 +693,9 @@ def critical_path(schedules, topology: Topology, model: CostModel, itemsize: int
         elif what == 3:  # the receiver of an intra-node message copies it
             rep, src = canon(st.peers[i], rank)
             other = ranks[rep]  # under symmetry maybe the sender itself (its image)
-            cpu = other.cpu
-            if cpu[0] > t:
-                t, nd = cpu
             cls = link(rank, st.peers[i])
-            end = t + st.nbytes[i] * betas[cls]
-            nt_add(end), npred_add(nd), nkind_add(_XFER)
-            cpu[0], cpu[1] = end, len(nt) - 1
-            arrive(st, i, rep, src, end + alphas[cls], cpu[1])
+            end, en = cpu_at(other, t, nd, st.nbytes[i] * betas[cls], _XFER)
+            arrive(st, i, rep, src, end + alphas[cls], en)
         else:  # a receive's message is in: the executor completes it
             end, en = cpu_at(st, t, nd, o, _OVH)
             finish(st, i, end, en)
