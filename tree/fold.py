@@ -14,9 +14,9 @@ pairing costs two extra messages of latency and, for whole-buffer collectives, 2
 traffic on the paired ranks (MPICH's choice too: simple, and rare at scale where p is a power
 of two).
 """
-from collectives.schedule import IN, OUT
+from collectives.schedule import IN, OUT, segments
 
-__all__ = ["Fold"]
+__all__ = ["Fold", "begin_allreduce"]
 
 
 class Fold:
@@ -58,3 +58,18 @@ class Fold:
         for a, b in pieces:
             s.recv(rank + 1, (OUT, a, b))
         return True
+
+
+def begin_allreduce(s, count: int, seg):
+    """The start every butterfly allreduce shares: on one rank OUT = IN; a rank that sits the
+    butterfly out appends its whole part (``Fold.sit_out``); both leave ``s`` complete and
+    return None. Otherwise ``(fold, v, pieces)``: the fold of ``s.size`` ranks, this rank's
+    virtual rank and the buffer's segments."""
+    if s.size == 1:
+        s.copy((OUT, 0, count), (IN, 0, count))
+        return None
+    fold = Fold(s.size)
+    pieces = list(segments(0, count, seg))
+    if fold.sit_out(s, s.rank, pieces):  # hand the input over, get the result back
+        return None
+    return fold, fold.vrank(s.rank), pieces

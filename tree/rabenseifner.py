@@ -26,8 +26,8 @@ Cost for n bytes, p = p' = 2^L: 2 L alpha + 2 (p - 1)/p n beta + (p - 1)/p n gam
 ring's bandwidth with logarithmic latency. Otherwise the pairs of the fold first reduce on the
 odd rank and get the result back at the end: 2 more messages and 2 n beta + n gamma on them.
 """
-from collectives.schedule import IN, OUT, Schedule, segments, split
-from collectives.tree.fold import Fold
+from collectives.schedule import IN, OUT, Schedule, split
+from collectives.tree.fold import Fold, begin_allreduce
 from collectives.tree.recursive_doubling import append_gather
 from collectives.tree.recursive_halving import append_halving
 from collectives.tree.slots import Slots
@@ -54,14 +54,10 @@ def vector_halving_steps(fold: Fold, v: int):
 def rabenseifner_allreduce(rank: int, size: int, count: int, *, seg=None) -> Schedule:
     """Allreduce as a vector-halving reduce-scatter plus a vector-doubling all-gather."""
     s = Schedule(rank, size, count, name="tree.rabenseifner_allreduce")
-    if size == 1:
-        s.copy((OUT, 0, count), (IN, 0, count))
+    begun = begin_allreduce(s, count, seg)  # 1. a rank that sits out is done here
+    if begun is None:
         return s
-    fold = Fold(size)
-    v = fold.vrank(rank)
-    pieces = list(segments(0, count, seg))
-    if fold.sit_out(s, rank, pieces):  # 1. hand the input over, get the result back
-        return s
+    fold, v, pieces = begun
     ranges = split(count, fold.pp)
     steps = vector_halving_steps(fold, v)
     kept = steps[0][2]

@@ -25,7 +25,7 @@ Cost: L alpha + (p' - 1)/p' n beta for n bytes gathered (balanced blocks); with 
 even rank of a pair sends its block to the odd one first and receives everything else last.
 """
 from collectives.schedule import IN, OUT, Schedule, offsets, segments
-from collectives.tree.fold import Fold
+from collectives.tree.fold import Fold, begin_allreduce
 from collectives.tree.slots import Slots
 
 __all__ = ["recursive_doubling_allreduce", "recursive_doubling_allgather", "doubling_steps",
@@ -66,14 +66,10 @@ def append_gather(s: Schedule, fold: Fold, steps, vbounds, seg) -> None:
 def recursive_doubling_allreduce(rank: int, size: int, count: int, *, seg=None) -> Schedule:
     """Butterfly allreduce: log2 p steps of whole-buffer exchange (fold for non-powers of 2)."""
     s = Schedule(rank, size, count, name="tree.recursive_doubling_allreduce")
-    if size == 1:
-        s.copy((OUT, 0, count), (IN, 0, count))
+    begun = begin_allreduce(s, count, seg)  # 1. a rank that sits out is done here
+    if begun is None:
         return s
-    fold = Fold(size)
-    v = fold.vrank(rank)
-    pieces = list(segments(0, count, seg))
-    if fold.sit_out(s, rank, pieces):  # 1. hand the input over, get the result back
-        return s
+    fold, v, pieces = begun
     slots = Slots(s, count, seg)
     partial = IN
     if fold.paired(rank):  # 1. stand for the pair: OUT = IN[rank - 1] op IN[rank]
