@@ -13,13 +13,14 @@ started and ``test()``/``wait()`` advance the collective in the caller's thread.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 
 from .errors import network_error
 
-__all__ = ["Request", "Done", "NativeWork", "use_thread"]
+__all__ = ["Request", "Done", "NativeWork", "Worker", "use_thread"]
 
 
 def _local_ranks() -> int | None:
@@ -129,23 +130,57 @@ class NativeWork:
         return f"the MPI library's own collective ({self.info})"
 
 
-class _Thread:
-    """The progress thread: drives started work to completion, first started first."""
+class Worker:
+    """A daemon thread that runs ``handle(item)`` for each ``put(item)``, in order.
 
-    def __init__(self):
+    Stopped at exit (an ``atexit`` hook, so before MPI is finalized and before the interpreter
+    starts tearing down) and joined, so that it never drops the last reference to a buffer
+    while the interpreter finalizes: a daemon thread that frees a torch tensor then is killed
+    by the interpreter inside torch's C++ and takes the process down with it ("terminate called
+    without an active exception"). ``stop()`` may also be called earlier; later items are
+    dropped.
+    """
+
+    def __init__(self, name: str, handle):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="collectives-progress",
-                                       daemon=True)
+        self.handle = handle
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
+        atexit.register(self.stop)
+
+    def put(self, item) -> None:
+        self.queue.put(item)
 
     def _loop(self):
         while True:
-            req = self.queue.get()
-            try:
-                req._work.wait()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
-                req._error = exc
-            req._event.set()
+            item = self.queue.get()
+            if item is None:
+                return
+            self.handle(item)
+            item = None  # hold no buffer while idle
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Let the items queued so far finish (up to ``timeout`` s), then end the thread."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join(timeout)
+        atexit.unregister(self.stop)
+
+
+def _drive(req) -> None:
+    """The progress thread's step: run one request's work to completion."""
+    try:
+        req._work.wait()
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+        req._error = exc
+    req._event.set()
+
+
+class _Thread(Worker):
+    """The progress thread: drives started work to completion, first started first."""
+
+    def __init__(self):
+        super().__init__("collectives-progress", _drive)
 
 
 _THREAD = None
@@ -178,7 +213,7 @@ class Request:
             thread = use_thread()
         if thread and not work.done:
             self._event = threading.Event()
-            _progress_thread().queue.put(self)
+            _progress_thread().put(self)
         else:
             self._event = None
 

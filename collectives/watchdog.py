@@ -290,6 +290,7 @@ def _write(text: str) -> None:
 # -- the watchdog thread -----------------------------------------------------------------------
 _THREAD = None
 _THREAD_LOCK = threading.Lock()
+_WAKE = threading.Event()
 _FIRED = False
 
 
@@ -308,15 +309,24 @@ def _launch() -> None:
 
 
 def _stop() -> None:
-    """At exit, before MPI is finalized: the thread makes no more MPI calls."""
+    """At exit, before MPI is finalized: the thread makes no more MPI calls, and ends.
+
+    Joined, not left to die with the interpreter: the thread drops the last reference to the
+    work it watched (a torch tensor's, say), which must not happen while the interpreter
+    finalizes (see ``progress.Worker``).
+    """
     global _STOPPING
     with _MPI_LOCK:
         _STOPPING = True
+    _WAKE.set()
+    thread = _THREAD
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(5.0)
 
 
 def _loop() -> None:
     while not _STOPPING:
-        time.sleep(_tick())
+        _WAKE.wait(_tick())
         try:
             _round()
         except Exception as exc:  # noqa: BLE001 - the watchdog must outlive its own bugs

@@ -361,3 +361,40 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- the daemon threads end before the interpreter does ------------------------------------------
+def test_worker_runs_in_order_then_stops():
+    from collectives.progress import Worker
+    seen = []
+    worker = Worker("test-worker", seen.append)
+    for i in range(5):
+        worker.put(i)
+    worker.stop()
+    assert seen == list(range(5))
+    assert not worker.thread.is_alive()
+
+
+def test_worker_holds_nothing_while_idle():
+    """An idle worker keeps no reference to its last item: a buffer it held could otherwise be
+    freed by that thread while the interpreter finalizes (an abort inside torch's C++)."""
+    import threading
+    import weakref
+
+    from collectives.progress import Worker
+
+    class Item:
+        pass
+
+    handled = threading.Event()
+    worker = Worker("test-worker", lambda item: handled.set())
+    item = Item()
+    ref = weakref.ref(item)
+    worker.put(item)
+    del item
+    assert handled.wait(5)
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    assert ref() is None

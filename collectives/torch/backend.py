@@ -23,14 +23,12 @@ for such hooks.
 """
 from __future__ import annotations
 
-import queue
-import threading
-
 import torch
 import torch.distributed as dist
 
 import collectives as coll
 
+from ..progress import Worker
 from .functional import op_name
 
 __all__ = ["ProcessGroupCollectives", "init_process_group", "register", "BACKEND"]
@@ -38,24 +36,21 @@ __all__ = ["ProcessGroupCollectives", "init_process_group", "register", "BACKEND
 BACKEND = "collectives"
 
 
-class _Completer:
-    """One daemon thread completing a group's futures in the order the work was started."""
+def _complete(item) -> None:
+    """Wait for one Work's requests, then complete its future (in the group's completer)."""
+    wait, fut, result = item
+    try:
+        wait()
+    except BaseException as exc:  # noqa: BLE001 - delivered through the future
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
-    def __init__(self):
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="collectives-torch-completer",
-                                       daemon=True)
-        self.thread.start()
 
-    def _loop(self):
-        while True:
-            wait, fut, result = self.queue.get()
-            try:
-                wait()
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+def _completer() -> Worker:
+    """One daemon thread per group completing its futures in the order the work was started
+    (groups apart: one group's slow work never holds up another's)."""
+    return Worker("collectives-torch-completer", _complete)
 
 
 def _work_from_future(fut):
@@ -71,7 +66,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._comm = comm
         self._p2p = comm.Dup()  # send/recv never match the collectives' messages
         self._algorithm = algorithm
-        self._completer = _Completer()
+        self._completer = _completer()
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -90,7 +85,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             if then is not None:
                 then()
 
-        self._completer.queue.put((wait, fut, result))
+        self._completer.put((wait, fut, result))
         return _work_from_future(fut)
 
     def _kw(self):
