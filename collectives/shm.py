@@ -28,6 +28,18 @@ descheduled; a rank with nothing to do spins briefly, then ``sched_yield``s (at 
 node has fewer cores than ranks). Reduce-scatter reduces rank r's block straight into r's output
 (no copy out); all-gather and broadcast copy in, then copy out.
 
+*Single-copy all-gather.* Where the kernel lets the ranks of a node read each other's memory
+(``process_vm_readv``, Linux cross-memory attach: see ``collectives.cma``; probed once per
+window, collectively), an all-gather of at least ``CMA_MIN_BYTES`` (2 MiB) skips the window:
+each rank publishes its input's address in the window's header and reads every peer's block
+straight into its output, one copy instead of two (measured 1.16x at 4 MiB, 1.3x at 64 MiB at
+n = 2; 1.05-1.1x at n = 3). The same idea measured no faster for the other collectives, and was
+left out: a kernel copy runs at about half ``memcpy``'s speed here (9-12 against 18-20 GB/s
+into a cache-sized buffer), so trading two ``memcpy``s through the cache-resident window for one
+kernel copy only pays where the window's second copy also missed the cache. Allreduce at n = 2,
+16 MiB: reading the inputs across processes 1.0-1.1x of the window path, reading only the
+results 1.05-1.08x, and slower at 32 and 64 MiB or at n = 3; reduce-scatter 0.7x at n = 2.
+
 The window is allocated once per communicator and chunk size (collectively, on the first
 ``shm`` call) and cached on the communicator's context; later calls reuse it. Calls run one at a
 time per window, in the order they were issued (the same on every rank): a non-blocking call is
@@ -48,14 +60,21 @@ from collections import deque
 
 import numpy as np
 
+from . import cma
 from .schedule import split
 
-__all__ = ["CHUNK_BYTES", "SLOTS", "set_chunk_bytes", "ShmWork", "launch", "window"]
+__all__ = ["CHUNK_BYTES", "CMA", "SLOTS", "set_chunk_bytes", "set_cma", "ShmWork", "launch",
+           "window"]
 
 CHUNK_BYTES = int(os.environ.get("COLLECTIVES_SHM_CHUNK_BYTES", 1 << 20))
+CMA = os.environ.get("COLLECTIVES_SHM_CMA", "1") != "0"  # single-copy reads where they work
+CMA_MIN_BYTES = 2 << 20      # all-gathers of at least this many bytes use them (measured)
 SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
 _PHASES = 3                  # counters: copied in, reduced, done reading
 _LINE = 64                   # one cache line per counter
+# Each rank's info line (int64): its pid, calls published, input and output addresses, and the
+# address of the line itself in its own mapping (what a peer's probe read must find).
+_PID, _SEQ, _SRC, _OUT, _SELF = range(5)
 _NAMES = ("copy in", "reduce", "finish reading")
 # Polls (about 1.5 us each) before a waiting rank yields its core; none when the node has
 # fewer cores than ranks, since then the rank we wait for may be waiting for our core.
@@ -68,6 +87,14 @@ def set_chunk_bytes(nbytes: int) -> int:
     if nbytes < 64:
         raise ValueError(f"shm chunk must be at least 64 bytes, got {nbytes}")
     old, CHUNK_BYTES = CHUNK_BYTES, int(nbytes)
+    return old
+
+
+def set_cma(flag: bool) -> bool:
+    """Use single-copy reads (where the window found them working) in later calls; returns the
+    previous setting. The same on every rank of a communicator."""
+    global CMA
+    old, CMA = CMA, bool(flag)
     return old
 
 
@@ -90,7 +117,7 @@ class Window:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.chunk = chunk
-        header = _round_up(_PHASES * self.size * _LINE, 4096)
+        header = _round_up((_PHASES + 1) * self.size * _LINE, 4096)
         self.header = header
         self.stride = header + SLOTS * chunk
         self.win = MPI.Win.Allocate_shared(self.stride, 1, comm=comm)
@@ -99,16 +126,25 @@ class Window:
         for j in range(self.size):
             buf, _unit = self.win.Shared_query(j)
             self.mem.append(np.frombuffer(buf, dtype=np.uint8, count=self.stride))
-        lines = self.mem[0][:_PHASES * self.size * _LINE].view(np.int64)
-        lines = lines.reshape(_PHASES, self.size, _LINE // 8)
+        lines = self.mem[0][:(_PHASES + 1) * self.size * _LINE].view(np.int64)
+        lines = lines.reshape(_PHASES + 1, self.size, _LINE // 8)
         self.counters = [lines[p, :, 0] for p in range(_PHASES)]
         self.mine = [lines[p, self.rank, :1] for p in range(_PHASES)]
+        self.info = lines[_PHASES]
         for cell in self.mine:
             cell[0] = 0
+        line = self.info[self.rank]
+        line[:] = 0
+        line[_PID] = os.getpid()
+        line[_SELF] = line.ctypes.data
         self.win.Sync()
         comm.Barrier()  # every counter is zero before anyone raises one
         self.base = 0
+        self.calls = 0
         self.spin = SPIN if self.size <= (os.cpu_count() or 1) else 0
+        self.reader = cma.Reader() if CMA and cma.available() else None
+        self.cma = self._agree_cma()
+        self._scratch = None
         self._views: dict = {}
         # Ticket order: calls run one at a time, in the order they were issued.
         self.cond = threading.Condition()
@@ -126,6 +162,70 @@ class Window:
             self._views[key] = view
         return view
 
+    def _probe(self) -> bool:
+        """Whether this rank can read every peer's info line with ``process_vm_readv``."""
+        got = np.zeros(1, np.int64)
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            try:
+                self.reader.read(int(self.info[j, _PID]), got.ctypes.data,
+                                 int(self.info[j, _SELF]), 8)
+            except OSError:
+                return False
+            if got[0] != self.info[j, _PID]:
+                return False
+        return True
+
+    def _agree_cma(self) -> bool:
+        """Single-copy reads between the ranks of the node, if every rank can make them."""
+        from mpi4py import MPI
+        if self.size == 1 or not self.comm.allreduce(self.reader is not None, op=MPI.LAND):
+            return False
+        if self.comm.allreduce(self._probe(), op=MPI.LAND):
+            return True
+        # Yama's ptrace_scope = 1 allows reads only from a declared tracer: declare, retry.
+        cma.allow_peers()
+        self.comm.Barrier()
+        return bool(self.comm.allreduce(self._probe(), op=MPI.LAND))
+
+    def scratch(self, dtype):
+        """A private buffer of one slot (``chunk`` bytes) as a flat ``dtype`` array."""
+        if self._scratch is None:
+            self._scratch = np.empty(self.chunk, np.uint8)
+        return self._scratch.view(dtype)
+
+    def publish(self, work, src, out) -> list:
+        """Show this call's buffers to the peers; their (rank, pid, input, output) addresses.
+
+        Collective: returns once every rank published the same call. A rank publishes its next
+        call only after every peer finished reading this one (``finish``), so the addresses a
+        peer reads stay valid for the whole call.
+        """
+        seq = self.calls + 1
+        line = self.info[self.rank]
+        line[_SRC], line[_OUT] = src.ctypes.data, out.ctypes.data
+        self.win.Sync()
+        line[_SEQ] = seq
+        seqs = self.info[:, _SEQ]
+        _await(work, self, lambda: seqs.min() >= seq,
+               lambda: f"rank(s) {[j for j in range(self.size) if seqs[j] < seq]} to start")
+        self.win.Sync()
+        return [(j, int(self.info[j, _PID]), int(self.info[j, _SRC]), int(self.info[j, _OUT]))
+                for j in range(self.size) if j != self.rank]
+
+    def finish(self, work) -> None:
+        """Say this rank is done reading its peers' buffers (raise every counter by one round),
+        then wait until every peer has finished reading this rank's."""
+        self.win.Sync()
+        self.base += 1
+        for cell in self.mine:
+            cell[0] = self.base
+        last, base = self.counters[_PHASES - 1], self.base
+        _await(work, self, lambda: last.min() >= base,
+               lambda: f"rank(s) {self.late(_PHASES - 1, base)} to finish reading")
+        self.calls += 1
+
     def late(self, phase: int, value: int) -> list[int]:
         """Ranks whose counter ``phase`` is below ``value`` (for messages)."""
         return [j for j in range(self.size) if self.counters[phase][j] < value]
@@ -140,7 +240,7 @@ class Window:
             return
         self._views.clear()
         self.mem.clear()
-        self.counters = self.mine = None
+        self.counters = self.mine = self.info = None
         self.win.Unlock_all()
         self.win.Free()
         self.comm.Free()
@@ -239,6 +339,8 @@ class ShmWork:
         if where is None:
             return f"shm {self.info}: running" if self._claimed else \
                 f"shm {self.info}: queued behind an earlier shm call"
+        if callable(where):
+            return f"shm {self.info}: waiting for {where()}"
         done, base = where
         waits = []
         for p, i in enumerate(done):
@@ -252,6 +354,22 @@ class ShmWork:
 
 
 # -- the algorithms (run by ShmWork, in the window's order) -----------------------------------
+def _await(work, win: Window, ready, what) -> None:
+    """Spin, then yield, until ``ready()``; ``what()`` says whom we wait for (watchdog)."""
+    if ready():
+        return
+    work.where = what
+    spins, spin, yield_ = 0, win.spin, os.sched_yield
+    while not ready():
+        spins += 1
+        if spins > spin:
+            if spins < 1 << 16:
+                yield_()
+            else:
+                threading.Event().wait(1e-4)
+    work.where = None
+
+
 def _pipeline(work, win: Window, rounds: int, phases) -> None:
     """Run ``rounds`` rounds through ``phases`` (two or three), each step as soon as it may.
 
@@ -377,6 +495,23 @@ def _reduce_scatter(work, win: Window, src, out, op, counts) -> None:
     _pipeline(work, win, rounds, (copy_in, reduce))
 
 
+def _allgather_cma(work, win: Window, src, out, counts) -> None:
+    """Each peer's block read straight from its input into our output: one copy, no window.
+
+    A peer's input must not change until we have read it: ``finish`` waits for every peer to
+    say it is done reading ours before the call returns.
+    """
+    r, size = win.rank, out.dtype.itemsize
+    bounds = _bounds(counts)
+    np.copyto(out[bounds[r]:bounds[r + 1]], src[:counts[r]])
+    peers = win.publish(work, src, out)
+    here, read = out.ctypes.data, win.reader.read
+    for j, pid, there, _out in peers:
+        if counts[j]:
+            read(pid, here + bounds[j] * size, there, counts[j] * size)
+    win.finish(work)
+
+
 def _allgather(work, win: Window, src, out, counts) -> None:
     r, k = win.rank, win.size
     dtype = out.dtype
@@ -432,7 +567,10 @@ def launch(call) -> ShmWork:
         return ShmWork(win, _reduce_scatter, (win, x, out, call.op, tuple(call.counts)),
                        call.describe())
     if call.collective == "allgather":
-        return ShmWork(win, _allgather, (win, x, out, tuple(call.counts)), call.describe())
+        # The output's size is the same on every rank, so every rank takes the same path.
+        single = win.cma and CMA and out.nbytes >= CMA_MIN_BYTES
+        return ShmWork(win, _allgather_cma if single else _allgather,
+                       (win, x, out, tuple(call.counts)), call.describe())
     if call.collective == "broadcast":
         return ShmWork(win, _broadcast, (win, out, call.root), call.describe())
     raise ValueError(f"algorithm 'shm' does not implement {call.collective}")

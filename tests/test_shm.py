@@ -1,5 +1,7 @@
 """The shm algorithm under mpiexec (n = 1..5): every dtype and op, lengths 0, 1 and primes,
-in place and not, many rounds through tiny chunks, non-blocking ordering, and the errors."""
+in place and not, many rounds through tiny chunks, non-blocking ordering, and the errors; each
+all-gathers through both paths: single-copy reads (``process_vm_readv``, where the node allows
+them) and two copies through the window."""
 import numpy as np
 import pytest
 
@@ -62,6 +64,16 @@ def pairs():
                 yield dtype, op
 
 
+@pytest.fixture(params=["cma", "window"])
+def path(request, monkeypatch):
+    """Both ways through a shm all-gather, at every size: single-copy reads (where the window
+    found them working) and the window's slots; the same on every rank."""
+    monkeypatch.setattr(shm, "CMA_MIN_BYTES", 0)
+    old = shm.set_cma(request.param == "cma")
+    yield request.param
+    shm.set_cma(old)
+
+
 @pytest.fixture
 def chunk():
     """A small chunk so that short arrays take many rounds (STYLE 13)."""
@@ -118,7 +130,7 @@ def test_allreduce_lengths_and_chunks(nbytes):
 
 
 @pytest.mark.mpi
-def test_reduce_scatter_allgather_broadcast(chunk):
+def test_reduce_scatter_allgather_broadcast(chunk, path):
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -162,7 +174,7 @@ def test_torch_and_shapes():
 
 
 @pytest.mark.mpi
-def test_nonblocking_in_order_with_blocking():
+def test_nonblocking_in_order_with_blocking(path):
     """Non-blocking calls queue on the window; a blocking call runs after the earlier ones."""
     from tests.mpiutil import assert_all, world
     comm = world()
@@ -179,6 +191,50 @@ def test_nonblocking_in_order_with_blocking():
     finally:
         shm.set_chunk_bytes(old)
     assert_all(bool(ok))
+
+
+@pytest.mark.mpi
+def test_paths_interleave(monkeypatch):
+    """Calls through either path share the window's counters: alternate them."""
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    monkeypatch.setattr(shm, "CMA_MIN_BYTES", 0)
+    old, chunk = shm.CMA, shm.set_chunk_bytes(128)
+    ok = True
+    try:
+        for i in range(12):
+            shm.set_cma(i % 3 != 0)
+            n = 50 + 37 * i
+            x = np.arange(n, dtype=np.int64) + rank * i
+            want = size * np.arange(n) + i * size * (size - 1) // 2
+            got = coll.allreduce(x, algorithm="shm") if i % 2 else \
+                coll.allreduce(x, out=x, algorithm="shm")
+            ok = ok and np.array_equal(got, want)
+            g = coll.allgather(np.full(i + 1, rank, np.int16), algorithm="shm")
+            ok = ok and np.array_equal(g, np.repeat(np.arange(size), i + 1).astype(np.int16))
+    finally:
+        shm.set_cma(old)
+        shm.set_chunk_bytes(chunk)
+    assert_all(bool(ok))
+
+
+@pytest.mark.mpi
+def test_cma_agreed_on_every_rank():
+    """The window's choice of single-copy reads is collective (one answer on every rank), and
+    on Linux between processes of one user it is on unless the kernel forbids it."""
+    from collectives import cma
+    from collectives.executor import context
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    coll.allreduce(np.ones(10), algorithm="shm")
+    wins = [v for k, v in context(comm).stash.items()
+            if isinstance(k, tuple) and k[0] == "shm.window"]
+    flags = comm.allgather(tuple(w.cma for w in wins))
+    ok = len(set(flags)) == 1
+    if comm.Get_size() > 1 and cma.available() and not wins[0].cma:
+        print("note: process_vm_readv is not allowed between the ranks here; shm uses the window")
+    assert_all(ok, str(flags))
 
 
 @pytest.mark.mpi
