@@ -14,7 +14,8 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
   random order every round, each block after one untimed call of its own. A round's
   per-iteration time is each rank's average, then the *max over ranks* (nccl-tests); the table
-  shows the median over rounds and the spread (max - min) / median. ``--latency`` adds OSU's
+  shows the median over rounds, each round first divided by the machine's drift in that round
+  (``correct_drift``), and the spread (max - min) / median. ``--latency`` adds OSU's
   min/avg/max over ranks.
 - buffers are allocated once per size and every call passes ``out=``, so the benchmark measures
   the collective, not the allocator. In-place calls are timed on zeros (after the check), since
@@ -188,11 +189,11 @@ class Collective:
 
 
 class Result:
-    """One measured (size, algorithm, mode): seconds per round (max over ranks), the median
-    round's per-rank times, iterations, wrong elements."""
+    """One measured (size, algorithm, mode): seconds per round (max over ranks), each round's
+    per-rank times and the machine's drift factor, iterations, wrong elements."""
 
     __slots__ = ("collective", "nbytes", "count", "dtype", "op", "root", "algorithm", "mode",
-                 "rounds", "ranks_t", "iters", "wrong", "n", "factor")
+                 "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor")
 
     def __init__(self, collective, nbytes, count, dtype, op, root, algorithm, mode, n, factor):
         self.collective, self.nbytes, self.count, self.dtype = collective, nbytes, count, dtype
@@ -200,20 +201,28 @@ class Result:
         self.n, self.factor = n, factor
         self.rounds: list[float] = []
         self.ranks_t: list[list[float]] = []
+        self.drift: list[float] | None = None
         self.iters = 0
         self.wrong: int | None = None
 
+    def corrected(self) -> np.ndarray:
+        """Per-round times divided by the round's drift factor (see ``correct_drift``)."""
+        t = np.asarray(self.rounds, dtype=float)
+        return t / np.asarray(self.drift) if self.drift is not None else t
+
     @property
     def time(self) -> float:
-        """Median over rounds of the per-iteration time (max over ranks), seconds."""
-        return float(np.median(self.rounds)) if self.rounds else math.nan
+        """Median over rounds of the per-iteration time (max over ranks), each round corrected
+        for the machine's drift, seconds."""
+        return float(np.median(self.corrected())) if self.rounds else math.nan
 
     @property
     def spread(self) -> float:
-        """(max - min) / median over rounds."""
+        """(max - min) / median over the corrected rounds."""
         if len(self.rounds) < 2:
             return 0.0
-        return (max(self.rounds) - min(self.rounds)) / self.time
+        t = self.corrected()
+        return float(t.max() - t.min()) / self.time
 
     @property
     def algbw(self) -> float:
@@ -229,7 +238,7 @@ class Result:
         """OSU min/avg/max over ranks of the median round, seconds."""
         if not self.rounds:
             return (math.nan,) * 3
-        k = int(np.argsort(self.rounds)[len(self.rounds) // 2])
+        k = int(np.argsort(self.corrected())[len(self.rounds) // 2])
         t = self.ranks_t[k]
         return min(t), sum(t) / len(t), max(t)
 
@@ -240,10 +249,34 @@ class Result:
                 "type": self.dtype, "redop": self.op, "root": self.root,
                 "algorithm": self.algorithm, "mode": self.mode, "ranks": self.n,
                 "time_us": self.time * 1e6, "rounds_us": [t * 1e6 for t in self.rounds],
+                "drift": list(self.drift) if self.drift is not None else None,
                 "spread": self.spread, "algbw_GBps": self.algbw / 1e9,
                 "busbw_GBps": self.busbw / 1e9, "wrong": self.wrong, "iterations": self.iters,
                 "lat_min_us": lat[0] * 1e6, "lat_avg_us": lat[1] * 1e6,
                 "lat_max_us": lat[2] * 1e6}
+
+
+def correct_drift(results: list[Result]) -> None:
+    """Take the machine's drift between rounds out of every result of one size.
+
+    Every algorithm runs once per round, so all of them see the same machine in a round. On a
+    shared machine that machine drifts: here whole runs of rounds ran 1.5x slower for every
+    algorithm alike (a neighbour's load), and the medians of two algorithms running the same
+    code then differed by up to 15-19% depending on which of them caught more slow rounds. A
+    round's *drift factor* is the median, over the algorithms, of its time relative to that
+    algorithm's median round (a ratio of medians, so one erratic algorithm does not move it);
+    each round's time is divided by it before the median is taken. The raw rounds and the
+    factors are both in the JSON output. With one round, or one algorithm, the factor is 1.
+    """
+    full = [r for r in results if r.rounds and min(r.rounds) > 0]
+    count = len(full[0].rounds) if full else 0
+    full = [r for r in full if len(r.rounds) == count]
+    if len(full) < 2 or count < 2:
+        return
+    logs = np.log(np.array([r.rounds for r in full]))
+    drift = np.exp(np.median(logs - np.median(logs, axis=1, keepdims=True), axis=0))
+    for r in full:
+        r.drift = [float(f) for f in drift]
 
 
 def default_algorithms(collective: str, gloo: bool = True) -> list[str]:
@@ -450,6 +483,7 @@ class Sweep:
                 results[key].ranks_t.append(ranks_t)
             if progress is not None:
                 progress.step(f"{format_size(size_col)} round {r + 1}/{self.rounds}")
+        correct_drift(list(results.values()))
         return list(results.values())
 
     def run(self, sizes) -> list[Result]:
@@ -571,7 +605,7 @@ def write_csv(path, results: list[Result]) -> None:
     dicts = [r.to_dict() for r in results]
     if not dicts:
         return
-    fields = [k for k in dicts[0] if k != "rounds_us"]
+    fields = [k for k in dicts[0] if k not in ("rounds_us", "drift")]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -598,7 +632,7 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
                    help="calls per round (default: enough for --budget ms)")
     p.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up calls (default 2)")
     p.add_argument("-c", "--check", type=int, default=1, help="check results (default 1)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     p.add_argument("--budget", type=float, default=10,
                    help="ms per round when -n is not given (default 10)")
     p.add_argument("--algorithms", default=None,
@@ -665,7 +699,8 @@ def main(spec: Collective, argv=None) -> int:
               + (f", root {sweep.root}" if spec.rooted else ""))
         print(f"# {info['mpi']}")
         print(f"# {sweep.rounds} rounds per size, interleaved over algorithms; time = per-call "
-              f"time, max over ranks, median of rounds; ±% = (max - min) / median")
+              f"time, max over ranks, median of rounds corrected for the machine's drift "
+              f"between rounds; ±% = (max - min) / median")
         print(f"# algorithms: {', '.join(sweep.algorithms)}"
               + "".join(f"\n# note: {n}" for n in sweep.notes))
         print("#")

@@ -106,6 +106,34 @@ def _result(alg, mode, t, nbytes=1024, n=2, wrong=0, rounds=(1.0, 1.0, 1.0)):
     return r
 
 
+def test_drift_is_taken_out_of_every_algorithm():
+    """The machine ran rounds 2-4 1.5x slower for everyone; ``auto`` (the same code as
+    ``native``) was lucky in one slow round, so the plain medians differ by half; corrected,
+    they agree. An erratic algorithm does not move the factors (a median over algorithms)."""
+    machine = (1.0, 1.0, 1.5, 1.5, 1.5)
+    native = _result("native", "out", 1e-5, rounds=machine)
+    auto = _result("auto", "out", 1e-5, rounds=(1.0, 1.0, 1.0, 1.5, 1.5))
+    ring = _result("ring", "out", 4e-5, rounds=machine)
+    tree = _result("tree", "out", 3e-5, rounds=machine)
+    odd = _result("shm", "out", 2e-5, rounds=(1.0, 3.0, 1.5, 0.5, 1.5))
+    assert auto.time / native.time == pytest.approx(1 / 1.5)
+    harness.correct_drift([native, auto, ring, tree, odd])
+    assert native.drift == pytest.approx([1 / 1.5, 1 / 1.5, 1.0, 1.0, 1.0])
+    assert native.time == pytest.approx(1.5e-5) and ring.time == pytest.approx(6e-5)
+    assert auto.time == pytest.approx(native.time)
+    assert native.to_dict()["drift"] == pytest.approx(native.drift)
+    assert native.to_dict()["rounds_us"] == pytest.approx([m * 10 for m in machine])
+
+
+def test_drift_needs_two_rounds_and_two_algorithms():
+    one = _result("ring", "out", 1e-3, rounds=(1.0, 1.2, 0.9))
+    harness.correct_drift([one])
+    assert one.drift is None and one.time == pytest.approx(1e-3)
+    x, y = _result("ring", "out", 1e-3, rounds=(1.0,)), _result("tree", "out", 2e-3, rounds=(1.5,))
+    harness.correct_drift([x, y])
+    assert x.drift is None and y.time == pytest.approx(3e-3)
+
+
 def test_result_statistics():
     r = _result("ring", "out", 1e-3, rounds=(1.0, 1.2, 0.9))
     assert r.time == pytest.approx(1e-3)
