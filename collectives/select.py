@@ -103,7 +103,7 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[512 << 10, NATIVE], [32 << 20, "ring"], [None, "shm"]],
+        "2": [[512 << 10, NATIVE], [8 << 20, "ring"], [None, "shm"]],
         "3": [[256 << 10, NATIVE], [None, "shm"]],
     },
     "reduce_scatter": {
@@ -112,7 +112,7 @@ DEFAULT_TABLE = {
     },
     "allgather": {
         "2": [[256 << 10, NATIVE], [None, "ring"]],
-        "3": [[64 << 10, NATIVE], [2 << 20, "shm"], [None, "recursive_doubling"]],
+        "3": [[64 << 10, NATIVE], [None, "shm"]],
     },
     "broadcast": {
         "2": [[8 << 20, NATIVE], [None, "shm"]],
