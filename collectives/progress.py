@@ -137,13 +137,14 @@ class Worker:
     starts tearing down) and joined, so that it never drops the last reference to a buffer
     while the interpreter finalizes: a daemon thread that frees a torch tensor then is killed
     by the interpreter inside torch's C++ and takes the process down with it ("terminate called
-    without an active exception"). ``stop()`` may also be called earlier; later items are
-    dropped.
+    without an active exception"). ``close()`` (returns at once) or ``stop()`` (joins) may
+    also be called earlier; items put after that are never run.
     """
 
     def __init__(self, name: str, handle):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.handle = handle
+        self.closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
         atexit.register(self.stop)
@@ -159,12 +160,18 @@ class Worker:
             self.handle(item)
             item = None  # hold no buffer while idle
 
+    def close(self) -> None:
+        """End the thread once the items queued so far are done; returns at once."""
+        if not self.closed:
+            self.closed = True
+            self.queue.put(None)
+            atexit.unregister(self.stop)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Let the items queued so far finish (up to ``timeout`` s), then end the thread."""
-        if self.thread.is_alive():
-            self.queue.put(None)
+        self.close()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout)
-        atexit.unregister(self.stop)
 
 
 def _drive(req) -> None:

@@ -220,3 +220,33 @@ def test_backend_subgroup(process_group):
     else:
         ok = True
     assert_all(ok, "subgroup all_reduce")
+
+
+@pytest.mark.mpi
+def test_destroyed_group_ends_its_thread():
+    """Each group completes its work on a thread of its own; destroying the group ends it (a
+    job that creates and destroys groups must not collect threads)."""
+    import gc
+    import threading
+    import time
+
+    from mpi4py import MPI
+
+    import collectives.torch.backend as backend
+    from tests.mpiutil import assert_all
+
+    def completers():
+        return sum(t.name == "collectives-torch-completer" for t in threading.enumerate())
+
+    before = completers()
+    for _ in range(3):
+        backend.init_process_group()
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while completers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_all(completers() == before and bool((t == MPI.COMM_WORLD.Get_size()).all()),
+               f"{completers()} completer threads, {before} before; {t}")

@@ -23,6 +23,8 @@ for such hooks.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -67,6 +69,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._p2p = comm.Dup()  # send/recv never match the collectives' messages
         self._algorithm = algorithm
         self._completer = _completer()
+        # The group's thread ends with the group (torch drops it in destroy_process_group).
+        weakref.finalize(self, self._completer.close)
 
     def getBackendName(self) -> str:
         return BACKEND
