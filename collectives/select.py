@@ -16,7 +16,8 @@ same shape is named by ``COLLECTIVES_TUNING`` (or found at ``~/.cache/collective
 
 A communicator size without rules of its own uses the nearest smaller size that has them, then
 ``"default"``. A single-node algorithm (``shm``) picked for a communicator that spans nodes is
-replaced by its hierarchical counterpart (``MULTI_NODE``). Sizes are message bytes (count x itemsize) of the per-rank input.
+replaced by its hierarchical counterpart (``MULTI_NODE``). Sizes are message bytes (count x
+itemsize) of the per-rank input.
 """
 from __future__ import annotations
 

@@ -72,9 +72,9 @@ CMA_MIN_BYTES = 2 << 20      # all-gathers of at least this many bytes use them 
 SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
 _PHASES = 3                  # counters: copied in, reduced, done reading
 _LINE = 64                   # one cache line per counter
-# Each rank's info line (int64): its pid, calls published, input and output addresses, and the
-# address of the line itself in its own mapping (what a peer's probe read must find).
-_PID, _SEQ, _SRC, _OUT, _SELF = range(5)
+# Each rank's info line (int64): its pid, calls published, its input's address, and the address
+# of the line itself in its own mapping (what a peer's probe read must find).
+_PID, _SEQ, _SRC, _SELF = range(4)
 _NAMES = ("copy in", "reduce", "finish reading")
 # Polls (about 1.5 us each) before a waiting rank yields its core; none when the node has
 # fewer cores than ranks, since then the rank we wait for may be waiting for our core.
@@ -144,7 +144,6 @@ class Window:
         self.spin = SPIN if self.size <= (os.cpu_count() or 1) else 0
         self.reader = cma.Reader() if CMA and cma.available() else None
         self.cma = self._agree_cma()
-        self._scratch = None
         self._views: dict = {}
         # Ticket order: calls run one at a time, in the order they were issued.
         self.cond = threading.Condition()
@@ -189,14 +188,8 @@ class Window:
         self.comm.Barrier()
         return bool(self.comm.allreduce(self._probe(), op=MPI.LAND))
 
-    def scratch(self, dtype):
-        """A private buffer of one slot (``chunk`` bytes) as a flat ``dtype`` array."""
-        if self._scratch is None:
-            self._scratch = np.empty(self.chunk, np.uint8)
-        return self._scratch.view(dtype)
-
-    def publish(self, work, src, out) -> list:
-        """Show this call's buffers to the peers; their (rank, pid, input, output) addresses.
+    def publish(self, work, src) -> list:
+        """Show this call's input to the peers; their ``(rank, pid, input address)``s.
 
         Collective: returns once every rank published the same call. A rank publishes its next
         call only after every peer finished reading this one (``finish``), so the addresses a
@@ -204,14 +197,14 @@ class Window:
         """
         seq = self.calls + 1
         line = self.info[self.rank]
-        line[_SRC], line[_OUT] = src.ctypes.data, out.ctypes.data
+        line[_SRC] = src.ctypes.data
         self.win.Sync()
         line[_SEQ] = seq
         seqs = self.info[:, _SEQ]
         _await(work, self, lambda: seqs.min() >= seq,
                lambda: f"rank(s) {[j for j in range(self.size) if seqs[j] < seq]} to start")
         self.win.Sync()
-        return [(j, int(self.info[j, _PID]), int(self.info[j, _SRC]), int(self.info[j, _OUT]))
+        return [(j, int(self.info[j, _PID]), int(self.info[j, _SRC]))
                 for j in range(self.size) if j != self.rank]
 
     def finish(self, work) -> None:
@@ -504,9 +497,9 @@ def _allgather_cma(work, win: Window, src, out, counts) -> None:
     r, size = win.rank, out.dtype.itemsize
     bounds = _bounds(counts)
     np.copyto(out[bounds[r]:bounds[r + 1]], src[:counts[r]])
-    peers = win.publish(work, src, out)
+    peers = win.publish(work, src)
     here, read = out.ctypes.data, win.reader.read
-    for j, pid, there, _out in peers:
+    for j, pid, there in peers:
         if counts[j]:
             read(pid, here + bounds[j] * size, there, counts[j] * size)
     win.finish(work)
