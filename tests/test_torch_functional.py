@@ -238,6 +238,7 @@ def test_destroyed_group_ends_its_thread():
     def completers():
         return sum(t.name == "collectives-torch-completer" for t in threading.enumerate())
 
+    gc.collect()  # an earlier test's group may still be waiting for collection
     before = completers()
     for _ in range(3):
         backend.init_process_group()
@@ -248,5 +249,5 @@ def test_destroyed_group_ends_its_thread():
     deadline = time.monotonic() + 5
     while completers() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert_all(completers() == before and bool((t == MPI.COMM_WORLD.Get_size()).all()),
+    assert_all(completers() <= before and bool((t == MPI.COMM_WORLD.Get_size()).all()),
                f"{completers()} completer threads, {before} before; {t}")
