@@ -462,11 +462,6 @@ class Prediction:
                 f"{self.simulated} ranks simulated, {self.method})")
 
 
-def fast_deps(schedule: Schedule) -> list[tuple[int, ...]]:
-    """``Schedule.deps()`` (kept under this name for the cost model's callers)."""
-    return schedule.deps()
-
-
 class _Compiled:
     """What the model needs of one schedule, shared by every rank whose schedule has the same
     ops up to the names of its peers (tree leaves, say): kinds, lengths, the dependency DAG, and
@@ -478,7 +473,7 @@ class _Compiled:
         ops = schedule.ops
         self.kinds = [op[0] for op in ops]
         self.nelems = [op.nelems() for op in ops]
-        deps = fast_deps(schedule)
+        deps = schedule.deps()
         self.users: list[list[int]] = [[] for _ in ops]
         for i, d in enumerate(deps):
             for j in d:
