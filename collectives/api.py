@@ -161,10 +161,9 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             # algorithm (through select.auto, 0.4 us: 4% of an 8-byte allreduce).
             name = select.PICKS.get((env_raw(b"COLLECTIVES_TUNING"), call.collective, ctx.size,
                                      nbytes))
-            if name is None:
-                name = select.auto(call.collective, nbytes, ctx.size)
-            if name in select.MULTI_NODE and not _single_node(ctx):
-                name = select.auto(call.collective, nbytes, ctx.size, single_node=False)
+            if name is None or name in select.MULTI_NODE:  # select.auto swaps those off-node
+                name = select.auto(call.collective, nbytes, ctx.size,
+                                   single_node=lambda: _single_node(ctx))
         builder = select.get(call.collective, name)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, call.collective, check, exc)

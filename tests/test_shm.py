@@ -272,3 +272,33 @@ def test_several_nodes_is_a_clear_error(monkeypatch):
     finally:
         comm.Free()
     assert_all(bool(ok))
+
+
+@pytest.mark.mpi
+def test_auto_swaps_shm_off_node(monkeypatch):
+    """Where the table says shm and the ranks span nodes, auto runs the hierarchical
+    counterpart (allreduce: hierarchical_shm; others: hierarchical), correctly."""
+    from mpi4py import MPI
+
+    from collectives import select
+    from tests.mpiutil import assert_all
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("one rank never spans nodes")
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+    comm = MPI.COMM_WORLD.Dup()
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n = 4 << 20  # 16 MiB of float32 per rank: shm in every built-in rule
+    picked = select.auto("allreduce", 4 * n, size)
+    chose = []
+    get = select.get
+    monkeypatch.setattr(select, "get", lambda c, name: chose.append((c, name)) or get(c, name))
+    try:
+        got = coll.allreduce(np.full(n, rank + 1, np.float32), comm=comm)
+        block = coll.reduce_scatter(np.ones(size * (1 << 17), np.int64), comm=comm)
+    finally:
+        comm.Free()
+    # (the composites look up their own stages too: only the first pick of each call counts)
+    ok = picked == "shm" and chose[0] == ("allreduce", "hierarchical_shm") and \
+        ("reduce_scatter", "hierarchical") in chose and "shm" not in {c[1] for c in chose} and \
+        bool((got == size * (size + 1) / 2).all()) and bool((block == size).all())
+    assert_all(ok, f"table {picked}, ran {chose}")
