@@ -230,8 +230,11 @@ def _run_schedule(call: Call, name, builder):
     counts = None if call.counts is None else tuple(call.counts)
     schedule = _schedule(call.collective, name, ctx.rank, ctx.size, x.count, counts,
                          call.root, seg, extra)
+    # Out of place, receives land straight in the reduction that consumes them (see
+    # Schedule.direct); in place, IN is OUT and they must go through scratch.
+    plan = schedule.plan(direct=not call.inplace)
     key = (x.kind, x.device, x.dtype)
-    tmp = ctx.take_scratch(key, schedule.tmp, lambda n: x.new((n,)).flat)
+    tmp = ctx.take_scratch(key, plan.schedule.tmp, lambda n: x.new((n,)).flat)
     taken = [tmp]
     if out is None:  # reduce on a non-root rank: OUT is scratch
         out_flat = ctx.take_scratch(key, x.count, lambda n: x.new((n,)).flat)[:x.count]
@@ -249,7 +252,7 @@ def _run_schedule(call: Call, name, builder):
         for arr in taken:
             ctx.give_scratch(key, arr)
 
-    run = Run(schedule.plan(), in_flat, out_flat, tmp, call.op, transport,
+    run = Run(plan, in_flat, out_flat, tmp, call.op, transport,
               ctx.tag(call.seq), info=call.describe(), on_done=release)
     return run.start()
 

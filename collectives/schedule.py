@@ -102,7 +102,8 @@ class Schedule:
     elements needed. ``alias`` says IN and OUT may be the same memory (same length).
     """
 
-    __slots__ = ("rank", "size", "count_in", "count_out", "tmp", "alias", "ops", "_plan", "name")
+    __slots__ = ("rank", "size", "count_in", "count_out", "tmp", "alias", "ops", "_plan",
+                 "_direct", "name")
 
     def __init__(self, rank: int, size: int, count_in: int, count_out: int | None = None,
                  *, name: str = ""):
@@ -113,6 +114,7 @@ class Schedule:
         self.tmp = 0
         self.ops: list[Op] = []
         self._plan = None
+        self._direct = None
 
     # -- building -------------------------------------------------------------------------
     def scratch(self, n: int) -> int:
@@ -165,11 +167,87 @@ class Schedule:
             result.append(tuple(sorted(need)))
         return result
 
-    def plan(self):
-        """The compiled form executors run (cached): see ``Plan``."""
+    def plan(self, direct: bool = False):
+        """The compiled form executors run (cached): see ``Plan``.
+
+        ``direct``: the plan of ``self.direct()``, for a run whose IN and OUT are separate
+        memory (out of place); the executor must not use it in place.
+        """
+        if direct:
+            if self._direct is None:
+                self._direct = self.direct()
+            if self._direct is not self:
+                return self._direct.plan()
         if self._plan is None:
             self._plan = Plan(self)
         return self._plan
+
+    def direct(self) -> Schedule:
+        """This schedule with receives landing straight in the reduction that consumes them.
+
+        ``recv(TMP t) ... reduce(D, X, TMP t)`` becomes ``recv(D) ... reduce(D, X, D)``: the
+        scratch round trip is gone and the reduction has two operands, one of them its output.
+        On this machine kind that is the difference between 1.1-1.3 ms and 0.64 ms for an
+        8 MiB float32 add (a third array costs a whole extra memory stream), which is most of a
+        ring allreduce's reduce-scatter at n = 2. The operands keep their order, so the result
+        is bitwise the same.
+
+        Valid only when IN and OUT are separate memory (``alias`` is dropped). A pair is
+        rewritten only when nothing else reads the received value and no earlier op touches
+        ``D`` (so the receive gains no dependency: no new wait, no possible deadlock) and ``D``
+        does not overlap the other operand. Returns ``self`` when no pair qualifies.
+        """
+        ops = list(self.ops)
+        touched = {OUT: _Touched(), TMP: _Touched()}  # IN is separate memory here
+        writer: dict[tuple, int] = {}   # exact TMP region -> the RECV that last wrote it
+        readers: dict[int, int] = {}    # that RECV -> how many ops read its region
+        candidates = []
+        for k, (kind, _peer, dst, srcs) in enumerate(ops):
+            if kind == REDUCE and dst[0] != IN:
+                for t, x in ((srcs[1], srcs[0]), (srcs[0], srcs[1])):
+                    r = writer.get(t)
+                    if (r is not None and t[0] == TMP and not touched[dst[0]].hit(dst)
+                            and not _overlap(dst, x) and not _overlap(dst, t)):
+                        candidates.append((r, k, t))
+                        break
+            for region in srcs:
+                if region[0] != IN:
+                    touched[region[0]].add(region)
+                if region[0] == TMP:
+                    for key, r in writer.items():
+                        if _overlap(key, region):
+                            readers[r] = readers.get(r, 0) + 1
+            if dst is not None:
+                touched[dst[0]].add(dst)
+                if dst[0] == TMP:
+                    for key in [key for key in writer if _overlap(key, dst)]:
+                        r = writer.pop(key)
+                        # the parts not overwritten still hold the received value
+                        if key[1] < dst[1]:
+                            writer[(TMP, key[1], dst[1])] = r
+                        if dst[2] < key[2]:
+                            writer[(TMP, dst[2], key[2])] = r
+                    if kind == RECV:
+                        writer[dst] = k
+        rewritten = 0
+        for r, k, t in candidates:
+            if readers.get(r) != 1:  # the received value is also read elsewhere
+                continue
+            _kind, peer, _dst, _srcs = ops[r]
+            dst = ops[k][2]
+            ops[r] = Op((RECV, peer, dst, ()))
+            ops[k] = Op((REDUCE, -1, dst, tuple(dst if src == t else src for src in ops[k][3])))
+            rewritten += 1
+        if not rewritten:
+            return self
+        out = Schedule(self.rank, self.size, self.count_in, self.count_out,
+                       name=f"{self.name} (direct)")
+        out.alias = False
+        out.ops = ops
+        out.tmp = max((region[2] for op in ops
+                       for region in op[3] + ((op[2],) if op[2] is not None else ())
+                       if region[0] == TMP), default=0)
+        return out
 
     def validate(self) -> None:
         """Check regions lie inside their buffers and IN is never written."""
@@ -225,6 +303,35 @@ class Plan:
                 self.order[i] = len(q)
                 q.append(i)
         self.roots = [i for i, n in enumerate(self.ndeps) if n == 0]
+
+
+def _overlap(a, b) -> bool:
+    """Whether regions ``a`` and ``b`` share an element (same buffer, intersecting ranges)."""
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+class _Touched:
+    """The union of the ranges of one buffer accessed so far (sorted, merged)."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self):
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+
+    def hit(self, region) -> bool:
+        j = bisect_right(self.hi, region[1])
+        return j < len(self.lo) and self.lo[j] < region[2]
+
+    def add(self, region) -> None:
+        a, b = region[1], region[2]
+        lo, hi = self.lo, self.hi
+        j0 = bisect_right(hi, a - 1)    # first range ending at or after a (touching merges)
+        j1 = j0
+        while j1 < len(lo) and lo[j1] <= b:
+            a, b = min(a, lo[j1]), max(b, hi[j1])
+            j1 += 1
+        lo[j0:j1], hi[j0:j1] = [a], [b]
 
 
 class _Intervals:

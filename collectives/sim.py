@@ -121,15 +121,23 @@ class _SimTransport:
 
 
 def run_schedules(schedules: list[Schedule], ins: list, outs: list, op: Op,
-                  *, net: SimNetwork | None = None) -> SimNetwork:
-    """Run ``schedules[r]`` on ``ins[r]``/``outs[r]`` for every virtual rank r."""
+                  *, net: SimNetwork | None = None, direct: bool | None = None) -> SimNetwork:
+    """Run ``schedules[r]`` on ``ins[r]``/``outs[r]`` for every virtual rank r.
+
+    ``direct``: run ``Schedule.direct()``'s plan; by default where IN and OUT are separate
+    memory, as the API does.
+    """
     size = len(schedules)
     net = net or SimNetwork(size)
     runs = []
     for r, s in enumerate(schedules):
         s.validate()
-        tmp = np.zeros(s.tmp, dtype=outs[r].dtype)
-        runs.append(Run(s.plan(), ins[r], outs[r], tmp, op, net.transport(r), 0,
+        # Out of place (separate IN and OUT), run as the API does: receives go straight to
+        # their reduction's destination (Schedule.direct).
+        plan = s.plan(direct=not np.may_share_memory(ins[r], outs[r]) if direct is None
+                      else direct)
+        tmp = np.zeros(plan.schedule.tmp, dtype=outs[r].dtype)
+        runs.append(Run(plan, ins[r], outs[r], tmp, op, net.transport(r), 0,
                         info=f"{s.name} rank {r}/{size}"))
     for run in runs:
         run.start()
