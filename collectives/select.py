@@ -104,12 +104,12 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[512 << 10, NATIVE], [8 << 20, "ring"], [None, "shm"]],
-        "3": [[256 << 10, NATIVE], [None, "shm"]],
+        "2": [[256 << 10, NATIVE], [None, "ring"]],
+        "3": [[256 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
     },
     "reduce_scatter": {
-        "2": [[512 << 10, NATIVE], [None, "shm"]],
-        "3": [[128 << 10, NATIVE], [None, "shm"]],
+        "2": [[256 << 10, NATIVE], [None, "ring"]],
+        "3": [[128 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
     },
     "allgather": {
         "2": [[256 << 10, NATIVE], [None, "ring"]],
@@ -120,9 +120,8 @@ DEFAULT_TABLE = {
         "3": [[8 << 20, NATIVE], [None, "binomial"]],
     },
     "reduce": {
-        "2": [[2 << 20, NATIVE], [None, "binomial"]],
-        "3": [[128 << 10, NATIVE], [512 << 10, "binomial"], [8 << 20, "tree"],
-              [None, "hierarchical"]],
+        "2": [[64 << 10, NATIVE], [None, "binomial"]],
+        "3": [[64 << 10, NATIVE], [16 << 20, "tree"], [None, "hierarchical"]],
     },
 }
 for _rules in DEFAULT_TABLE.values():

@@ -275,19 +275,26 @@ def test_several_nodes_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_auto_swaps_shm_off_node(monkeypatch):
+def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
     """Where the table says shm and the ranks span nodes, auto runs the hierarchical
     counterpart (allreduce: hierarchical_shm; others: hierarchical), correctly."""
+    import json
+
     from mpi4py import MPI
 
     from collectives import select
     from tests.mpiutil import assert_all
     if MPI.COMM_WORLD.Get_size() == 1:
         pytest.skip("one rank never spans nodes")
-    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
     comm = MPI.COMM_WORLD.Dup()
     size, rank = comm.Get_size(), comm.Get_rank()
-    n = 4 << 20  # 16 MiB of float32 per rank: shm in every built-in rule
+    table = tmp_path / f"tuning-{rank}.json"  # a table that says shm above 1 MiB
+    rules = [[1 << 20, "native"], [None, "shm"]]
+    table.write_text(json.dumps({"version": 1, "tables": {
+        c: {"default": rules, str(size): rules} for c in ("allreduce", "reduce_scatter")}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+    n = 1 << 20  # 4 MiB of float32 per rank
     picked = select.auto("allreduce", 4 * n, size)
     chose = []
     get = select.get
