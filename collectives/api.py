@@ -70,15 +70,16 @@ class Call:
 
 
 # -- step 1: checks and buffers ---------------------------------------------------------------
-_WORLD = []  # MPI.COMM_WORLD, looked up once (mpi4py is imported on the first call only)
+_WORLD = []  # MPI.COMM_WORLD's Context, made on the first call (mpi4py is imported then)
 
 
 def _context(comm):
     if comm is None:
-        if not _WORLD:
-            from mpi4py import MPI
-            _WORLD.append(MPI.COMM_WORLD)
-        comm = _WORLD[0]
+        if _WORLD:
+            return _WORLD[0]
+        from mpi4py import MPI
+        _WORLD.append(context(MPI.COMM_WORLD))  # lives until MPI_Finalize frees the world
+        return _WORLD[0]
     try:
         return context(comm)
     except AttributeError:
@@ -100,7 +101,7 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
     if o.kind != x.kind or o.dtype != x.dtype or o.device != x.device:
         raise TypeError(f"{what} is {o.describe()}, expected a {x.kind} {x.dtype.name} buffer "
                         f"on {x.device}")
-    if o.shape != tuple(shape):
+    if o.shape != shape and o.shape != tuple(shape):
         raise ValueError(f"{what} has shape {list(o.shape)}, expected {list(shape)}")
     if o.readonly:
         raise ValueError(f"{what} is read-only")
@@ -152,26 +153,26 @@ def _transport(call: Call):
 
 def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
     """Choose, validate and run ``call``; returns the result or a ``Request``."""
-    ctx = call.ctx
-    nbytes = call.count * call.x.dtype.itemsize
+    ctx, collective, count = call.ctx, call.collective, call.x.count
     try:
         name = algorithm
         if algorithm == "auto":
             # select.auto's memo, looked up inline: auto costs ~0.1 us more than naming the
             # algorithm (through select.auto, 0.4 us: 4% of an 8-byte allreduce).
-            name = select.PICKS.get((env_raw(b"COLLECTIVES_TUNING"), call.collective, ctx.size,
+            nbytes = count * call.x.dtype.itemsize
+            name = select.PICKS.get((env_raw(b"COLLECTIVES_TUNING"), collective, ctx.size,
                                      nbytes))
             if name is None or name in select.MULTI_NODE:  # select.auto swaps those off-node
-                name = select.auto(call.collective, nbytes, ctx.size,
+                name = select.auto(collective, nbytes, ctx.size,
                                    single_node=lambda: _single_node(ctx))
-        builder = select.get(call.collective, name)
+        builder = select.get(collective, name)
     except (TypeError, ValueError) as exc:
-        raise _check.failed(ctx, call.collective, check, exc)
+        raise _check.failed(ctx, collective, check, exc)
     call.algorithm = name
     call.blocking = blocking
-    call.seq = ctx.next_seq()
-    total = sum(call.counts) if call.counts is not None else call.count
-    trivial = ctx.size == 1 or total == 0
+    call.seq = seq = ctx.seq  # ctx.next_seq(), inline
+    ctx.seq = seq + 1
+    trivial = ctx.size == 1 or (sum(call.counts) if call.counts is not None else count) == 0
     checking = _check.enabled(check)
     entry = None
     if _watchdog.LIMIT and ctx.size > 1 and (checking or not trivial):
@@ -179,16 +180,18 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     try:
         if checking:
             # allgather's ranks may differ in length: its counts (agreed already) are compared.
-            _check.verify(ctx.comm, collective=call.collective,
-                          elements=None if call.collective == "allgather" else call.count,
+            _check.verify(ctx.comm, collective=collective,
+                          elements=None if collective == "allgather" else count,
                           dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
-                          root=call.root, algorithm=name, counts=call.counts, sequence=call.seq)
+                          root=call.root, algorithm=name, counts=call.counts, sequence=seq)
             if entry is not None:
                 entry.phase = "run"
         if trivial:
             work = _trivial(call)
-        elif builder == select.NATIVE or hasattr(builder, "launch"):
-            work = (_native if builder == select.NATIVE else _launcher(builder))(call)
+        elif builder == select.NATIVE:
+            work = _native(call)
+        elif hasattr(builder, "launch"):
+            work = _launcher(builder)(call)
         else:
             work = _run_schedule(call, name, builder)
         if entry is not None:
@@ -268,9 +271,13 @@ def _launcher(builder):
 
 
 def _native(call: Call):
-    if call.x.is_device:  # straight to a CUDA-aware MPI, or staged through host memory
+    if call.x.device != "cpu":  # straight to a CUDA-aware MPI, or staged through host memory
         from . import cuda
         return cuda.native(call, _native_mpi)
+    if call.collective == "allreduce":  # the common case, one call less
+        out = call.out.flat
+        return native.allreduce(call.ctx.comm, out if call.inplace else call.x.flat, out,
+                                call.op, call.blocking)
     return _native_mpi(call)
 
 
@@ -309,7 +316,7 @@ def _allreduce(x, op, out, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allreduce", check, exc)
     call = Call("allreduce", ctx, xb, outb, opr, inplace=inplace)
-    return _start(call, algorithm, check, blocking, outb.obj, _avg(call))
+    return _start(call, algorithm, check, blocking, outb.obj, _avg(call) if opr.is_avg else None)
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):

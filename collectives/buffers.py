@@ -31,11 +31,12 @@ DTYPES = tuple(np.dtype(t) for t in (
 class Buffer:
     """A caller's array seen as a flat typed view (``flat``) plus what it takes to mirror it."""
 
-    __slots__ = ("obj", "flat", "shape", "dtype", "kind", "device", "readonly", "_new")
+    __slots__ = ("obj", "flat", "count", "shape", "dtype", "kind", "device", "readonly", "_new")
 
     def __init__(self, obj, flat, shape, kind, *, device="cpu", readonly=False, new=None):
         self.obj = obj
         self.flat = flat
+        self.count = int(flat.shape[0])  # elements
         self.shape = shape if type(shape) is tuple else tuple(shape)
         dtype = flat.dtype
         self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
@@ -43,10 +44,6 @@ class Buffer:
         self.device = device
         self.readonly = readonly
         self._new = new
-
-    @property
-    def count(self) -> int:
-        return int(self.flat.shape[0])
 
     @property
     def is_device(self) -> bool:
@@ -120,7 +117,8 @@ def _numpy(x):
         check_dtype(dtype)  # raises the TypeError
     # Every call wraps its buffers: filled slot by slot, this is 0.5 us quicker than __init__.
     buf = _blank(Buffer)
-    buf.obj, buf.flat, buf.shape, buf.dtype = x, x if x.ndim == 1 else x.reshape(-1), x.shape, dtype
+    buf.obj, buf.flat, buf.count, buf.shape, buf.dtype = \
+        x, x if x.ndim == 1 else x.reshape(-1), x.size, x.shape, dtype
     buf.kind, buf.device, buf.readonly, buf._new = "numpy", "cpu", not flags.writeable, None
     return buf
 

@@ -32,10 +32,13 @@ _BOOL = {"sum": "LOR", "max": "LOR", "bor": "LOR", "prod": "LAND", "min": "LAND"
 
 
 def mpi_type_op(op: Op):
-    """``(MPI datatype, MPI.Op)`` that reduce ``op.dtype`` with ``op``."""
+    """``(MPI datatype, MPI.Op)`` that reduce ``op.dtype`` with ``op`` (kept on ``op``)."""
+    if op.mpi is not None:
+        return op.mpi
     key = (op.name, op.dtype)
     hit = _CACHE.get(key)
     if hit is not None:
+        op.mpi = hit
         return hit
     from mpi4py import MPI
     dtype, kind = op.dtype, op.dtype.kind
@@ -56,7 +59,7 @@ def mpi_type_op(op: Op):
             _op.reduce(b, a, b)
 
         result = (mpitype, MPI.Op.Create(kernel, commute=True))
-    _CACHE[key] = result
+    _CACHE[key] = op.mpi = result
     return result
 
 
@@ -74,10 +77,11 @@ def _send(x, out, mpitype):
 
 
 def allreduce(comm, x, out, op: Op, blocking: bool):
-    mpitype, mpiop = mpi_type_op(op)
+    mpitype, mpiop = op.mpi or mpi_type_op(op)
     recv = [out, out.shape[0], mpitype]
     if blocking:
-        comm.Allreduce(_send(x, out, mpitype), recv, mpiop)
+        comm.Allreduce([x, x.shape[0], mpitype] if x is not out else _send(x, out, mpitype),
+                       recv, mpiop)
         return _DONE
     return _work(comm.Iallreduce(_send(x, out, mpitype), recv, mpiop), False, "Iallreduce")
 

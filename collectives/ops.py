@@ -52,21 +52,19 @@ def _mpi_names():
 class Op:
     """A reduction resolved for one dtype: ``name`` and the kernel ``reduce(dst, a, b)``."""
 
-    __slots__ = ("name", "dtype", "ufunc")
+    __slots__ = ("name", "dtype", "ufunc", "is_avg", "mpi")
 
     def __init__(self, name: str, dtype):
         self.name = name
         self.dtype = np.dtype(dtype)
         table = _BOOL_UFUNCS if self.dtype.kind == "b" else _UFUNCS
         self.ufunc = table[name]
+        self.is_avg = name == "avg"
+        self.mpi = None  # (MPI datatype, MPI.Op), filled by collectives.native on first use
 
     def reduce(self, dst, a, b) -> None:
         """``dst = a op b``, element-wise, without a temporary."""
         self.ufunc(a, b, out=dst)
-
-    @property
-    def is_avg(self) -> bool:
-        return self.name == "avg"
 
     def __repr__(self):
         return f"Op({self.name!r}, {self.dtype})"

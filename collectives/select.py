@@ -104,7 +104,7 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[256 << 10, NATIVE], [None, "ring"]],
+        "2": [[256 << 10, NATIVE], [512 << 10, "recursive_doubling"], [None, "ring"]],
         "3": [[256 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
     },
     "reduce_scatter": {
