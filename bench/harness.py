@@ -193,7 +193,7 @@ class Result:
     per-rank times and the machine's drift factor, iterations, wrong elements."""
 
     __slots__ = ("collective", "nbytes", "count", "dtype", "op", "root", "algorithm", "mode",
-                 "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor")
+                 "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor", "picked")
 
     def __init__(self, collective, nbytes, count, dtype, op, root, algorithm, mode, n, factor):
         self.collective, self.nbytes, self.count, self.dtype = collective, nbytes, count, dtype
@@ -204,6 +204,7 @@ class Result:
         self.drift: list[float] | None = None
         self.iters = 0
         self.wrong: int | None = None
+        self.picked: str | None = None  # for "auto": the algorithm it ran
 
     def corrected(self) -> np.ndarray:
         """Per-round times divided by the round's drift factor (see ``correct_drift``)."""
@@ -253,7 +254,7 @@ class Result:
                 "spread": self.spread, "algbw_GBps": self.algbw / 1e9,
                 "busbw_GBps": self.busbw / 1e9, "wrong": self.wrong, "iterations": self.iters,
                 "lat_min_us": lat[0] * 1e6, "lat_avg_us": lat[1] * 1e6,
-                "lat_max_us": lat[2] * 1e6}
+                "lat_max_us": lat[2] * 1e6, "picked": self.picked}
 
 
 def correct_drift(results: list[Result]) -> None:
@@ -422,6 +423,15 @@ class Sweep:
             fn()
         return (time.perf_counter() - t0) / iters
 
+    def _auto_pick(self, nbytes: int) -> str:
+        """What ``algorithm="auto"`` runs for ``nbytes`` of per-rank input on this
+        communicator (the tuning table, with the off-node swap)."""
+        from collectives import select
+        from collectives.executor import context
+        from collectives.topology import topology
+        return select.auto(self.spec.name, nbytes, self.n,
+                           single_node=lambda: topology(context(self.comm)).single_node)
+
     def run_size(self, nbytes: int, progress=None) -> list[Result]:
         """Measure every algorithm and mode at one size (interleaved)."""
         import collectives as coll
@@ -432,6 +442,9 @@ class Sweep:
         calls, cin = self._callables(coll, count)
         results = {key: Result(spec.name, size_col, ccol, self.dtype.name, self.op or "none",
                                self.root, key[0], key[1], n, self.factor) for key in calls}
+        for key, res in results.items():
+            if key[0] == "auto":
+                res.picked = self._auto_pick(cin * self.dtype.itemsize)
         if self.check:
             want = spec.expected(self.rank, n, cin, self.dtype, self.op, max(self.root, 0))
             for key, (fn, res, reset) in calls.items():
@@ -580,6 +593,17 @@ def footer(results: list[Result], modes) -> list[str]:
         if bw:
             lines.append(f"#   {alg:<19} {np.mean(bw) / 1e9:8.3f}"
                          + (f"   #wrong {sum(wrong)}" if wrong else ""))
+    picks = [(r.nbytes, r.picked) for r in results if r.picked and r.mode == modes[0]]
+    if picks:  # runs of consecutive sizes with the same pick
+        spans: list[list] = []
+        for nbytes, name in picks:
+            if spans and spans[-1][2] == name:
+                spans[-1][1] = nbytes
+            else:
+                spans.append([nbytes, nbytes, name])
+        lines.append("# auto ran: " + ", ".join(
+            f"{name} ({format_size(a)}" + (f" - {format_size(b)})" if b != a else ")")
+            for a, b, name in spans))
     return lines
 
 

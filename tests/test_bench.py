@@ -169,6 +169,17 @@ def test_table_has_every_column_and_ratio_to_native():
     assert "Avg bus bandwidth" in foot and "ring" in foot
 
 
+def test_footer_says_what_auto_ran():
+    res = []
+    for nbytes, pick in ((8, "native"), (64, "native"), (512, "ring"), (4096, "shm")):
+        r = _result("auto", "out", 1e-3)
+        r.nbytes, r.picked = nbytes, pick
+        res.append(r)
+    foot = harness.footer(res, ["out"])
+    assert foot[-1] == "# auto ran: native (8 - 64), ring (512), shm (4K)"
+    assert res[0].to_dict()["picked"] == "native"
+
+
 def test_json_and_csv(tmp_path):
     res = [_result("native", "out", 2e-3), _result("ring", "out", 1e-3)]
     harness.write_json(tmp_path / "r.json", res, {"ranks": 2})
@@ -280,6 +291,10 @@ def test_allreduce_benchmark_under_mpiexec(tmp_path):
         [r for r in data["results"] if r["wrong"]]
     assert all(r["time_us"] > 0 for r in data["results"])
     assert "# Avg bus bandwidth" in p.stdout and "memory bandwidth" in p.stdout
+    # the pick is the table's: every auto row names a registered algorithm
+    picked = [r["picked"] for r in data["results"] if r["algorithm"] == "auto"]
+    assert picked and set(picked) <= want - {"auto"}, picked
+    assert "# auto ran: " in p.stdout
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
