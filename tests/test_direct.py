@@ -9,6 +9,7 @@ from collectives import select
 from collectives.ops import resolve
 from collectives.schedule import IN, OUT, RECV, REDUCE, TMP, Schedule
 from collectives.sim import run_schedules
+from test_cost_model import _closure as _ancestors  # every op each op waits for
 
 COLLECTIVES = [c for c in select.COLLECTIVES]
 
@@ -49,17 +50,6 @@ def test_direct_is_bitwise_the_same(collective, name, builder, n):
             direct = _run(schedules, op, direct=True)
             for r in range(n):
                 assert plain[r].tobytes() == direct[r].tobytes(), (name, n, count, seg, op, r)
-
-
-def _ancestors(deps):
-    """Every op each op waits for, directly or not."""
-    anc = []
-    for d in deps:
-        a = set(d)
-        for j in d:
-            a |= anc[j]
-        anc.append(a)
-    return anc
 
 
 @pytest.mark.parametrize("collective,name,builder", list(_builders()),
