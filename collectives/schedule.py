@@ -198,7 +198,7 @@ class Schedule:
         does not overlap the other operand. Returns ``self`` when no pair qualifies.
         """
         ops = list(self.ops)
-        touched = {OUT: _Touched(), TMP: _Touched()}  # IN is separate memory here
+        touched = {IN: _Touched(), OUT: _Touched(), TMP: _Touched()}  # of OUT and TMP
         writer: dict[tuple, int] = {}   # exact TMP region -> the RECV that last wrote it
         readers: dict[int, int] = {}    # that RECV -> how many ops read its region
         candidates = []
