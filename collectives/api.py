@@ -256,7 +256,7 @@ def _run_schedule(call: Call, name, builder):
             ctx.give_scratch(key, arr)
 
     run = Run(plan, in_flat, out_flat, tmp, call.op, transport,
-              ctx.tag(call.seq), info=call.describe(), on_done=release)
+              ctx.tag(call.seq), info=call.describe, on_done=release)
     return run.start()
 
 
