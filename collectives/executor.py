@@ -73,6 +73,10 @@ class Context:
         self._scratch: dict = {}
         self.stash: dict = {}  # other modules' per-communicator state (topology, windows, ...)
         self.transport = MPITransport(self.comm)
+        # auto's picks on this communicator: {collective: {bytes: (name, builder)}}, for the
+        # tuning table named by ``auto_env`` (the raw COLLECTIVES_TUNING) (collectives.api)
+        self.auto: dict = {}
+        self.auto_env = None
 
     def next_seq(self) -> int:
         """The sequence number of the next collective (the same on every rank)."""

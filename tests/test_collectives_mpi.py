@@ -223,6 +223,29 @@ def test_non_blocking_out_of_order():
     assert_all(ok, "non-blocking")
 
 
+def test_auto_follows_the_table_in_force(monkeypatch, tmp_path):
+    """auto runs what the tuning table says for the size, and a table named afterwards takes
+    effect on the next call (auto's picks are memoized per communicator and table)."""
+    import json
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ran = []
+    for name in ("tree", "ring", "tree"):
+        table = tmp_path / f"{name}-{rank}.json"
+        rules = [[64, "native"], [None, name]]
+        table.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
+            "default": rules, str(size): rules}}}))
+        monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+        small = coll.iallreduce(np.ones(4, np.float32))        # 16 bytes: native
+        req = coll.iallreduce(np.full(100, rank + 1, np.int64))   # 800 bytes: the table's
+        ran.append((small.description, req.description))
+        assert_all(np.array_equal(req.wait(), np.full(100, size * (size + 1) // 2))
+                   and np.array_equal(small.wait(), np.full(4, size, np.float32)), name)
+    ok = all("(native," in a and f"({name}," in b
+             for (a, b), name in zip(ran, ("tree", "ring", "tree")))
+    assert_all(ok, f"auto ran {ran}")
+
+
 def test_torch_tensors_round_trip():
     torch = pytest.importorskip("torch")
     comm = world()
