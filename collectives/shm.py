@@ -352,15 +352,22 @@ def _await(work, win: Window, ready, what) -> None:
     if ready():
         return
     work.where = what
-    spins, spin, yield_ = 0, win.spin, os.sched_yield
+    spins = 0
     while not ready():
         spins += 1
-        if spins > spin:
-            if spins < 1 << 16:
-                yield_()
-            else:
-                threading.Event().wait(1e-4)
+        _idle(spins, win.spin)
     work.where = None
+
+
+def _idle(spins: int, spin: int) -> None:
+    """The ``spins``-th wait of a rank with nothing to do: spin ``spin`` times, then yield the
+    core (oversubscribed ranks give it to the one we wait for), and after 65536 waits sleep
+    0.1 ms at a time (a peer far behind: stop burning a core)."""
+    if spins > spin:
+        if spins < 1 << 16:
+            os.sched_yield()
+        else:
+            threading.Event().wait(1e-4)
 
 
 def _pipeline(work, win: Window, rounds: int, phases) -> None:
@@ -378,7 +385,7 @@ def _pipeline(work, win: Window, rounds: int, phases) -> None:
     counters, mine, sync = win.counters, win.mine, win.win.Sync
     done = [0] * depth            # rounds this rank finished, per phase
     order = sorted(range(depth), key=lambda p: (p != 1, p))  # reduce, copy in, copy out
-    spins, spin, yield_ = 0, win.spin, os.sched_yield
+    spins, spin = 0, win.spin
     while done[-1] < rounds:
         moved = False
         for p in order:
@@ -406,11 +413,7 @@ def _pipeline(work, win: Window, rounds: int, phases) -> None:
         spins += 1
         if spins == 1:
             work.where = (done[:], base)
-        if spins > spin:
-            if spins < 1 << 16:
-                yield_()  # oversubscribed ranks give the core to the one we wait for
-            else:
-                threading.Event().wait(1e-4)  # a peer far behind: stop burning a core
+        _idle(spins, spin)
     work.where = None
     win.base = base + rounds
 
