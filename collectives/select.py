@@ -27,7 +27,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import env_raw, getenv
+from .errors import getenv
 
 __all__ = ["NATIVE", "register", "get", "algorithms", "auto", "load_table", "DEFAULT_TABLE",
            "COLLECTIVES", "tuning_path"]
@@ -154,7 +154,6 @@ def load_table(reload: bool = False) -> dict:
     if not reload and key in _TABLE_CACHE:
         return _TABLE_CACHE[key]
     _RULES.pop(key, None)  # rules memoized from an older read of this table
-    PICKS.clear()
     path = tuning_path()
     table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
     if path is not None and path.exists():  # a file not written yet: the defaults
@@ -171,8 +170,6 @@ def load_table(reload: bool = False) -> dict:
 
 
 _RULES: dict = {}
-# (raw COLLECTIVES_TUNING, collective, ranks, bytes) -> the table's pick, before MULTI_NODE.
-PICKS: dict = {}
 
 
 def _rules(table, collective: str, size: int) -> list:
@@ -193,12 +190,7 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     single-node algorithm chosen for a communicator that spans nodes is replaced by its
     hierarchical counterpart.
     """
-    key = (env_raw(b"COLLECTIVES_TUNING"), collective, size, nbytes)
-    name = PICKS.get(key)  # per call: one dict lookup (api._start looks it up inline)
-    if name is None:
-        name = _pick(collective, nbytes, size)
-        if len(PICKS) < 4096:  # the sizes a program uses are few; a bound all the same
-            PICKS[key] = name
+    name = _pick(collective, nbytes, size)  # the API memoizes the result per communicator
     if name in MULTI_NODE and not (single_node() if callable(single_node) else single_node):
         swap = MULTI_NODE[name]
         name = swap.get(collective, swap["default"])
@@ -208,7 +200,7 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
 
 
 def _pick(collective: str, nbytes: int, size: int) -> str:
-    """The table's algorithm for ``nbytes`` on ``size`` ranks (memoized by ``auto``)."""
+    """The table's algorithm for ``nbytes`` on ``size`` ranks, before ``MULTI_NODE``."""
     table = load_table()  # first: a (re)read drops the rules memoized from the old table
     memo = _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})
     rules = memo.get((collective, size))
