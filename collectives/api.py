@@ -163,8 +163,7 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
         raise _check.failed(ctx, collective, check, exc)
     call.algorithm = name
     call.blocking = blocking
-    call.seq = seq = ctx.seq  # ctx.next_seq(), inline
-    ctx.seq = seq + 1
+    call.seq = seq = ctx.next_seq()
     trivial = ctx.size == 1 or (sum(call.counts) if call.counts is not None else count) == 0
     checking = _check.enabled(check)
     entry = None
@@ -289,13 +288,9 @@ def _launcher(builder):
 
 
 def _native(call: Call):
-    if call.x.device != "cpu":  # straight to a CUDA-aware MPI, or staged through host memory
+    if call.x.is_device:  # straight to a CUDA-aware MPI, or staged through host memory
         from . import cuda
         return cuda.native(call, _native_mpi)
-    if call.collective == "allreduce":  # the common case, one call less
-        out = call.out.flat
-        return native.allreduce(call.ctx.comm, out if call.inplace else call.x.flat, out,
-                                call.op, call.blocking)
     return _native_mpi(call)
 
 

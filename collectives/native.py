@@ -77,11 +77,10 @@ def _send(x, out, mpitype):
 
 
 def allreduce(comm, x, out, op: Op, blocking: bool):
-    mpitype, mpiop = op.mpi or mpi_type_op(op)
+    mpitype, mpiop = mpi_type_op(op)
     recv = [out, out.shape[0], mpitype]
     if blocking:
-        comm.Allreduce([x, x.shape[0], mpitype] if x is not out else _send(x, out, mpitype),
-                       recv, mpiop)
+        comm.Allreduce(_send(x, out, mpitype), recv, mpiop)
         return _DONE
     return _work(comm.Iallreduce(_send(x, out, mpitype), recv, mpiop), False, "Iallreduce")
 
