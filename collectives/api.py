@@ -30,6 +30,7 @@ from .errors import env_raw, network_error
 from .executor import Run, context, segment_elems
 from .ops import resolve
 from .progress import Done, Request
+from .select import REGISTRY as _REGISTRY
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
            "iallreduce", "ireduce", "ibroadcast", "ireduce_scatter", "iallgather",
@@ -154,11 +155,22 @@ def _transport(call: Call):
 def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
     """Choose, validate and run ``call``; returns the result or a ``Request``."""
     ctx, collective, count = call.ctx, call.collective, call.x.count
+    # The pick costs two dictionary lookups either way, inline: ``auto`` must cost no more than
+    # naming its pick (measured: one extra Python call on auto's path, or ``select.get`` on
+    # the named path, made the slower of the two 1-2% slower at 8 bytes, n = 2 and 3).
     try:
         if algorithm == "auto":
-            name, builder = _auto(ctx, collective, count * call.x.dtype.itemsize)
+            nbytes = call.x.flat.nbytes
+            hit = ctx.auto[collective].get(nbytes) \
+                if env_raw(b"COLLECTIVES_TUNING") == ctx.auto_env else None
+            name, builder = hit if hit is not None else _auto(ctx, collective, nbytes)
         else:
-            name, builder = algorithm, select.get(collective, algorithm)
+            try:
+                name, builder = algorithm, _REGISTRY[collective].get(algorithm)
+            except TypeError:  # unhashable
+                builder = None
+            if builder is None:  # not loaded yet, or unknown: the error lists the names
+                builder = select.get(collective, algorithm)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, collective, check, exc)
     call.algorithm = name
@@ -206,18 +218,15 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
 def _auto(ctx, collective: str, nbytes: int):
     """``(name, builder)`` that ``auto`` runs for ``nbytes`` on ``ctx``'s communicator.
 
-    Memoized on the communicator by collective and size, for the tuning table in force: a hit
-    is two dictionary lookups and an environment read, no more than naming the algorithm costs
-    (``select.get``). Through ``select.auto`` on every call, ``auto`` was 0.2-0.7 us slower
-    than ``algorithm="native"`` at n = 2 (2-7% of an 8-byte allreduce).
+    Memoized on the communicator (``ctx.auto[collective][nbytes]``) for the tuning table in
+    force: ``_start`` looks there first and comes here on a miss, or when COLLECTIVES_TUNING
+    names another table than the picks were made with (they are forgotten then).
     """
     env = env_raw(b"COLLECTIVES_TUNING")
     if env != ctx.auto_env:  # another table: forget the picks made with the old one
         ctx.auto.clear()
         ctx.auto_env = env
-    memo = ctx.auto.get(collective)
-    if memo is None:
-        memo = ctx.auto[collective] = {}
+    memo = ctx.auto[collective]
     hit = memo.get(nbytes)
     if hit is None:
         name = select.auto(collective, nbytes, ctx.size, single_node=lambda: _single_node(ctx))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
+from collections import defaultdict, deque
 
 import numpy as np
 
@@ -75,7 +75,7 @@ class Context:
         self.transport = MPITransport(self.comm)
         # auto's picks on this communicator: {collective: {bytes: (name, builder)}}, for the
         # tuning table named by ``auto_env`` (the raw COLLECTIVES_TUNING) (collectives.api)
-        self.auto: dict = {}
+        self.auto: defaultdict = defaultdict(dict)
         self.auto_env = None
 
     def next_seq(self) -> int:

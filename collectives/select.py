@@ -29,19 +29,21 @@ from pathlib import Path
 
 from .errors import getenv
 
-__all__ = ["NATIVE", "register", "get", "algorithms", "auto", "load_table", "DEFAULT_TABLE",
-           "COLLECTIVES", "tuning_path"]
+__all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "load_table",
+           "DEFAULT_TABLE", "COLLECTIVES", "tuning_path"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 NATIVE = "native"
 
-_REGISTRY: dict[str, dict[str, object]] = {c: {NATIVE: NATIVE} for c in COLLECTIVES}
+# {collective: {name: builder}}: written by ``register`` only. The API reads it directly on
+# every call (a miss, e.g. before the built-in algorithms are loaded, goes through ``get``).
+REGISTRY: dict[str, dict[str, object]] = {c: {NATIVE: NATIVE} for c in COLLECTIVES}
 _LOADED = False
 
 
 def register(collective: str, name: str, builder) -> None:
     """Make ``builder`` available as ``algorithm=name`` for ``collective``."""
-    _REGISTRY[collective][name] = builder
+    REGISTRY[collective][name] = builder
 
 
 def _load_builtin() -> None:
@@ -79,7 +81,7 @@ def _load_builtin() -> None:
 def get(collective: str, name: str):
     """The builder registered as ``name`` for ``collective`` (``NATIVE`` for the library's)."""
     _load_builtin()
-    table = _REGISTRY.get(collective)
+    table = REGISTRY.get(collective)
     if table is None:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
     try:
@@ -92,9 +94,9 @@ def get(collective: str, name: str):
 def algorithms(collective: str) -> tuple[str, ...]:
     """The names ``algorithm=`` accepts for ``collective`` (besides ``"auto"``)."""
     _load_builtin()
-    if collective not in _REGISTRY:
+    if collective not in REGISTRY:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-    return tuple(sorted(_REGISTRY[collective]))
+    return tuple(sorted(REGISTRY[collective]))
 
 
 # Measured on the CI machine kind (2 cores, MPICH 5.0.2 from the package index, one node) with
@@ -180,7 +182,7 @@ def _rules(table, collective: str, size: int) -> list:
         smaller = [int(k) for k in rules_by_size if k.isdigit() and int(k) < size]
         rules = rules_by_size[str(max(smaller))] if smaller else rules_by_size.get("default")
     _load_builtin()
-    return [(limit, name) for limit, name in rules or () if name in _REGISTRY[collective]]
+    return [(limit, name) for limit, name in rules or () if name in REGISTRY[collective]]
 
 
 def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
@@ -194,7 +196,7 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     if name in MULTI_NODE and not (single_node() if callable(single_node) else single_node):
         swap = MULTI_NODE[name]
         name = swap.get(collective, swap["default"])
-        if name not in _REGISTRY[collective]:
+        if name not in REGISTRY[collective]:
             return NATIVE
     return name
 
