@@ -12,11 +12,14 @@ what the exact result is. ``main(collective, argv)`` does the rest:
 - for each size, every algorithm and mode (out-of-place, in-place) runs interleaved: check
   (``-c``: exact rank-dependent data, wrong elements counted), warm-up (``-w``), then ``--rounds``
   rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
-  random order every round, each block after one untimed call of its own. A round's
-  per-iteration time is each rank's average, then the *max over ranks* (nccl-tests); the table
-  shows the median over rounds, each round first divided by the machine's drift in that round
-  (``correct_drift``), and the spread (max - min) / median. ``--latency`` adds OSU's
-  min/avg/max over ranks.
+  random order every round, each block (below 1 ms a call) after one untimed call; then the
+  algorithms within 1.5x of the fastest, and auto, race on: more rounds, the slower dropping out,
+  until each median is known to ``--target`` (1%), ``--max-rounds`` (20 x ``--rounds``) or
+  ``--settle`` seconds per size (8), since they are the ones a reader compares
+  (``Sweep._settle``). A round's per-iteration time is each rank's average, then the *max over
+  ranks* (nccl-tests); the table shows the median over rounds, each round first divided by the
+  machine's drift in that round (``correct_drift``), and the spread (max - min) / median.
+  ``--latency`` adds OSU's min/avg/max over ranks.
 - buffers are allocated once per size and every call passes ``out=``, so the benchmark measures
   the collective, not the allocator. In-place calls are timed on zeros (after the check), since
   a sum repeated in place would overflow to inf.
@@ -193,7 +196,8 @@ class Result:
     per-rank times and the machine's drift factor, iterations, wrong elements."""
 
     __slots__ = ("collective", "nbytes", "count", "dtype", "op", "root", "algorithm", "mode",
-                 "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor", "picked")
+                 "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor", "picked",
+                 "round_ids", "extra_iters")
 
     def __init__(self, collective, nbytes, count, dtype, op, root, algorithm, mode, n, factor):
         self.collective, self.nbytes, self.count, self.dtype = collective, nbytes, count, dtype
@@ -201,10 +205,16 @@ class Result:
         self.n, self.factor = n, factor
         self.rounds: list[float] = []
         self.ranks_t: list[list[float]] = []
+        self.round_ids: list[int] | None = None  # which sweep rounds (None: 0, 1, 2, ...)
         self.drift: list[float] | None = None
         self.iters = 0
+        self.extra_iters = 0  # calls per block in the contenders' extra rounds (Sweep._settle)
         self.wrong: int | None = None
         self.picked: str | None = None  # for "auto": the algorithm it ran
+
+    def ids(self) -> list[int]:
+        """The sweep rounds this result took part in."""
+        return self.round_ids if self.round_ids is not None else list(range(len(self.rounds)))
 
     def corrected(self) -> np.ndarray:
         """Per-round times divided by the round's drift factor (see ``correct_drift``)."""
@@ -250,6 +260,7 @@ class Result:
                 "type": self.dtype, "redop": self.op, "root": self.root,
                 "algorithm": self.algorithm, "mode": self.mode, "ranks": self.n,
                 "time_us": self.time * 1e6, "rounds_us": [t * 1e6 for t in self.rounds],
+                "round_ids": self.ids(), "extra_iters": self.extra_iters,
                 "drift": list(self.drift) if self.drift is not None else None,
                 "spread": self.spread, "algbw_GBps": self.algbw / 1e9,
                 "busbw_GBps": self.busbw / 1e9, "wrong": self.wrong, "iterations": self.iters,
@@ -264,20 +275,59 @@ def correct_drift(results: list[Result]) -> None:
     shared machine that machine drifts: here whole runs of rounds ran 1.5x slower for every
     algorithm alike (a neighbour's load), and the medians of two algorithms running the same
     code then differed by up to 15-19% depending on which of them caught more slow rounds. A
-    round's *drift factor* is the median, over the algorithms, of its time relative to that
-    algorithm's median round (a ratio of medians, so one erratic algorithm does not move it);
-    each round's time is divided by it before the median is taken. The raw rounds and the
-    factors are both in the JSON output. With one round, or one algorithm, the factor is 1.
+    round's *drift factor* is the median, over the algorithms that ran in it, of its time
+    relative to that algorithm's median round (a ratio of medians, so one erratic algorithm
+    does not move it); each round's time is divided by it before the median is taken. The raw
+    rounds and the factors are both in the JSON output. A round that fewer than two algorithms
+    ran in, or a result with one round, keeps the factor 1.
     """
-    full = [r for r in results if r.rounds and min(r.rounds) > 0]
-    count = len(full[0].rounds) if full else 0
-    full = [r for r in full if len(r.rounds) == count]
-    if len(full) < 2 or count < 2:
+    full = [r for r in results if len(r.rounds) >= 2 and min(r.rounds) > 0]
+    if len(full) < 2:
         return
-    logs = np.log(np.array([r.rounds for r in full]))
-    drift = np.exp(np.median(logs - np.median(logs, axis=1, keepdims=True), axis=0))
+    rel: dict[int, list[float]] = {}  # round -> log(time / that algorithm's median)
     for r in full:
-        r.drift = [float(f) for f in drift]
+        logs = np.log(np.asarray(r.rounds, dtype=float))
+        for i, v in zip(r.ids(), logs - np.median(logs)):
+            rel.setdefault(i, []).append(float(v))
+    factor = {i: math.exp(float(np.median(v))) if len(v) >= 2 else 1.0 for i, v in rel.items()}
+    for r in full:
+        r.drift = [factor[i] for i in r.ids()]
+
+
+# An algorithm within this factor of the fastest median after the first rounds may still
+# turn out the fastest: it gets the extra rounds (Sweep._settle), and so does ``auto``, whose
+# time is the one compared with the best. 1.5: at n = 3 on 2 cores the rounds of one
+# algorithm can fall in two modes 1.5x apart (how the scheduler placed three ranks on two
+# cores), and the median of 7 of them in either.
+CONTEND = 1.5
+
+
+def _median_error(res: Result) -> float:
+    """Relative standard error of ``res.time``: 1.2533 x sigma / sqrt(k) for the median of k
+    rounds, sigma estimated robustly (1.4826 x the median absolute deviation of the
+    drift-corrected log times)."""
+    logs = np.log(res.corrected())
+    if len(logs) < 3:
+        return math.inf
+    sigma = 1.4826 * float(np.median(np.abs(logs - np.median(logs))))
+    return 1.2533 * sigma / math.sqrt(len(logs))
+
+
+def _race(keys, results) -> list:
+    """The contenders that stay in the race (``Sweep._settle``): per mode, the best, ``auto``,
+    and those not clearly slower than the best (by more than 3 standard errors)."""
+    stay = []
+    for mode in dict.fromkeys(key[1] for key in keys):
+        mine = [key for key in keys if key[1] == mode]
+        best = min(mine, key=lambda k: results[k].time)
+        b_t, b_se = results[best].time, _median_error(results[best])
+        for key in mine:
+            res = results[key]
+            gap = math.log(res.time / b_t)
+            if key == best or key[0] == "auto" or \
+                    gap <= 3 * math.hypot(_median_error(res), b_se):
+                stay.append(key)
+    return stay
 
 
 def default_algorithms(collective: str, gloo: bool = True) -> list[str]:
@@ -358,7 +408,8 @@ class Sweep:
 
     def __init__(self, collective: Collective, comm, *, dtype="float32", op="sum", root=0,
                  algorithms=None, iters=0, warmup=2, rounds=3, budget=0.01, check=True,
-                 modes=None, gloo_comm=None, out=None):
+                 modes=None, gloo_comm=None, out=None, max_rounds=None, target=0.01,
+                 settle=8.0):
         self.spec, self.comm = collective, comm
         self.n, self.rank = comm.Get_size(), comm.Get_rank()
         self.dtype = np.dtype(dtype)
@@ -368,6 +419,10 @@ class Sweep:
             raise ValueError(f"root {root} out of range for {self.n} ranks")
         self.algorithms = list(algorithms or default_algorithms(collective.name))
         self.iters, self.warmup, self.rounds = iters, warmup, max(1, rounds)
+        # The contenders' extra rounds (``_settle``): up to max_rounds in all and ``settle``
+        # seconds of blocks per size, until the median of each is known to ``target``.
+        self.max_rounds = max(self.rounds, 20 * self.rounds if max_rounds is None else max_rounds)
+        self.target, self.settle = target, settle
         self.budget, self.check = budget, check
         self.modes = [m for m in (modes or collective.modes) if m in collective.modes]
         if not self.modes:
@@ -423,14 +478,15 @@ class Sweep:
             fn()
         return (time.perf_counter() - t0) / iters
 
-    def _auto_pick(self, nbytes: int) -> str:
+    def _auto_pick(self, nbytes: int, inplace: bool = False) -> str:
         """What ``algorithm="auto"`` runs for ``nbytes`` of per-rank input on this
-        communicator (the tuning table, with the off-node swap)."""
+        communicator, out of place or in place (the tuning table, with the off-node swap)."""
         from collectives import select
         from collectives.executor import context
         from collectives.topology import topology
         return select.auto(self.spec.name, nbytes, self.n,
-                           single_node=lambda: topology(context(self.comm)).single_node)
+                           single_node=lambda: topology(context(self.comm)).single_node,
+                           inplace=inplace)
 
     def run_size(self, nbytes: int, progress=None) -> list[Result]:
         """Measure every algorithm and mode at one size (interleaved)."""
@@ -444,7 +500,7 @@ class Sweep:
                                self.root, key[0], key[1], n, self.factor) for key in calls}
         for key, res in results.items():
             if key[0] == "auto":
-                res.picked = self._auto_pick(cin * self.dtype.itemsize)
+                res.picked = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
         if self.check:
             want = spec.expected(self.rank, n, cin, self.dtype, self.op, max(self.root, 0))
             for key, (fn, res, reset) in calls.items():
@@ -457,7 +513,7 @@ class Sweep:
             if key[1] == "in":
                 # Repeated in-place sums would overflow to inf: time on zeros, which stay put.
                 reset(zero=True)
-        ests = []
+        ests = {}
         for key, (fn, _res, _reset) in calls.items():
             # Warm-up: one call, then as many more (up to -w) as fit in the budget; the same
             # number on every rank, from the slowest rank's time. Then the time per call from
@@ -469,35 +525,95 @@ class Sweep:
             k = int(min(1000, self.budget / 8 / max(est, 1e-9)))
             if k > 1 and not self.iters:
                 est = _max(self.comm, self._measure(fn, k))
-            ests.append(est)
+            ests[key] = est
         # One call count for every algorithm at this size (enough for the budget at the median
         # algorithm's pace): algorithms of about the same speed, the ones a reader compares,
         # then run blocks of the same length. With a count per algorithm, noisy estimates gave
         # one algorithm blocks 1.5-2x as long as another's, and a longer block more often
         # takes a preemption: its median was 4-5% slower for the same code.
         iters = self.iters or int(min(1000, max(1, math.ceil(
-            self.budget / max(float(np.median(ests)), 1e-9)))))
+            self.budget / max(float(np.median(list(ests.values()))), 1e-9)))))
         for key in calls:
             results[key].iters = iters
         keys = list(calls)
         order = random.Random(nbytes)  # the same on every rank
         for r in range(self.rounds):
             # A fresh order each round, so that no algorithm always runs first, last or after
-            # the same one; and one untimed call first, so that each timed block starts in
-            # the algorithm's own steady state, not in what the one before left (measured: an
-            # algorithm timed right after itself ran 4-6% faster at small sizes).
+            # the same one.
             order.shuffle(keys)
             for key in keys:
-                fn = calls[key][0]
-                fn()
-                t = self._measure(fn, results[key].iters)
-                ranks_t = _gather(self.comm, t)
-                results[key].rounds.append(max(ranks_t))
-                results[key].ranks_t.append(ranks_t)
+                self._block(calls[key][0], iters, results[key], ests[key])
             if progress is not None:
                 progress.step(f"{format_size(size_col)} round {r + 1}/{self.rounds}")
         correct_drift(list(results.values()))
+        self._settle(calls, results, order)
         return list(results.values())
+
+    def _block(self, fn, iters: int, res: Result, est: float, round_id=None) -> float:
+        """One timed block of ``iters`` calls into ``res``; returns the seconds it took.
+
+        Below a millisecond per call, one untimed call first, so that the block starts in the
+        algorithm's own steady state, not in what the one before left (measured: an algorithm
+        timed right after itself ran 4-6% faster at small sizes); a longer call sweeps the
+        caches by itself, and the extra call would double the cost of a one-call block.
+        """
+        if est < 1e-3:
+            fn()
+        ranks_t = _gather(self.comm, self._measure(fn, iters))
+        res.rounds.append(max(ranks_t))
+        res.ranks_t.append(ranks_t)
+        if round_id is not None:
+            res.round_ids.append(round_id)
+        return max(ranks_t) * iters + (est if est < 1e-3 else 0.0)
+
+    def _settle(self, calls, results, order) -> None:
+        """Extra rounds for the algorithms that could be the fastest at this size (a race).
+
+        After ``rounds`` rounds of everything, the *contenders* of each mode are the algorithms
+        within ``CONTEND`` of the fastest median, and ``auto``. They alone run more rounds;
+        after each, a contender whose median is clearly slower than the best's (by more than
+        three standard errors of the difference) leaves the race (``auto`` and the current best
+        never do). The race ends when every median left is known to ``target`` (its standard
+        error, from the spread of its drift-corrected rounds), after ``max_rounds`` rounds, or
+        when its blocks have taken ``settle`` seconds. Why: who is fastest, and whether
+        ``auto`` is as fast as the best, is decided between close medians, and on a shared
+        2-core machine running 3 ranks the corrected rounds of one algorithm scatter by 4-6%
+        (sd) at best and fall in two modes 1.5x apart at worst, so the medians of 7 rounds of
+        two runs of the same code differed by more than 5% at about one size in six. The extra
+        blocks are at least ``budget`` long (one call count for every contender), and the
+        drift correction spans all rounds.
+        """
+        if self.max_rounds <= self.rounds or self.settle <= 0:
+            return
+        keys = []
+        for mode in self.modes:
+            mine = [key for key in calls if key[1] == mode and results[key].rounds]
+            if not mine:
+                continue
+            best = min(results[key].time for key in mine)
+            close = [key for key in mine
+                     if results[key].time <= CONTEND * best or key[0] == "auto"]
+            if len(close) >= 2:
+                keys += close
+        if not keys:
+            return
+        fastest = min(results[key].time for key in keys)
+        iters = self.iters or max(results[keys[0]].iters,
+                                  int(min(1000, math.ceil(self.budget / max(fastest, 1e-9)))))
+        for key in keys:
+            results[key].extra_iters = iters
+            results[key].round_ids = results[key].ids()
+        spent = 0.0  # block time (max over ranks): the same on every rank, so is every verdict
+        for r in range(self.rounds, self.max_rounds):
+            order.shuffle(keys)
+            for key in keys:
+                res = results[key]
+                spent += self._block(calls[key][0], iters, res, res.time, r)
+            correct_drift(list(results.values()))
+            keys = _race(keys, results)
+            if spent >= self.settle or \
+                    all(_median_error(results[key]) <= self.target for key in keys):
+                break
 
     def run(self, sizes) -> list[Result]:
         """Every size in turn; calls ``out(results)`` after each size."""
@@ -593,17 +709,21 @@ def footer(results: list[Result], modes) -> list[str]:
         if bw:
             lines.append(f"#   {alg:<19} {np.mean(bw) / 1e9:8.3f}"
                          + (f"   #wrong {sum(wrong)}" if wrong else ""))
-    picks = [(r.nbytes, r.picked) for r in results if r.picked and r.mode == modes[0]]
-    if picks:  # runs of consecutive sizes with the same pick
-        spans: list[list] = []
+    said = None
+    for mode in modes:
+        picks = [(r.nbytes, r.picked) for r in results if r.picked and r.mode == mode]
+        if not picks or picks == said:
+            continue
+        spans: list[list] = []  # runs of consecutive sizes with the same pick
         for nbytes, name in picks:
             if spans and spans[-1][2] == name:
                 spans[-1][1] = nbytes
             else:
                 spans.append([nbytes, nbytes, name])
-        lines.append("# auto ran: " + ", ".join(
+        lines.append(f"# auto ran{' in place' if said else ''}: " + ", ".join(
             f"{name} ({format_size(a)}" + (f" - {format_size(b)})" if b != a else ")")
             for a, b, name in spans))
+        said = picks
     return lines
 
 
@@ -657,6 +777,15 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up calls (default 2)")
     p.add_argument("-c", "--check", type=int, default=1, help="check results (default 1)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
+    p.add_argument("--max-rounds", type=int, default=None,
+                   help="rounds for auto and the algorithms within 1.5x of the fastest at a "
+                        "size, until --target is met (default 20 x --rounds)")
+    p.add_argument("--target", type=float, default=1.0,
+                   help="stop those extra rounds when each median is known to this many "
+                        "percent (standard error; default 1)")
+    p.add_argument("--settle", type=float, default=8.0,
+                   help="at most this many seconds of extra rounds per size (default 8; 0: "
+                        "none)")
     p.add_argument("--budget", type=float, default=10,
                    help="ms per round when -n is not given (default 10)")
     p.add_argument("--algorithms", default=None,
@@ -685,7 +814,8 @@ def run_info(comm, sweep: Sweep) -> dict:
     return {"collective": sweep.spec.name, "ranks": sweep.n, "host": socket.gethostname(),
             "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "dtype": sweep.dtype.name, "op": sweep.op, "root": sweep.root,
-            "rounds": sweep.rounds, "notes": sweep.notes}
+            "rounds": sweep.rounds, "max_rounds": sweep.max_rounds,
+            "target": sweep.target, "settle_s": sweep.settle, "notes": sweep.notes}
 
 
 def main(spec: Collective, argv=None) -> int:
@@ -715,16 +845,20 @@ def main(spec: Collective, argv=None) -> int:
     sweep = Sweep(spec, comm, dtype=args.datatype, op=getattr(args, "op", None),
                   root=getattr(args, "root", 0), algorithms=algorithms, iters=args.iters,
                   warmup=args.warmup_iters, rounds=args.rounds, budget=args.budget / 1e3,
-                  check=bool(args.check), modes=modes, out=show)
+                  check=bool(args.check), modes=modes, out=show, max_rounds=args.max_rounds,
+                  target=args.target / 100, settle=args.settle)
     info = run_info(comm, sweep)
     if rank0:
         print(f"# collectives benchmark: {spec.name}, {sweep.n} ranks on {info['host']}, "
               f"{sweep.dtype.name}" + (f" {sweep.op}" if sweep.op else "")
               + (f", root {sweep.root}" if spec.rooted else ""))
         print(f"# {info['mpi']}")
-        print(f"# {sweep.rounds} rounds per size, interleaved over algorithms; time = per-call "
-              f"time, max over ranks, median of rounds corrected for the machine's drift "
-              f"between rounds; ±% = (max - min) / median")
+        print(f"# {sweep.rounds} rounds per size, interleaved over algorithms, then a race of "
+              f"up to {sweep.max_rounds} rounds ({sweep.settle:g} s) for auto and those within "
+              f"{CONTEND:g}x of the fastest, until each median is known to "
+              f"{100 * sweep.target:g}%; time = per-call time, max over ranks, median of "
+              f"rounds corrected for the machine's drift between rounds; ±% = (max - min) / "
+              f"median")
         print(f"# algorithms: {', '.join(sweep.algorithms)}"
               + "".join(f"\n# note: {n}" for n in sweep.notes))
         print("#")

@@ -8,7 +8,10 @@ rule ``[max_bytes, name]`` (``max_bytes`` = the per-rank input bytes of the last
 of ``collectives.select``::
 
     {"version": 1, "signature": "<cpu / cores / MPI library>",
-     "tables": {"allreduce": {"2": [[4096, "native"], [null, "ring"]], ...}, ...}}
+     "tables": {"allreduce": {"2": [[4096, "native"], [null, "ring"]], ...,
+                              "in-place": {"2": [[524288, "native"], [null, "ring"]]}}, ...}}
+
+(allreduce is measured in place too, and its in-place winners become the ``"in-place"`` rules)
 
 at ``COLLECTIVES_TUNING`` or ``~/.cache/collectives/tuning.json``, merged with the sizes already
 in the file when its signature matches (a file of another machine is moved to ``.bak``). It then
@@ -93,8 +96,12 @@ def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]
             data = None
     if data is None:
         data = {"version": 1, "signature": sig, "tables": {}}
-    for collective, table in new.items():
-        data["tables"].setdefault(collective, {})[str(size)] = table
+    for key, table in new.items():
+        collective, inplace = _split(key)
+        tables = data["tables"].setdefault(collective, {})
+        if inplace:
+            tables = tables.setdefault("in-place", {})
+        tables[str(size)] = table
     return data, note
 
 
@@ -121,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", default=None,
                    help="tuning file (default: $COLLECTIVES_TUNING or "
                         "~/.cache/collectives/tuning.json)")
+    p.add_argument("--settle", type=float, default=8.0,
+                   help="seconds of extra rounds per size for the close contenders (see "
+                        "python -m bench allreduce --help; default 8)")
     p.add_argument("--dry-run", action="store_true", help="print, do not write")
     p.add_argument("--verify", action="store_true",
                    help="benchmark auto again with the new table")
@@ -149,16 +159,20 @@ def main(argv=None) -> int:
             print(f"# tune {c} on {n} ranks: {', '.join(algs)} over {len(sizes)} sizes",
                   flush=True)
         sweep = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
-                      budget=args.budget / 1e3, check=False, modes=[s.modes[0]])
+                      budget=args.budget / 1e3, check=False, modes=_modes(c, s),
+                      settle=args.settle)
         res = sweep.run(sizes)
-        measured[c] = res
-        best = []
-        for nbytes in dict.fromkeys(r.nbytes for r in res):
-            row = [r for r in res if r.nbytes == nbytes]
-            win = min(row, key=lambda r: r.time)
-            best.append((_input_bytes(c, win), win.algorithm))
-        new[c] = rules(best)
-    before = _auto_now(collectives, measured, n, path)
+        for mode in sweep.modes:
+            key = c if mode == sweep.modes[0] else f"{c} in-place"
+            mine = [r for r in res if r.mode == mode]
+            measured[key] = mine
+            best = []
+            for nbytes in dict.fromkeys(r.nbytes for r in mine):
+                row = [r for r in mine if r.nbytes == nbytes]
+                win = min(row, key=lambda r: r.time)
+                best.append((_input_bytes(c, win), win.algorithm))
+            new[key] = rules(best)
+    before = _auto_now(measured, n, path)
     note = None
     if rank0 and not args.dry_run:
         data, note = merge(path, sig, n, new)
@@ -170,13 +184,27 @@ def main(argv=None) -> int:
     if not args.dry_run:
         select.load_table(reload=True)  # auto reads the table once per process: now the new one
     if rank0:
-        _report(collectives, measured, before, new, n, path, sig, note, args.dry_run)
+        _report(measured, before, new, n, path, sig, note, args.dry_run)
     if args.verify and not args.dry_run:
         _verify(comm, collectives, sizes, args)
     return 0
 
 
-def _auto_now(collectives, measured, n, path: Path) -> dict:
+def _modes(collective: str, s) -> list[str]:
+    """The modes ``tune`` measures: in place too where ``auto`` has in-place rules."""
+    from collectives import select
+    if collective in select.IN_PLACE_RULES and "in" in s.modes:
+        return ["out", "in"]
+    return [s.modes[0]]
+
+
+def _split(key: str) -> tuple[str, bool]:
+    """``"allreduce in-place"`` -> ``("allreduce", True)``."""
+    c, _, mode = key.partition(" ")
+    return c, bool(mode)
+
+
+def _auto_now(measured, n, path: Path) -> dict:
     """What ``auto`` picks now for every measured size (built-in table if no file yet)."""
     import tempfile
 
@@ -190,8 +218,9 @@ def _auto_now(collectives, measured, n, path: Path) -> dict:
         os.close(fd)
         os.environ["COLLECTIVES_TUNING"] = empty
     try:
-        return {c: {r.nbytes: select.auto(c, _input_bytes(c, r), n) for r in measured[c]}
-                for c in collectives}
+        return {key: {r.nbytes: select.auto(_split(key)[0], _input_bytes(_split(key)[0], r), n,
+                                            inplace=_split(key)[1]) for r in res}
+                for key, res in measured.items()}
     finally:
         if empty is not None:
             os.unlink(empty)
@@ -208,14 +237,13 @@ def _after(rules_: list, nbytes: int) -> str:
     return "native"
 
 
-def _report(collectives, measured, before, new, n, path, sig, note, dry):
+def _report(measured, before, new, n, path, sig, note, dry):
     print(f"#\n# tuning table for {n} ranks " + ("(dry run, not written)" if dry else
                                                 f"written to {path}"))
     print(f"# signature: {sig}")
     if note:
         print(f"# note: {note}")
-    for c in collectives:
-        res = measured[c]
+    for c, res in measured.items():
         print(f"#\n# {c}: rules {json.dumps(new[c])}")
         print(f"# {'size':>10} {'best':>19} {'time(us)':>10}   {'auto before':>19} "
               f"{'time(us)':>10} {'x best':>6}   {'auto after':>19} {'time(us)':>10} "
@@ -224,7 +252,7 @@ def _report(collectives, measured, before, new, n, path, sig, note, dry):
             row = {r.algorithm: r for r in res if r.nbytes == nbytes}
             win = min(row.values(), key=lambda r: r.time)
             b = before[c][nbytes]
-            a = _after(new[c], _input_bytes(c, win))
+            a = _after(new[c], _input_bytes(_split(c)[0], win))
             tb = row[b].time if b in row else float("nan")
             ta = row[a].time
             print(f"  {nbytes:>10} {win.algorithm:>19} {win.time * 1e6:10.1f}   {b:>19} "
@@ -243,16 +271,20 @@ def _verify(comm, collectives, sizes, args):
     for c in collectives:
         s = spec(c)
         algs = list(select.algorithms(c)) + ["auto"]
+        modes = _modes(c, s)
         res = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
-                    budget=args.budget / 1e3, check=False, modes=[s.modes[0]]).run(sizes)
+                    budget=args.budget / 1e3, check=False, modes=modes,
+                    settle=args.settle).run(sizes)
         if rank0:
-            worst = 1.0
-            for nbytes in dict.fromkeys(r.nbytes for r in res):
-                row = {r.algorithm: r for r in res if r.nbytes == nbytes}
-                best = min((r for a, r in row.items() if a != "auto"), key=lambda r: r.time)
-                ratio = best.time / row["auto"].time
-                worst = min(worst, ratio)
-                picked = select.auto(c, _input_bytes(c, best), comm.Get_size())
-                print(f"  {c:<15} {nbytes:>10} auto={picked:<19} best={best.algorithm:<19} "
-                      f"best/auto={ratio:5.2f}")
-            print(f"# {c}: worst best/auto over the grid {worst:.2f} (>= 0.95 is the target)")
+            for mode in modes:
+                worst = 1.0
+                name = c if mode == modes[0] else f"{c} in-place"
+                for nbytes in dict.fromkeys(r.nbytes for r in res):
+                    row = {r.algorithm: r for r in res if r.nbytes == nbytes and r.mode == mode}
+                    best = min((r for a, r in row.items() if a != "auto"), key=lambda r: r.time)
+                    ratio = best.time / row["auto"].time
+                    worst = min(worst, ratio)
+                    print(f"  {name:<25} {nbytes:>10} auto={row['auto'].picked:<19} "
+                          f"best={best.algorithm:<19} best/auto={ratio:5.2f}")
+                print(f"# {name}: worst best/auto over the grid {worst:.2f} (>= 0.95 is the "
+                      f"target)")

@@ -161,9 +161,10 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     try:
         if algorithm == "auto":
             nbytes = call.x.flat.nbytes
-            hit = ctx.auto[collective].get(nbytes) \
+            key = ~nbytes if call.inplace else nbytes  # in place has rules of its own
+            hit = ctx.auto[collective].get(key) \
                 if env_raw(b"COLLECTIVES_TUNING") == ctx.auto_env else None
-            name, builder = hit if hit is not None else _auto(ctx, collective, nbytes)
+            name, builder = hit if hit is not None else _auto(ctx, collective, key)
         else:
             try:
                 name, builder = algorithm, _REGISTRY[collective].get(algorithm)
@@ -215,10 +216,11 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     return Request(work, result, finalize, description=call.describe())
 
 
-def _auto(ctx, collective: str, nbytes: int):
-    """``(name, builder)`` that ``auto`` runs for ``nbytes`` on ``ctx``'s communicator.
+def _auto(ctx, collective: str, key: int):
+    """``(name, builder)`` that ``auto`` runs on ``ctx``'s communicator for ``key``: the
+    message bytes, or ``~bytes`` (negative) for a call in place.
 
-    Memoized on the communicator (``ctx.auto[collective][nbytes]``) for the tuning table in
+    Memoized on the communicator (``ctx.auto[collective][key]``) for the tuning table in
     force: ``_start`` looks there first and comes here on a miss, or when COLLECTIVES_TUNING
     names another table than the picks were made with (they are forgotten then).
     """
@@ -227,13 +229,14 @@ def _auto(ctx, collective: str, nbytes: int):
         ctx.auto.clear()
         ctx.auto_env = env
     memo = ctx.auto[collective]
-    hit = memo.get(nbytes)
+    hit = memo.get(key)
     if hit is None:
-        name = select.auto(collective, nbytes, ctx.size, single_node=lambda: _single_node(ctx))
+        name = select.auto(collective, key if key >= 0 else ~key, ctx.size,
+                           single_node=lambda: _single_node(ctx), inplace=key < 0)
         hit = (name, select.get(collective, name))
         if len(memo) >= 1024:  # the sizes a program uses are few; a bound all the same
             memo.clear()
-        memo[nbytes] = hit
+        memo[key] = hit
     return hit
 
 

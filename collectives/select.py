@@ -11,11 +11,17 @@ same shape is named by ``COLLECTIVES_TUNING`` (or found at ``~/.cache/collective
 ``python -m bench tune`` writes one). Schema::
 
     {"version": 1, "signature": "...", "tables": {
-        "allreduce": {"2": [[4096, "native"], [null, "ring"]], "default": [[null, "ring"]]},
+        "allreduce": {"2": [[4096, "native"], [null, "ring"]], "default": [[null, "ring"]],
+                      "in-place": {"2": [[1048576, "native"], [null, "ring"]]}},
         ...}}
 
 A communicator size without rules of its own uses the nearest smaller size that has them, then
-``"default"``. A single-node algorithm (``shm``) picked for a communicator that spans nodes is
+``"default"``. An allreduce in place (``out=x``, which must then be in place on every rank,
+as with MPI_IN_PLACE) uses the ``"in-place"`` rules where the table has them for its
+communicator size (found the same way), else the others: in place, the buffer
+a rank sends is the one it has just written, and reading freshly written memory from another
+process costs more (measured at n = 2: a 512 KiB exchange of just-written data took 4x as long
+as one of untouched data under MPICH's CMA transfers), so the crossovers move. A single-node algorithm (``shm``) picked for a communicator that spans nodes is
 replaced by its hierarchical counterpart (``MULTI_NODE``). Sizes are message bytes (count x
 itemsize) of the per-rank input.
 """
@@ -108,6 +114,12 @@ DEFAULT_TABLE = {
     "allreduce": {
         "2": [[256 << 10, NATIVE], [512 << 10, "recursive_doubling"], [None, "ring"]],
         "3": [[256 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
+        # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
+        # wins there out of place, took 2.2x native's time in place); at n = 3 the same rules.
+        "in-place": {
+            "2": [[512 << 10, NATIVE], [None, "ring"]],
+            "3": [[256 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
+        },
     },
     "reduce_scatter": {
         "2": [[256 << 10, NATIVE], [None, "ring"]],
@@ -127,7 +139,7 @@ DEFAULT_TABLE = {
     },
 }
 for _rules in DEFAULT_TABLE.values():
-    _rules.setdefault("default", _rules[min(_rules, key=int)])
+    _rules.setdefault("default", _rules[min((k for k in _rules if k.isdigit()), key=int)])
 
 # What a single-node algorithm becomes when the communicator spans several nodes.
 MULTI_NODE = {"shm": {"allreduce": "hierarchical_shm", "default": "hierarchical"}}
@@ -157,7 +169,8 @@ def load_table(reload: bool = False) -> dict:
         return _TABLE_CACHE[key]
     _RULES.pop(key, None)  # rules memoized from an older read of this table
     path = tuning_path()
-    table = {c: dict(rules) for c, rules in DEFAULT_TABLE.items()}
+    table = {c: {k: dict(v) if isinstance(v, dict) else v for k, v in rules.items()}
+             for c, rules in DEFAULT_TABLE.items()}
     if path is not None and path.exists():  # a file not written yet: the defaults
         try:
             data = json.loads(Path(path).read_text())
@@ -165,7 +178,12 @@ def load_table(reload: bool = False) -> dict:
             raise ValueError(f"COLLECTIVES_TUNING={path}: cannot read tuning table: {exc}") \
                 from None
         for collective, rules in data.get("tables", {}).items():
-            table.setdefault(collective, {}).update(rules)
+            mine = table.setdefault(collective, {})
+            for key, value in rules.items():  # per communicator size, in place as well
+                if isinstance(value, dict):
+                    mine.setdefault(key, {}).update(value)
+                else:
+                    mine[key] = value
     _TABLE_CACHE.clear()
     _TABLE_CACHE[key] = table
     return table
@@ -174,25 +192,43 @@ def load_table(reload: bool = False) -> dict:
 _RULES: dict = {}
 
 
-def _rules(table, collective: str, size: int) -> list:
-    """The rules for ``size`` ranks (see the module doc), restricted to registered names."""
-    rules_by_size = table.get(collective, {})
+# The collectives whose ``"in-place"`` rules are used: those that are in place on every rank
+# or on none (as MPI_IN_PLACE must be), so that every rank picks the same algorithm. Not
+# ``reduce``: only its root can be in place.
+IN_PLACE_RULES = ("allreduce",)
+
+
+def _for_size(rules_by_size: dict, size: int):
+    """The rules of ``size`` ranks: its own, the nearest smaller size's, or ``"default"``."""
     rules = rules_by_size.get(str(size))
     if rules is None:
         smaller = [int(k) for k in rules_by_size if k.isdigit() and int(k) < size]
         rules = rules_by_size[str(max(smaller))] if smaller else rules_by_size.get("default")
+    return rules
+
+
+def _rules(table, collective: str, size: int, inplace: bool = False) -> list:
+    """The rules for ``size`` ranks (see the module doc), restricted to registered names."""
+    rules_by_size = table.get(collective, {})
+    rules = None
+    if inplace and collective in IN_PLACE_RULES:
+        rules = _for_size(rules_by_size.get("in-place") or {}, size)
+    if rules is None:
+        rules = _for_size(rules_by_size, size)
     _load_builtin()
     return [(limit, name) for limit, name in rules or () if name in REGISTRY[collective]]
 
 
-def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
-    """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks.
+def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=False) -> str:
+    """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks (``inplace``:
+    for a call with ``out=x``).
 
     ``single_node`` (a bool, or a callable that returns it, asked only when it matters): a
     single-node algorithm chosen for a communicator that spans nodes is replaced by its
     hierarchical counterpart.
     """
-    name = _pick(collective, nbytes, size)  # the API memoizes the result per communicator
+    # the API memoizes the result per communicator
+    name = _pick(collective, nbytes, size, bool(inplace))
     if name in MULTI_NODE and not (single_node() if callable(single_node) else single_node):
         swap = MULTI_NODE[name]
         name = swap.get(collective, swap["default"])
@@ -201,13 +237,13 @@ def auto(collective: str, nbytes: int, size: int, single_node=True) -> str:
     return name
 
 
-def _pick(collective: str, nbytes: int, size: int) -> str:
+def _pick(collective: str, nbytes: int, size: int, inplace: bool = False) -> str:
     """The table's algorithm for ``nbytes`` on ``size`` ranks, before ``MULTI_NODE``."""
     table = load_table()  # first: a (re)read drops the rules memoized from the old table
     memo = _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})
-    rules = memo.get((collective, size))
+    rules = memo.get((collective, size, inplace))
     if rules is None:
-        rules = memo[(collective, size)] = _rules(table, collective, size)
+        rules = memo[(collective, size, inplace)] = _rules(table, collective, size, inplace)
     for limit, name in rules:
         if limit is None or nbytes <= limit:
             return name

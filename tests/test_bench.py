@@ -178,6 +178,18 @@ def test_footer_says_what_auto_ran():
     foot = harness.footer(res, ["out"])
     assert foot[-1] == "# auto ran: native (8 - 64), ring (512), shm (4K)"
     assert res[0].to_dict()["picked"] == "native"
+    inplace = []
+    for r in res:
+        q = _result("auto", "in", 1e-3)
+        q.nbytes, q.picked = r.nbytes, "native" if r.nbytes < 4096 else "shm"
+        inplace.append(q)
+    foot = harness.footer(res + inplace, ["out", "in"])
+    assert foot[-2:] == ["# auto ran: native (8 - 64), ring (512), shm (4K)",
+                         "# auto ran in place: native (8 - 512), shm (4K)"]
+    same = [_result("auto", "in", 1e-3) for _ in res]
+    for q, r in zip(same, res):
+        q.nbytes, q.picked = r.nbytes, r.picked
+    assert "in place" not in "\n".join(harness.footer(res + same, ["out", "in"]))
 
 
 def test_json_and_csv(tmp_path):
@@ -230,6 +242,32 @@ def test_tuning_file_is_what_select_reads(tmp_path, monkeypatch):
     path.write_text(json.dumps(data))
     assert select.auto("allreduce", 64, 2) == "native"
     assert select.auto("allreduce", 1000, 2) == "tree"
+    # in place: rules of its own where measured, the others elsewhere
+    data, _ = tune.merge(path, "sig", 2, {"allreduce in-place": [[1000, "native"],
+                                                                 [None, "ring"]],
+                                          "reduce": [[None, "binomial"]]})
+    assert data["tables"]["allreduce"]["2"] == [[100, "native"], [None, "tree"]]
+    assert data["tables"]["allreduce"]["in-place"]["2"] == [[1000, "native"], [None, "ring"]]
+    path.write_text(json.dumps(data))
+    select.load_table(reload=True)
+    assert select.auto("allreduce", 1000, 2, inplace=True) == "native"
+    assert select.auto("allreduce", 1000, 2, inplace=False) == "tree"
+    assert select.auto("allreduce", 4096, 2, inplace=True) == "ring"
+    # reduce is in place on its root only: one set of rules, or the ranks would disagree
+    data["tables"]["reduce"]["in-place"] = {"2": [[None, "native"]]}
+    path.write_text(json.dumps(data))
+    select.load_table(reload=True)
+    assert select.auto("reduce", 4096, 2, inplace=True) == "binomial"
+    # the file's in-place rules join the built-in ones size by size
+    data["tables"]["allreduce"]["in-place"] = {"4": [[None, "tree"]]}
+    path.write_text(json.dumps(data))
+    select.load_table(reload=True)
+    assert select.auto("allreduce", 4096, 4, inplace=True) == "tree"
+    # n = 2 in place: the built-in rule (ring above 512 KiB), not the file's out-of-place tree
+    assert select.auto("allreduce", 600 << 10, 2, inplace=True) == "ring"
+    # a size with no in-place rules (none smaller either, no default): the others
+    assert select._rules({"allreduce": {"2": [[None, "ring"]], "in-place": {"4": []}}},
+                         "allreduce", 2, True) == [(None, "ring")]
 
 
 def test_validation_markdown():
@@ -305,7 +343,60 @@ def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["signature"]
-    for c in ("allreduce", "broadcast"):
-        table = data["tables"][c]["2"]
+    for table in (data["tables"]["allreduce"]["2"], data["tables"]["broadcast"]["2"],
+                  data["tables"]["allreduce"]["in-place"]["2"]):  # allreduce: both modes
         assert table[-1][0] is None and all(isinstance(name, str) for _, name in table)
+    assert "in-place" not in data["tables"]["broadcast"]
     assert "auto before" in p.stdout and "auto after" in p.stdout
+
+
+def test_drift_over_ragged_rounds():
+    """Contenders run extra rounds (Sweep._settle): a round's factor comes from the algorithms
+    that ran in it, and a round only one algorithm ran in keeps the factor 1."""
+    native = _result("native", "out", 1e-5, rounds=(1.0, 1.5, 1.0, 1.5, 1.5, 2.0))
+    auto = _result("auto", "out", 1e-5, rounds=(1.0, 1.5, 1.0, 1.5, 1.0))
+    ring = _result("ring", "out", 4e-5, rounds=(1.0, 1.5, 1.0))
+    native.round_ids = [0, 1, 2, 3, 4, 5]
+    auto.round_ids = [0, 1, 2, 3, 4]
+    ring.round_ids = [0, 1, 2]
+    harness.correct_drift([native, auto, ring])
+    assert len(native.drift) == 6 and len(auto.drift) == 5 and len(ring.drift) == 3
+    # round 1: every algorithm 1.5x its median; round 3: native at, auto 1.5x above its
+    # median (a median of two); round 5: native alone
+    assert native.drift == pytest.approx([1.0, 1.5, 1.0, 1.5 ** 0.5, 1.0, 1.0])
+    assert ring.drift == pytest.approx([1.0, 1.5, 1.0]) and ring.time == pytest.approx(4e-5)
+    assert auto.to_dict()["round_ids"] == [0, 1, 2, 3, 4]
+
+
+def test_race_keeps_the_best_auto_and_the_close():
+    """After the first rounds, the clearly slower contenders leave the race; the best, auto and
+    those within the noise stay."""
+    steady = tuple(1.0 + 0.01 * (k % 3) for k in range(21))
+    best = _result("ring", "out", 1e-3, rounds=steady)
+    close = _result("shm", "out", 1.01e-3, rounds=steady)
+    slow = _result("tree", "out", 1.3e-3, rounds=steady)
+    auto = _result("auto", "out", 1.4e-3, rounds=steady)        # a bad pick stays measured
+    other = _result("ring", "in", 2e-3, rounds=steady)          # alone in its mode: the best
+    results = {(r.algorithm, r.mode): r for r in (best, close, slow, auto, other)}
+    stay = harness._race(list(results), results)
+    assert set(stay) == {("ring", "out"), ("shm", "out"), ("auto", "out"), ("ring", "in")}
+    assert harness._median_error(best) < 0.01
+    assert harness._median_error(_result("x", "out", 1e-3, rounds=(1.0, 1.1))) == float("inf")
+
+
+def test_sweep_races_the_contenders_only():
+    """On one rank (COMM_SELF): every algorithm runs --rounds rounds; auto and whatever is
+    within 1.5x of the fastest run more, up to max_rounds, numbered after the first ones."""
+    from mpi4py import MPI
+    spec = tune.spec("allreduce")
+    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "auto"], rounds=3,
+                          budget=0.0005, check=False, modes=["out"], max_rounds=9,
+                          target=0.0, settle=5.0)
+    slow = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "auto"], rounds=3,
+                         budget=0.0005, check=False, modes=["out"], max_rounds=9,
+                         target=0.0, settle=0.0)
+    res = {r.algorithm: r for r in sweep.run_size(1 << 12)}
+    assert len(res["native"].rounds) == len(res["auto"].rounds) == 9
+    assert res["auto"].ids() == list(range(9)) and res["auto"].extra_iters >= 1
+    assert res["auto"].drift is not None and len(res["auto"].drift) == 9
+    assert all(len(r.rounds) == 3 for r in slow.run_size(1 << 12))  # settle=0: no race

@@ -246,6 +246,27 @@ def test_auto_follows_the_table_in_force(monkeypatch, tmp_path):
     assert_all(ok, f"auto ran {ran}")
 
 
+def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
+    """An allreduce in place on every rank runs the table's in-place rule for its size, out of
+    place the other; both give the right sum."""
+    import json
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    table = tmp_path / f"inplace-{rank}.json"
+    table.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
+        "default": [[None, "ring"]], str(size): [[None, "ring"]],
+        "in-place": {"default": [[None, "tree"]], str(size): [[None, "tree"]]}}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    want = np.full(100, size * (size + 1) // 2)
+    x = np.full(100, rank + 1, np.int64)
+    out = coll.iallreduce(x)
+    x2 = x.copy()
+    inplace = coll.iallreduce(x2, out=x2)
+    ok = np.array_equal(out.wait(), want) and np.array_equal(inplace.wait(), want)
+    ok &= "(ring," in out.description and "(tree," in inplace.description
+    assert_all(ok, f"auto ran {out.description} / {inplace.description}")
+
+
 def test_torch_tensors_round_trip():
     torch = pytest.importorskip("torch")
     comm = world()
