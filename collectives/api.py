@@ -12,7 +12,8 @@ Every collective goes through the same four steps:
    in the caller's thread; ``i*`` calls return a ``Request`` driven by the progress thread.
 
 Without ``out`` the input is never modified and a new array of x's kind is returned; ``out=x``
-is in place. On error the input is untouched; ``out`` may be partly written if the error came
+is in place, and an allreduce is in place on every rank or on none (as ``MPI_IN_PLACE``):
+``auto`` has in-place rules of its own (``collectives.select``). On error the input is untouched; ``out`` may be partly written if the error came
 from the network after the collective started (checks happen before). Collectives on two or
 more ranks are registered with the watchdog (``collectives.watchdog``) while they run.
 """
