@@ -127,7 +127,8 @@ DEFAULT_TABLE = {
         "3": [[128 << 10, NATIVE], [1 << 20, "shm"], [None, "ring"]],
     },
     "allgather": {
-        "2": [[64 << 10, NATIVE], [1 << 20, "ring"], [None, "recursive_doubling"]],
+        "2": [[64 << 10, NATIVE], [1 << 20, "ring"], [4 << 20, "recursive_doubling"],
+              [None, "shm"]],
         "3": [[64 << 10, NATIVE], [1 << 20, "shm"], [4 << 20, "ring"], [None, "shm"]],
     },
     "broadcast": {
