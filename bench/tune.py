@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             print(f"# tune {c} on {n} ranks: {', '.join(algs)} over {len(sizes)} sizes",
                   flush=True)
         sweep = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
-                      budget=args.budget / 1e3, check=False, modes=_modes(c, s),
+                      budget=args.budget / 1e3, check=True, modes=_modes(c, s),
                       settle=args.settle)
         res = sweep.run(sizes)
         for mode in sweep.modes:
@@ -273,7 +273,7 @@ def _verify(comm, collectives, sizes, args):
         algs = list(select.algorithms(c)) + ["auto"]
         modes = _modes(c, s)
         res = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
-                    budget=args.budget / 1e3, check=False, modes=modes,
+                    budget=args.budget / 1e3, check=True, modes=modes,
                     settle=args.settle).run(sizes)
         if rank0:
             for mode in modes:
