@@ -47,6 +47,7 @@ __all__ = [
     "parse_size", "parse_time", "parse_rate", "format_size", "byte_sizes", "BUSBW",
     "busbw_factor", "rank_data", "expected_reduce", "Collective", "Result", "Sweep",
     "format_table", "write_json", "write_csv", "membw", "default_algorithms", "parser", "main",
+    "median_error",
 ]
 
 _BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -302,7 +303,7 @@ def correct_drift(results: list[Result]) -> None:
 CONTEND = 1.5
 
 
-def _median_error(res: Result) -> float:
+def median_error(res: Result) -> float:
     """Relative standard error of ``res.time``: 1.2533 x sigma / sqrt(k) for the median of k
     rounds, sigma estimated robustly (1.4826 x the median absolute deviation of the
     drift-corrected log times)."""
@@ -320,12 +321,12 @@ def _race(keys, results) -> list:
     for mode in dict.fromkeys(key[1] for key in keys):
         mine = [key for key in keys if key[1] == mode]
         best = min(mine, key=lambda k: results[k].time)
-        b_t, b_se = results[best].time, _median_error(results[best])
+        b_t, b_se = results[best].time, median_error(results[best])
         for key in mine:
             res = results[key]
             gap = math.log(res.time / b_t)
             if key == best or key[0] == "auto" or \
-                    gap <= 3 * math.hypot(_median_error(res), b_se):
+                    gap <= 3 * math.hypot(median_error(res), b_se):
                 stay.append(key)
     return stay
 
@@ -613,7 +614,7 @@ class Sweep:
             correct_drift(list(results.values()))
             keys = _race(keys, results)
             if spent >= self.settle or \
-                    all(_median_error(results[key]) <= self.target for key in keys):
+                    all(median_error(results[key]) <= self.target for key in keys):
                 break
 
     def run(self, sizes) -> list[Result]:

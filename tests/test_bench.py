@@ -380,8 +380,8 @@ def test_race_keeps_the_best_auto_and_the_close():
     results = {(r.algorithm, r.mode): r for r in (best, close, slow, auto, other)}
     stay = harness._race(list(results), results)
     assert set(stay) == {("ring", "out"), ("shm", "out"), ("auto", "out"), ("ring", "in")}
-    assert harness._median_error(best) < 0.01
-    assert harness._median_error(_result("x", "out", 1e-3, rounds=(1.0, 1.1))) == float("inf")
+    assert harness.median_error(best) < 0.01
+    assert harness.median_error(_result("x", "out", 1e-3, rounds=(1.0, 1.1))) == float("inf")
 
 
 def test_sweep_races_the_contenders_only():
@@ -400,3 +400,20 @@ def test_sweep_races_the_contenders_only():
     assert res["auto"].ids() == list(range(9)) and res["auto"].extra_iters >= 1
     assert res["auto"].drift is not None and len(res["auto"].drift) == 9
     assert all(len(r.rounds) == 3 for r in slow.run_size(1 << 12))  # settle=0: no race
+
+
+def test_tune_keeps_what_auto_runs_within_the_noise():
+    """A rule changes only where the fastest beats auto's current pick clearly: by more than 3%
+    and three standard errors of the difference."""
+    steady = tuple(1.0 + 0.002 * (k % 3) for k in range(21))
+    noisy = tuple(1.0 + 0.2 * (k % 3 - 1) for k in range(21))
+    shm = _result("shm", "out", 1.02e-3, rounds=steady)
+    dbt = _result("double_binary_tree", "out", 1.0e-3, rounds=steady)
+    ring = _result("ring", "out", 1.2e-3, rounds=steady)
+    assert tune.winner([dbt, shm, ring], "shm") is shm          # 2% behind: kept
+    assert tune.winner([dbt, shm, ring], "ring") is dbt         # 20% behind: replaced
+    assert tune.winner([dbt, shm, ring], None) is dbt           # nothing to keep
+    assert tune.winner([dbt, shm, ring], "tree") is dbt         # not measured here
+    wobbly = _result("tree", "out", 1.08e-3, rounds=noisy)      # 8%, but within its noise
+    assert tune.winner([dbt, wobbly], "tree") is wobbly
+    assert tune.winner([dbt, _result("tree", "out", 1.08e-3, rounds=steady)], "tree") is dbt
