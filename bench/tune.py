@@ -191,8 +191,9 @@ def main(argv=None) -> int:
                       settle=args.settle)
         res = sweep.run(sizes)
         for mode in sweep.modes:
-            key = c if mode == sweep.modes[0] else f"{c} in-place"
-            measured[key] = [r for r in res if r.mode == mode]
+            if _ruled(c, mode, sweep.modes):
+                key = c if mode == sweep.modes[0] else f"{c} in-place"
+                measured[key] = [r for r in res if r.mode == mode]
     before = _auto_now(measured, n, path)
     for key, mine in measured.items():
         best = []
@@ -218,11 +219,17 @@ def main(argv=None) -> int:
 
 
 def _modes(collective: str, s) -> list[str]:
-    """The modes ``tune`` measures: in place too where ``auto`` has in-place rules."""
+    """The modes ``tune`` measures: the benchmark's (out of place and in place where the
+    collective has both), so that both time the same interleaving; the in-place results make
+    rules where ``auto`` has in-place rules (allreduce)."""
+    return list(s.modes)
+
+
+def _ruled(collective: str, mode: str, modes: list[str]) -> bool:
+    """Whether the results of ``mode`` make rules: the first mode, and in place for the
+    collectives with in-place rules."""
     from collectives import select
-    if collective in select.IN_PLACE_RULES and "in" in s.modes:
-        return ["out", "in"]
-    return [s.modes[0]]
+    return mode == modes[0] or (mode == "in" and collective in select.IN_PLACE_RULES)
 
 
 def _split(key: str) -> tuple[str, bool]:
@@ -303,7 +310,7 @@ def _verify(comm, collectives, sizes, args):
                     budget=args.budget / 1e3, check=True, modes=modes,
                     settle=args.settle).run(sizes)
         if rank0:
-            for mode in modes:
+            for mode in [m for m in modes if _ruled(c, m, modes)]:
                 worst = 1.0
                 name = c if mode == modes[0] else f"{c} in-place"
                 for nbytes in dict.fromkeys(r.nbytes for r in res):
