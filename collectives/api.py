@@ -163,9 +163,14 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
         if algorithm == "auto":
             nbytes = call.x.flat.nbytes
             key = ~nbytes if call.inplace else nbytes  # in place has rules of its own
-            hit = ctx.auto[collective].get(key) \
-                if env_raw(b"COLLECTIVES_TUNING") == ctx.auto_env else None
-            name, builder = hit if hit is not None else _auto(ctx, collective, key)
+            env = env_raw(b"COLLECTIVES_TUNING")
+            last = ctx.auto_last  # the previous auto call's (collective, key, env, pick)
+            if last[1] == key and last[0] is collective and last[2] is env:
+                name, builder = last[3]
+            else:
+                hit = ctx.auto[collective].get(key) if env == ctx.auto_env else None
+                name, builder = hit = hit if hit is not None else _auto(ctx, collective, key)
+                ctx.auto_last = (collective, key, env, hit)
         else:
             try:
                 name, builder = algorithm, _REGISTRY[collective].get(algorithm)

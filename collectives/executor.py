@@ -77,6 +77,7 @@ class Context:
         # tuning table named by ``auto_env`` (the raw COLLECTIVES_TUNING) (collectives.api)
         self.auto: defaultdict = defaultdict(dict)
         self.auto_env = None
+        self.auto_last = (None, None, None, None)
 
     def next_seq(self) -> int:
         """The sequence number of the next collective (the same on every rank)."""
