@@ -13,8 +13,9 @@ Every collective goes through the same four steps:
 
 Without ``out`` the input is never modified and a new array of x's kind is returned; ``out=x``
 is in place, and an allreduce is in place on every rank or on none (as ``MPI_IN_PLACE``):
-``auto`` has in-place rules of its own (``collectives.select``). On error the input is untouched; ``out`` may be partly written if the error came
-from the network after the collective started (checks happen before). Collectives on two or
+``auto`` has in-place rules of its own (``collectives.select``). On error the input is
+untouched; ``out`` may be partly written if the error came from the network after the
+collective started (checks happen before). Collectives on two or
 more ranks are registered with the watchdog (``collectives.watchdog``) while they run.
 """
 from __future__ import annotations
@@ -156,9 +157,11 @@ def _transport(call: Call):
 def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
     """Choose, validate and run ``call``; returns the result or a ``Request``."""
     ctx, collective, count = call.ctx, call.collective, call.x.count
-    # The pick costs two dictionary lookups either way, inline: ``auto`` must cost no more than
-    # naming its pick (measured: one extra Python call on auto's path, or ``select.get`` on
-    # the named path, made the slower of the two 1-2% slower at 8 bytes, n = 2 and 3).
+    # The pick is looked up inline on both paths: ``auto`` must cost no more than naming its
+    # pick (measured: one extra Python call on auto's path, or ``select.get`` on the named
+    # path, made the slower of the two 1-2% slower at 8 bytes, n = 2 and 3). ``auto`` repeats
+    # its previous pick on this communicator when the call is like the last one; else the
+    # memo (``_auto``).
     try:
         if algorithm == "auto":
             nbytes = call.x.flat.nbytes
@@ -168,8 +171,7 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             if last[1] == key and last[0] is collective and last[2] is env:
                 name, builder = last[3]
             else:
-                hit = ctx.auto[collective].get(key) if env == ctx.auto_env else None
-                name, builder = hit = hit if hit is not None else _auto(ctx, collective, key)
+                name, builder = hit = _auto(ctx, collective, key, env)
                 ctx.auto_last = (collective, key, env, hit)
         else:
             try:
@@ -222,15 +224,15 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     return Request(work, result, finalize, description=call.describe())
 
 
-def _auto(ctx, collective: str, key: int):
+def _auto(ctx, collective: str, key: int, env):
     """``(name, builder)`` that ``auto`` runs on ``ctx``'s communicator for ``key``: the
-    message bytes, or ``~bytes`` (negative) for a call in place.
+    message bytes, or ``~bytes`` (negative) for a call in place; ``env`` is the raw
+    COLLECTIVES_TUNING.
 
     Memoized on the communicator (``ctx.auto[collective][key]``) for the tuning table in
-    force: ``_start`` looks there first and comes here on a miss, or when COLLECTIVES_TUNING
-    names another table than the picks were made with (they are forgotten then).
+    force: when COLLECTIVES_TUNING names another table than the picks were made with, they are
+    forgotten.
     """
-    env = env_raw(b"COLLECTIVES_TUNING")
     if env != ctx.auto_env:  # another table: forget the picks made with the old one
         ctx.auto.clear()
         ctx.auto_env = env

@@ -18,11 +18,12 @@ same shape is named by ``COLLECTIVES_TUNING`` (or found at ``~/.cache/collective
 A communicator size without rules of its own uses the nearest smaller size that has them, then
 ``"default"``. An allreduce in place (``out=x``, which must then be in place on every rank,
 as with MPI_IN_PLACE) uses the ``"in-place"`` rules where the table has them for its
-communicator size (found the same way), else the others: in place, the buffer
-a rank sends is the one it has just written, and reading freshly written memory from another
-process costs more (measured at n = 2: a 512 KiB exchange of just-written data took 4x as long
-as one of untouched data under MPICH's CMA transfers), so the crossovers move. A single-node algorithm (``shm``) picked for a communicator that spans nodes is
-replaced by its hierarchical counterpart (``MULTI_NODE``). Sizes are message bytes (count x
+communicator size (found the same way), else the others: in place, the buffer a rank sends
+is the one it has just written, and reading freshly written memory from another process costs
+more (measured at n = 2: a 512 KiB exchange of just-written data took 4x as long as one of
+untouched data under MPICH's CMA transfers), so the crossovers move. A single-node algorithm
+(``shm``) picked for a communicator that spans nodes is replaced by its hierarchical
+counterpart (``MULTI_NODE``). Sizes are message bytes (count x
 itemsize) of the per-rank input.
 """
 from __future__ import annotations
@@ -108,9 +109,10 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # Measured on the CI machine kind (2 cores, MPICH 5.0.2 from the package index, one node) with
 # `mpiexec -n {2,3} python -m bench tune` and the benchmark (2026-11-30, with the race of the
 # close contenders), then smoothed by hand where two algorithms were within the noise of each
-# other or two runs disagreed: the rule kept is the algorithm near the top in every run. Sizes are per-rank input bytes. "shm" rules stand for
-# single-node communicators; `auto` swaps them for the hierarchical composites on several nodes
-# (MULTI_NODE below). Rank counts above 3 oversubscribe this machine; they use the 3-rank rules.
+# other or two runs disagreed: the rule kept is the algorithm near the top in every run. Sizes
+# are per-rank input bytes. "shm" rules stand for single-node communicators; `auto` swaps them
+# for the hierarchical composites on several nodes (MULTI_NODE below). Rank counts above 3
+# oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
     "allreduce": {
         "2": [[256 << 10, NATIVE], [512 << 10, "recursive_doubling"], [None, "ring"]],
