@@ -47,7 +47,7 @@ __all__ = [
     "parse_size", "parse_time", "parse_rate", "format_size", "byte_sizes", "BUSBW",
     "busbw_factor", "rank_data", "expected_reduce", "Collective", "Result", "Sweep",
     "format_table", "write_json", "write_csv", "membw", "default_algorithms", "parser", "main",
-    "median_error",
+    "median_error", "noise",
 ]
 
 _BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -314,19 +314,22 @@ def median_error(res: Result) -> float:
     return 1.2533 * sigma / math.sqrt(len(logs))
 
 
+def noise(a: Result, b: Result) -> float:
+    """Three standard errors of ``log(a.time / b.time)``: a gap beyond it is not the noise."""
+    return 3 * math.hypot(median_error(a), median_error(b))
+
+
 def _race(keys, results) -> list:
     """The contenders that stay in the race (``Sweep._settle``): per mode, the best, ``auto``,
-    and those not clearly slower than the best (by more than 3 standard errors)."""
+    and those not clearly slower than the best (by more than ``noise``)."""
     stay = []
     for mode in dict.fromkeys(key[1] for key in keys):
         mine = [key for key in keys if key[1] == mode]
-        best = min(mine, key=lambda k: results[k].time)
-        b_t, b_se = results[best].time, median_error(results[best])
+        best = results[min(mine, key=lambda k: results[k].time)]
         for key in mine:
             res = results[key]
-            gap = math.log(res.time / b_t)
-            if key == best or key[0] == "auto" or \
-                    gap <= 3 * math.hypot(median_error(res), b_se):
+            if res is best or key[0] == "auto" or \
+                    math.log(res.time / best.time) <= noise(res, best):
                 stay.append(key)
     return stay
 
@@ -559,14 +562,15 @@ class Sweep:
         timed right after itself ran 4-6% faster at small sizes); a longer call sweeps the
         caches by itself, and the extra call would double the cost of a one-call block.
         """
-        if est < 1e-3:
+        warm = est < 1e-3
+        if warm:
             fn()
         ranks_t = _gather(self.comm, self._measure(fn, iters))
         res.rounds.append(max(ranks_t))
         res.ranks_t.append(ranks_t)
         if round_id is not None:
             res.round_ids.append(round_id)
-        return max(ranks_t) * iters + (est if est < 1e-3 else 0.0)
+        return max(ranks_t) * iters + (est if warm else 0.0)
 
     def _settle(self, calls, results, order) -> None:
         """Extra rounds for the algorithms that could be the fastest at this size (a race).

@@ -98,14 +98,12 @@ def winner(row: list, incumbent: str | None):
     n = 3) and ring over shm at 32 MiB in one run, where the benchmark afterwards measured them
     at 0.93 of shm, the pick of every other run. A table changes where the evidence is clear.
     """
-    from bench.harness import median_error
+    from bench.harness import noise
     win = min(row, key=lambda r: r.time)
     mine = next((r for r in row if r.algorithm == incumbent), None)
     if mine is None or mine is win:
         return win
-    gap = math.log(mine.time / win.time)
-    noise = 3 * math.hypot(median_error(mine), median_error(win))
-    return mine if gap <= max(KEEP, noise) else win
+    return mine if math.log(mine.time / win.time) <= max(KEEP, noise(mine, win)) else win
 
 
 def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]:
@@ -186,8 +184,10 @@ def main(argv=None) -> int:
         if rank0:
             print(f"# tune {c} on {n} ranks: {', '.join(algs)} over {len(sizes)} sizes",
                   flush=True)
+        # Every mode the benchmark times (out of place and in place where the collective has
+        # both), so that both see the same interleaving; ``_ruled`` says which make rules.
         sweep = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
-                      budget=args.budget / 1e3, check=True, modes=_modes(c, s),
+                      budget=args.budget / 1e3, check=True, modes=list(s.modes),
                       settle=args.settle)
         res = sweep.run(sizes)
         for mode in sweep.modes:
@@ -218,13 +218,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _modes(collective: str, s) -> list[str]:
-    """The modes ``tune`` measures: the benchmark's (out of place and in place where the
-    collective has both), so that both time the same interleaving; the in-place results make
-    rules where ``auto`` has in-place rules (allreduce)."""
-    return list(s.modes)
-
-
 def _ruled(collective: str, mode: str, modes: list[str]) -> bool:
     """Whether the results of ``mode`` make rules: the first mode, and in place for the
     collectives with in-place rules."""
@@ -252,9 +245,12 @@ def _auto_now(measured, n, path: Path) -> dict:
         os.close(fd)
         os.environ["COLLECTIVES_TUNING"] = empty
     try:
-        return {key: {r.nbytes: select.auto(_split(key)[0], _input_bytes(_split(key)[0], r), n,
-                                            inplace=_split(key)[1]) for r in res}
-                for key, res in measured.items()}
+        picks = {}
+        for key, res in measured.items():
+            c, inplace = _split(key)
+            picks[key] = {r.nbytes: select.auto(c, _input_bytes(c, r), n, inplace=inplace)
+                          for r in res}
+        return picks
     finally:
         if empty is not None:
             os.unlink(empty)
@@ -305,7 +301,7 @@ def _verify(comm, collectives, sizes, args):
     for c in collectives:
         s = spec(c)
         algs = list(select.algorithms(c)) + ["auto"]
-        modes = _modes(c, s)
+        modes = list(s.modes)
         res = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
                     budget=args.budget / 1e3, check=True, modes=modes,
                     settle=args.settle).run(sizes)
