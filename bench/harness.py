@@ -14,7 +14,8 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
   random order every round, each block (below 1 ms a call) after one untimed call; then the
   algorithms within 1.5x of the fastest, and auto, race on: more rounds, the slower dropping out,
-  until each median is known to ``--target`` (1%), ``--max-rounds`` (20 x ``--rounds``) or
+  until each median, and auto's gap to the best, is known to ``--target`` (1%),
+  ``--max-rounds`` (20 x ``--rounds``) or
   ``--settle`` seconds per size (8), since they are the ones a reader compares
   (``Sweep._settle``). A round's per-iteration time is each rank's average, then the *max over
   ranks* (nccl-tests); the table shows the median over rounds, each round first divided by the
@@ -334,6 +335,21 @@ def _race(keys, results) -> list:
     return stay
 
 
+def _resolved(keys, results, target: float) -> bool:
+    """Whether the race (``Sweep._settle``) may end: every median left is known to ``target``,
+    and so is, per mode, the gap between ``auto`` and the best (the standard error of the log
+    of their ratio: the figure a reader takes from the table)."""
+    if any(median_error(results[key]) > target for key in keys):
+        return False
+    for mode in dict.fromkeys(key[1] for key in keys):
+        best = min((key for key in keys if key[1] == mode), key=lambda k: results[k].time)
+        auto = ("auto", mode)
+        if auto != best and auto in results and auto in keys and \
+                math.hypot(median_error(results[auto]), median_error(results[best])) > target:
+            return False
+    return True
+
+
 def default_algorithms(collective: str, gloo: bool = True) -> list[str]:
     """Every registered algorithm, ``auto``, and ``gloo`` when torch is importable."""
     import importlib.util
@@ -580,7 +596,8 @@ class Sweep:
         after each, a contender whose median is clearly slower than the best's (by more than
         three standard errors of the difference) leaves the race (``auto`` and the current best
         never do). The race ends when every median left is known to ``target`` (its standard
-        error, from the spread of its drift-corrected rounds), after ``max_rounds`` rounds, or
+        error, from the spread of its drift-corrected rounds) and so is the gap between
+        ``auto`` and the best (``_resolved``), after ``max_rounds`` rounds, or
         when its blocks have taken ``settle`` seconds. Why: who is fastest, and whether
         ``auto`` is as fast as the best, is decided between close medians, and on a shared
         2-core machine running 3 ranks the corrected rounds of one algorithm scatter by 4-6%
@@ -617,8 +634,7 @@ class Sweep:
                 spent += self._block(calls[key][0], iters, res, res.time, r)
             correct_drift(list(results.values()))
             keys = _race(keys, results)
-            if spent >= self.settle or \
-                    all(median_error(results[key]) <= self.target for key in keys):
+            if spent >= self.settle or _resolved(keys, results, self.target):
                 break
 
     def run(self, sizes) -> list[Result]:
@@ -787,8 +803,8 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
                    help="rounds for auto and the algorithms within 1.5x of the fastest at a "
                         "size, until --target is met (default 20 x --rounds)")
     p.add_argument("--target", type=float, default=1.0,
-                   help="stop those extra rounds when each median is known to this many "
-                        "percent (standard error; default 1)")
+                   help="stop those extra rounds when each median, and auto's gap to the "
+                        "best, is known to this many percent (standard error; default 1)")
     p.add_argument("--settle", type=float, default=8.0,
                    help="at most this many seconds of extra rounds per size (default 8; 0: "
                         "none)")

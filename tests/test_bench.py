@@ -1,5 +1,6 @@
 """The benchmark: harness pieces in process, and small real runs under mpiexec."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -382,6 +383,26 @@ def test_race_keeps_the_best_auto_and_the_close():
     assert set(stay) == {("ring", "out"), ("shm", "out"), ("auto", "out"), ("ring", "in")}
     assert harness.median_error(best) < 0.01
     assert harness.median_error(_result("x", "out", 1e-3, rounds=(1.0, 1.1))) == float("inf")
+
+
+def test_race_ends_when_autos_gap_to_the_best_is_known():
+    """Each median known to the target is not enough: the gap between auto and the best (the
+    ratio a reader takes from the table) must be known to it too."""
+    def spread(sd, k):  # k rounds whose median absolute deviation is sd / 1.4826
+        return tuple(math.exp(sd / 1.4826 * (i % 3 - 1)) for i in range(k))
+    k = 27
+    each = 0.009 * math.sqrt(k) / 1.2533  # per-round sd that puts each median at 0.9%
+    best = _result("native", "out", 1e-5, rounds=spread(each, k))
+    auto = _result("auto", "out", 1.01e-5, rounds=spread(each, k))
+    assert harness.median_error(best) == pytest.approx(0.009)
+    results = {("native", "out"): best, ("auto", "out"): auto}
+    keys = list(results)
+    assert not harness._resolved(keys, results, 0.01)       # the gap: 0.9% x sqrt 2 > 1%
+    assert harness._resolved(keys, results, 0.013)
+    fast = _result("auto", "out", 0.9e-5, rounds=spread(each, k))  # auto the best: no gap
+    assert harness._resolved(keys, {("native", "out"): best, ("auto", "out"): fast}, 0.01)
+    assert harness._resolved([("native", "out")], results, 0.01)  # auto not racing here
+    assert not harness._resolved(keys, results, 0.005)      # a median itself not known
 
 
 def test_sweep_races_the_contenders_only():
