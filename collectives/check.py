@@ -22,7 +22,7 @@ import zlib
 
 import numpy as np
 
-from .errors import MismatchError, getenv
+from .errors import MismatchError, env_raw
 
 __all__ = ["enabled", "verify", "failed", "settle", "FIELDS"]
 
@@ -34,7 +34,11 @@ def enabled(check=None) -> bool:
     """Per-call ``check`` wins; else ``COLLECTIVES_CHECK``."""
     if check is not None:
         return bool(check)
-    return getenv("COLLECTIVES_CHECK", b"COLLECTIVES_CHECK") not in (None, "0", "", "false", "no")
+    return env_raw(b"COLLECTIVES_CHECK") not in _OFF
+
+
+# COLLECTIVES_CHECK values that mean off, raw (bytes on POSIX, str elsewhere: see env_raw).
+_OFF = frozenset((None, "0", "", "false", "no", b"0", b"", b"false", b"no"))
 
 
 def _code(field: str, value) -> int:
