@@ -181,6 +181,9 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     try:
         if algorithm == "auto":
             nbytes = call.x.flat.nbytes
+            if call.counts is not None and collective == "allgather":
+                # Its ranks may differ in length: the mean, so that every rank picks alike.
+                nbytes = sum(call.counts) * call.x.dtype.itemsize // ctx.size
             key = ~nbytes if call.inplace else nbytes  # in place has rules of its own
             env = env_raw(b"COLLECTIVES_TUNING")
             last = ctx.auto_last  # the previous auto call's (collective, key, env, pick)

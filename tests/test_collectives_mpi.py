@@ -189,6 +189,23 @@ def test_allgather_ragged(algorithm):
     assert_all(ok, algorithm)
 
 
+def test_allgather_auto_agrees_on_ragged_lengths():
+    """Ranks of very different lengths (0 B to 4 MiB each, across the tuning table's rules):
+    ``auto`` picks from the agreed mean, so every rank runs the same algorithm (a pick from
+    each rank's own length left rank 0 in native and rank 1 in recursive doubling: a hang)."""
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    lengths = [(1 << 20, 0, 300_000, 1, 7)[r % 5] for r in range(size)]
+    x = np.full(lengths[rank], rank + 1, np.float32)
+    old = set_segment_bytes(4 << 20)  # this module's 24-byte segments: 10^5 steps a call
+    try:
+        got = coll.allgather(x)
+    finally:
+        set_segment_bytes(old)
+    want = np.concatenate([np.full(n, r + 1, np.float32) for r, n in enumerate(lengths)])
+    assert_all(got.shape == want.shape and np.array_equal(got, want), "ragged auto")
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "native"])
 def test_sub_communicators(algorithm):
     comm = world()
