@@ -148,8 +148,22 @@ def _posted(plan, hops) -> str:
     if not groups:
         return "nothing posted (a local step)"
     return "; ".join(f"{'send to' if kind == SEND else 'recv from'} rank {peer} "
-                     f"(op{'s' if len(ops) > 1 else ''} {', '.join(map(str, ops))})"
+                     f"(op{'s' if len(ops) > 1 else ''} {_spans(ops)})"
                      for (kind, peer), ops in groups.items())
+
+
+def _spans(ops: list[int], most: int = 6) -> str:
+    """Sorted op numbers as runs, ``"1, 4-9, 12"``; past ``most`` runs, the count of the rest
+    (a large message in small segments posts 10^5 receives at once)."""
+    runs: list[list[int]] = []
+    for i in ops:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:most])
+    rest = sum(b - a + 1 for a, b in runs[most:])
+    return text + (f" and {rest} more" if rest else "")
 
 
 def watch(ctx, call=None, what: str = "", phase: str = "run") -> _Entry:

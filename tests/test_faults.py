@@ -268,6 +268,17 @@ def test_a_running_schedule_names_its_peer_and_step():
     assert "recv from rank 0" in watchdog._posted(runs[1].plan, runs[1].hops)
 
 
+def test_watchdog_lists_many_posted_ops_as_runs():
+    """A large message in small segments posts 10^5 operations at once: the report names them
+    as runs of numbers and counts what is past the first few, instead of 10^5 numbers."""
+    from collectives import watchdog
+    assert watchdog._spans([3]) == "3"
+    assert watchdog._spans([1, 4, 5, 6, 9]) == "1, 4-6, 9"
+    assert watchdog._spans(list(range(489, 174763))) == "489-174762"
+    many = list(range(0, 40, 2))  # 20 single ops
+    assert watchdog._spans(many) == "0, 2, 4, 6, 8, 10 and 14 more"
+
+
 def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
     from collectives import watchdog
     aborted = []
