@@ -499,15 +499,12 @@ class Sweep:
             fn()
         return (time.perf_counter() - t0) / iters
 
-    def _auto_pick(self, nbytes: int, inplace: bool = False) -> str:
+    def _auto_pick(self, nbytes: int, inplace: bool = False) -> str | None:
         """What ``algorithm="auto"`` runs for ``nbytes`` of per-rank input on this
-        communicator, out of place or in place (the tuning table, with the off-node swap)."""
-        from collectives import select
-        from collectives.executor import context
-        from collectives.topology import topology
-        return select.auto(self.spec.name, nbytes, self.n,
-                           single_node=lambda: topology(context(self.comm)).single_node,
-                           inplace=inplace)
+        communicator, out of place or in place; None while it still measures its rule's
+        algorithms (``collectives.api.auto_pick``)."""
+        from collectives.api import auto_pick
+        return auto_pick(self.spec.name, nbytes, self.comm, inplace, self.op, self.dtype)
 
     def run_size(self, nbytes: int, progress=None) -> list[Result]:
         """Measure every algorithm and mode at one size (interleaved)."""
@@ -519,9 +516,6 @@ class Sweep:
         calls, cin = self._callables(coll, count)
         results = {key: Result(spec.name, size_col, ccol, self.dtype.name, self.op or "none",
                                self.root, key[0], key[1], n, self.factor) for key in calls}
-        for key, res in results.items():
-            if key[0] == "auto":
-                res.picked = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
         if self.check:
             want = spec.expected(self.rank, n, cin, self.dtype, self.op, max(self.root, 0))
             for key, (fn, res, reset) in calls.items():
@@ -546,6 +540,16 @@ class Sweep:
             k = int(min(1000, self.budget / 8 / max(est, 1e-9)))
             if k > 1 and not self.iters:
                 est = _max(self.comm, self._measure(fn, k))
+            if key[0] == "auto":
+                # auto may still be measuring the algorithms of its rule (a few calls of each):
+                # run it until it has chosen, so that its timed rounds are of its choice.
+                pick = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
+                for _ in range(64):
+                    if not _sum(self.comm, pick is None):  # the same answer on every rank
+                        break
+                    fn()
+                    pick = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
+                results[key].picked = pick
             ests[key] = est
         # One call count for every algorithm at this size (enough for the budget at the median
         # algorithm's pace): algorithms of about the same speed, the ones a reader compares,

@@ -13,6 +13,10 @@ of ``collectives.select``::
                               "in-place": {"2": [[524288, "native"], [null, "ring"]]}}, ...}}
 
 (allreduce is measured in place too, and its in-place winners become the ``"in-place"`` rules).
+A rule also names the algorithms within 1.25x of the fastest (two at most), ``[max_bytes,
+winner, alternate, ...]``: ``auto`` measures them at run time where that cannot change a
+result (``collectives.select``), since which of two close algorithms is faster changes from one
+process launch to the next on a shared machine.
 What ``auto`` runs now stays where the fastest beats it by no more than 3% or three standard
 errors (``winner``): near-equals trade places from run to run, and the table follows evidence.
 
@@ -71,17 +75,34 @@ def signature(comm) -> str:
     return f"{cpu} | {os.cpu_count()} cores | {MPI.Get_library_version().splitlines()[0].strip()}"
 
 
-def rules(best: list[tuple[int, str]]) -> list[list]:
-    """``[(input bytes, winner)]`` sorted by size -> ``[[max_bytes, name], ..., [None, name]]``."""
+def rules(best: list[tuple]) -> list[list]:
+    """``[(input bytes, winner or (winner, alternate, ...))]`` -> ``[[max_bytes, name, ...],
+    ..., [None, name, ...]]``, sorted by size, consecutive sizes with the same names merged."""
     out: list[list] = []
-    for nbytes, name in sorted(best):
-        if out and out[-1][1] == name:
+    for nbytes, names in sorted(best, key=lambda b: b[0]):
+        names = [names] if isinstance(names, str) else list(names)
+        if out and out[-1][1:] == names:
             out[-1][0] = nbytes
         else:
-            out.append([nbytes, name])
+            out.append([nbytes] + names)
     if out:
         out[-1][0] = None
     return out
+
+
+# Algorithms within this factor of the fastest at a size become the rule's alternates (at
+# most ALTERNATES of them, fastest first), which ``auto`` measures at run time where the choice
+# cannot change a result (collectives.select): one launch's ranking is not the next one's.
+ALTERNATE = 1.25
+ALTERNATES = 2
+
+
+def alternates(row: list, win) -> tuple[str, ...]:
+    """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest, fastest first."""
+    fastest = min(r.time for r in row)
+    close = sorted((r for r in row if r is not win and r.time <= ALTERNATE * fastest),
+                   key=lambda r: r.time)
+    return tuple(r.algorithm for r in close[:ALTERNATES])
 
 
 # A new rule must beat what ``auto`` runs now by more than this, or by three standard errors of
@@ -198,8 +219,10 @@ def main(argv=None) -> int:
     for key, mine in measured.items():
         best = []
         for nbytes in dict.fromkeys(r.nbytes for r in mine):
-            win = winner([r for r in mine if r.nbytes == nbytes], before[key][nbytes])
-            best.append((_input_bytes(_split(key)[0], win), win.algorithm))
+            row = [r for r in mine if r.nbytes == nbytes]
+            win = winner(row, before[key][nbytes])
+            best.append((_input_bytes(_split(key)[0], win),
+                         (win.algorithm,) + alternates(row, win)))
         new[key] = rules(best)
     note = None
     if rank0 and not args.dry_run:
@@ -261,7 +284,7 @@ def _auto_now(measured, n, path: Path) -> dict:
 
 
 def _after(rules_: list, nbytes: int) -> str:
-    for limit, name in rules_:
+    for limit, name, *_alternates in rules_:
         if limit is None or nbytes <= limit:
             return name
     return "native"

@@ -21,6 +21,7 @@ more ranks are registered with the watchdog (``collectives.watchdog``) while the
 from __future__ import annotations
 
 import functools
+from time import perf_counter
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from .select import REGISTRY as _REGISTRY
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
            "iallreduce", "ireduce", "ibroadcast", "ireduce_scatter", "iallgather",
-           "algorithms", "Call"]
+           "algorithms", "auto_pick", "Call"]
 
 
 def algorithms(collective: str) -> tuple[str, ...]:
@@ -173,6 +174,7 @@ def _transport(call: Call):
 def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
     """Choose, validate and run ``call``; returns the result or a ``Request``."""
     ctx, collective, count = call.ctx, call.collective, call.x.count
+    trial = None
     # The pick is looked up inline on both paths: ``auto`` must cost no more than naming its
     # pick (measured: one extra Python call on auto's path, or ``select.get`` on the named
     # path, made the slower of the two 1-2% slower at 8 bytes, n = 2 and 3). ``auto`` repeats
@@ -184,14 +186,20 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             if call.counts is not None and collective == "allgather":
                 # Its ranks may differ in length: the mean, so that every rank picks alike.
                 nbytes = sum(call.counts) * call.x.dtype.itemsize // ctx.size
-            key = ~nbytes if call.inplace else nbytes  # in place has rules of its own
+            # in place has rules of its own (allreduce: in place on every rank or none)
+            key = ~nbytes if call.inplace and collective in _IN_PLACE else nbytes
             env = env_raw(b"COLLECTIVES_TUNING")
             last = ctx.auto_last  # the previous auto call's (collective, key, env, pick)
             if last[1] == key and last[0] is collective and last[2] is env:
                 name, builder = last[3]
             else:
-                name, builder = hit = _auto(ctx, collective, key, env)
-                ctx.auto_last = (collective, key, env, hit)
+                hit = _auto(ctx, collective, key, env)
+                if type(hit) is tuple:
+                    name, builder = hit
+                    ctx.auto_last = (collective, key, env, hit)
+                else:  # a rule of several algorithms, measured here (_Trial)
+                    trial = hit
+                    name, builder = trial.next(blocking, _exact(call))
         else:
             try:
                 name, builder = algorithm, _REGISTRY[collective].get(algorithm)
@@ -201,6 +209,8 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
                 builder = select.get(collective, algorithm)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, collective, check, exc)
+    if trial is not None and trial.timing:
+        t0 = perf_counter()
     call.algorithm = name
     call.blocking = blocking
     call.seq = seq = ctx.next_seq()
@@ -237,6 +247,8 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     if blocking:
         if entry is not None:
             _watchdog.unwatch(entry)
+        if trial is not None and trial.timing:
+            trial.record(perf_counter() - t0)
         if finalize is not None:
             finalize()
         return result
@@ -254,17 +266,131 @@ def _auto(ctx, collective: str, key: int, env):
     """
     if env != ctx.auto_env:  # another table: forget the picks made with the old one
         ctx.auto.clear()
+        ctx.auto_trials.clear()
         ctx.auto_env = env
     memo = ctx.auto[collective]
     hit = memo.get(key)
     if hit is None:
-        name = select.auto(collective, key if key >= 0 else ~key, ctx.size,
-                           single_node=lambda: _single_node(ctx), inplace=key < 0)
-        hit = (name, select.get(collective, name))
+        names = select.candidates(collective, key if key >= 0 else ~key, ctx.size,
+                                  single_node=lambda: _single_node(ctx), inplace=key < 0)
+        if len(names) > 1 and _trials(ctx, collective):
+            hit = _Trial(ctx, collective, key, names)
+        else:
+            hit = (names[0], select.get(collective, names[0]))
         if len(memo) >= 1024:  # the sizes a program uses are few; a bound all the same
             memo.clear()
         memo[key] = hit
     return hit
+
+
+# Collectives that move data without reducing it: every algorithm gives the same bytes.
+_MOVES = ("allgather", "broadcast")
+
+
+def _trials(ctx, collective: str) -> bool:
+    """Whether ``auto`` may choose among a rule's algorithms by measuring them here: only where
+    the choice cannot change a result, so that results stay the same from run to run (DESIGN):
+    data movement; or 2 ranks, where every algorithm reduces an element once and a + b = b + a
+    (``_exact`` says which calls); on more ranks the association order differs, and float sums
+    round differently."""
+    if ctx.size < 2 or env_raw(b"COLLECTIVES_AUTO_TRIAL") in _OFF:
+        return False
+    return ctx.size == 2 or collective in _MOVES
+
+
+_OFF = frozenset(("0", b"0", "false", b"false", "no", b"no"))
+
+
+def _exact(call: Call) -> bool:
+    """Whether every algorithm gives ``call`` the same bits (given ``_trials``)."""
+    return _exact_op(None if call.op is None else call.op.name, call.x.dtype.kind)
+
+
+def _exact_op(op: str | None, kind: str) -> bool:
+    """Not a float min/max, whose result for -0.0 against +0.0 depends on the operands'
+    order."""
+    return op not in ("min", "max") or kind in "biu"
+
+
+class _Trial:
+    """``auto``'s measurement of a rule's algorithms on one communicator for one message size
+    (STAR-MPI's *delayed finalization*, Faraj, Yuan and Lowenthal, ICS 2006).
+
+    The blocking calls of this size run the algorithms in turn, ``1 + TIMED`` calls each; the
+    first call of each (its schedule built, its scratch allocated) is not timed. Then every rank
+    takes, per algorithm, the median of its timed calls, one ``MPI_Allreduce(MAX)`` makes them
+    the slowest rank's, and the fastest algorithm (the rule's first, on a tie) is what ``auto``
+    runs for this size from then on. Every rank makes the same calls in the same order, so
+    every rank runs the same algorithm at every call, and takes the same decision at the same
+    call. Non-blocking calls during the trial run the rule's first algorithm and are not timed
+    (a start-to-wait time is the caller's); calls whose result could depend on the algorithm
+    (``_exact``) always run the first. The trial stays in the memo (calls of its size take
+    ``_auto``'s path, ~0.3 us), since that check is per call.
+    """
+
+    TIMED = 3
+
+    __slots__ = ("ctx", "collective", "key", "names", "builders", "times", "calls", "timing",
+                 "decided", "_index")
+
+    def __init__(self, ctx, collective, key, names):
+        self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
+        self.builders = [select.get(collective, name) for name in names]
+        self.times: list[list[float]] = [[] for _ in names]
+        self.calls = 0  # blocking calls made in the trial
+        self.timing = False
+        self.decided = None  # (name, builder) once measured
+        self._index = 0
+
+    def next(self, blocking: bool, exact: bool = True):
+        """``(name, builder)`` for this call; sets ``timing`` (record its time)."""
+        self.timing = False
+        if not exact:
+            return self.names[0], self.builders[0]
+        if self.decided is not None:
+            return self.decided
+        if not blocking:
+            return self.names[0], self.builders[0]
+        i = self.calls % len(self.names)
+        self.timing = self.calls >= len(self.names)  # the first round warms each one up
+        self._index = i
+        self.calls += 1
+        return self.names[i], self.builders[i]
+
+    def record(self, seconds: float) -> None:
+        """The time of the call that ``next`` chose; after the last, the decision."""
+        self.times[self._index].append(seconds)
+        self.timing = False
+        if self.calls < len(self.names) * (1 + self.TIMED):
+            return
+        from mpi4py import MPI
+        mine = np.array([np.median(t) for t in self.times], dtype=np.float64)
+        self.ctx.comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        best = int(np.argmin(mine))  # the first of equal times: the rule's order
+        self.decided = (self.names[best], self.builders[best])
+        self.ctx.auto_trials[(self.collective, self.key)] = \
+            dict(zip(self.names, (float(t) for t in mine)))
+
+
+def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op=None,
+              dtype=None) -> str | None:
+    """What ``algorithm="auto"`` runs now on ``comm`` for ``nbytes`` of per-rank input (for
+    allgather, the mean over ranks; ``inplace``: a call with ``out=x``; ``op`` name and
+    ``dtype``: of the call), or None while it is still measuring its rule's algorithms
+    (``_Trial``). Collective on a communicator's first use where the rule names ``shm`` (the
+    topology is asked)."""
+    ctx = _context(comm)
+    key = ~nbytes if inplace and collective in _IN_PLACE else nbytes
+    hit = _auto(ctx, collective, key, env_raw(b"COLLECTIVES_TUNING"))
+    if type(hit) is tuple:
+        return hit[0]
+    if not _exact_op(op, np.dtype(dtype or "float32").kind):
+        return hit.names[0]
+    return hit.decided[0] if hit.decided is not None else None
+
+
+# The collectives whose in-place calls have rules (and picks) of their own.
+_IN_PLACE = frozenset(select.IN_PLACE_RULES)
 
 
 def _network_error(call: Call, exc: BaseException) -> BaseException:

@@ -78,6 +78,8 @@ class Context:
         self.auto: defaultdict = defaultdict(dict)
         self.auto_env = None
         self.auto_last = (None, None, None, None)
+        # What auto's trials measured: {(collective, key): {algorithm: seconds}} (api._Trial).
+        self.auto_trials: dict = {}
 
     def next_seq(self) -> int:
         """The sequence number of the next collective (the same on every rank)."""

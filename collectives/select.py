@@ -24,7 +24,15 @@ more (measured at n = 2: a 512 KiB exchange of just-written data took 4x as long
 untouched data under MPICH's CMA transfers), so the crossovers move. A single-node algorithm
 (``shm``) picked for a communicator that spans nodes is replaced by its hierarchical
 counterpart (``MULTI_NODE``). Sizes are message bytes (count x
-itemsize) of the per-rank input.
+itemsize) of the per-rank input (for allgather, whose ranks may differ in length, the mean).
+
+A rule may name more than one algorithm, ``[max_bytes, first, other, ...]``: algorithms that
+were within the noise of each other, or that ran in two modes from one process launch to the
+next (measured: binomial reduce at 128 KiB, n = 2, ran 38-46 us in some launches and 58-65 us
+in others, native 43-52 in all). ``auto`` then measures them at run time where that cannot
+change a result (``collectives.api``: a few calls of each, and every rank takes the fastest by
+the slowest rank's time); elsewhere, and with ``COLLECTIVES_AUTO_TRIAL=0``, it runs the first.
+``candidates`` lists them, ``auto`` returns the first.
 """
 from __future__ import annotations
 
@@ -36,8 +44,8 @@ from pathlib import Path
 
 from .errors import getenv
 
-__all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "load_table",
-           "DEFAULT_TABLE", "COLLECTIVES", "tuning_path"]
+__all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "candidates",
+           "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 NATIVE = "native"
@@ -114,33 +122,43 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # for the hierarchical composites on several nodes (MULTI_NODE below). Rank counts above 3
 # oversubscribe this machine; they use the 3-rank rules.
 DEFAULT_TABLE = {
+    # A rule's further names are its alternates (see the module doc): the algorithms that
+    # traded places with the first from one benchmark run to the next (four runs, 2026-11-30).
+    # They are measured at run time only where the choice cannot change a result (2 ranks, or
+    # data movement), so the 3-rank reductions name one algorithm per rule.
     "allreduce": {
-        "2": [[256 << 10, NATIVE], [512 << 10, "recursive_doubling"], [None, "ring"]],
+        "2": [[256 << 10, NATIVE], [512 << 10, "recursive_doubling", "rabenseifner"],
+              [None, "ring", "double_binary_tree", "rabenseifner"]],
         "3": [[256 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
         # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
         # wins there out of place, took 2.2x native's time in place); at n = 3 the same rules.
         "in-place": {
-            "2": [[512 << 10, NATIVE], [None, "ring"]],
+            "2": [[512 << 10, NATIVE], [None, "ring", "double_binary_tree", "rabenseifner"]],
             "3": [[256 << 10, NATIVE], [1 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
         },
     },
     "reduce_scatter": {
-        "2": [[512 << 10, NATIVE], [None, "ring"]],
+        "2": [[128 << 10, NATIVE], [512 << 10, NATIVE, "ring"],
+              [None, "ring", "recursive_halving"]],
         "3": [[128 << 10, NATIVE], [1 << 20, "shm"], [None, "ring"]],
     },
     "allgather": {
-        "2": [[64 << 10, NATIVE], [1 << 20, "ring"], [4 << 20, "recursive_doubling"],
-              [None, "shm"]],
-        "3": [[64 << 10, NATIVE], [1 << 20, "shm"], [4 << 20, "ring"], [None, "shm"]],
+        "2": [[64 << 10, NATIVE], [1 << 20, "ring", NATIVE], [4 << 20, "recursive_doubling",
+                                                              "ring", "shm"],
+              [None, "shm", "recursive_doubling", "ring"]],
+        "3": [[64 << 10, NATIVE], [1 << 20, "shm"], [4 << 20, "ring", "recursive_doubling"],
+              [None, "shm", "ring", "hierarchical"]],
     },
     "broadcast": {
-        "2": [[8 << 20, NATIVE], [None, "shm"]],
-        "3": [[8 << 20, NATIVE], [None, "shm"]],
+        "2": [[8 << 20, NATIVE], [None, "shm", NATIVE]],
+        "3": [[4 << 20, NATIVE], [8 << 20, NATIVE, "binomial"], [None, "shm", "binomial"]],
     },
     "reduce": {
-        # 128 KiB at n = 2: binomial and tree run 49-58 us in some process launches and 70-72
-        # in others (native 53-62 in all): native is the pick that never loses by much.
-        "2": [[128 << 10, NATIVE], [None, "binomial"]],
+        # 128 KiB at n = 2: binomial and tree ran 38-46 us in some process launches and 58-65
+        # in others, native 43-52 in all: no one pick is within 5% of the best in every launch;
+        # auto measures the three in each.
+        "2": [[32 << 10, NATIVE], [128 << 10, NATIVE, "binomial", "tree"],
+              [None, "binomial", "tree"]],
         "3": [[128 << 10, NATIVE], [16 << 20, "tree"], [None, "hierarchical"]],
     },
 }
@@ -222,7 +240,12 @@ def _rules(table, collective: str, size: int, inplace: bool = False) -> list:
     if rules is None:
         rules = _for_size(rules_by_size, size)
     _load_builtin()
-    return [(limit, name) for limit, name in rules or () if name in REGISTRY[collective]]
+    out = []
+    for limit, *names in rules or ():
+        names = tuple(n for n in names if n in REGISTRY[collective])
+        if names:
+            out.append((limit, names))
+    return out
 
 
 def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=False) -> str:
@@ -233,24 +256,37 @@ def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=Fals
     single-node algorithm chosen for a communicator that spans nodes is replaced by its
     hierarchical counterpart.
     """
-    # the API memoizes the result per communicator
-    name = _pick(collective, nbytes, size, bool(inplace))
-    if name in MULTI_NODE and not (single_node() if callable(single_node) else single_node):
-        swap = MULTI_NODE[name]
-        name = swap.get(collective, swap["default"])
-        if name not in REGISTRY[collective]:
-            return NATIVE
-    return name
+    return candidates(collective, nbytes, size, single_node, inplace)[0]
 
 
-def _pick(collective: str, nbytes: int, size: int, inplace: bool = False) -> str:
-    """The table's algorithm for ``nbytes`` on ``size`` ranks, before ``MULTI_NODE``."""
+def candidates(collective: str, nbytes: int, size: int, single_node=True,
+               inplace=False) -> tuple[str, ...]:
+    """The algorithms of the rule for ``nbytes``: the first is what ``auto`` runs, the others
+    are its alternates (see the module doc). Arguments as ``auto``; the API memoizes the
+    result per communicator."""
+    names = _pick(collective, nbytes, size, bool(inplace))
+    if any(name in MULTI_NODE for name in names) and \
+            not (single_node() if callable(single_node) else single_node):
+        swapped = []
+        for name in names:
+            if name in MULTI_NODE:
+                swap = MULTI_NODE[name]
+                name = swap.get(collective, swap["default"])
+                if name not in REGISTRY[collective]:
+                    name = NATIVE
+            swapped.append(name)
+        names = tuple(dict.fromkeys(swapped))
+    return names
+
+
+def _pick(collective: str, nbytes: int, size: int, inplace: bool = False) -> tuple[str, ...]:
+    """The table's algorithms for ``nbytes`` on ``size`` ranks, before ``MULTI_NODE``."""
     table = load_table()  # first: a (re)read drops the rules memoized from the old table
     memo = _RULES.setdefault(getenv("COLLECTIVES_TUNING", b"COLLECTIVES_TUNING"), {})
     rules = memo.get((collective, size, inplace))
     if rules is None:
         rules = memo[(collective, size, inplace)] = _rules(table, collective, size, inplace)
-    for limit, name in rules:
+    for limit, names in rules:
         if limit is None or nbytes <= limit:
-            return name
-    return NATIVE
+            return names
+    return (NATIVE,)

@@ -222,6 +222,10 @@ def test_tune_rules_and_merge(tmp_path):
         [[32, "native"], [None, "ring"]]
     assert tune.rules([(1024, "ring"), (8, "native")]) == [[8, "native"], [None, "ring"]]
     assert tune.rules([]) == []
+    # alternates: consecutive sizes merge only where the names are the same
+    assert tune.rules([(8, ("native", "tree")), (32, ("native", "tree")), (128, "native"),
+                       (512, ("ring", "shm"))]) == \
+        [[32, "native", "tree"], [128, "native"], [None, "ring", "shm"]]
     path = tmp_path / "tuning.json"
     data, note = tune.merge(path, "sig", 2, {"allreduce": [[None, "ring"]]})
     assert note is None and data["tables"]["allreduce"] == {"2": [[None, "ring"]]}
@@ -232,6 +236,29 @@ def test_tune_rules_and_merge(tmp_path):
     data, note = tune.merge(path, "other machine", 2, {"allreduce": [[None, "tree"]]})
     assert "another machine" in note and (tmp_path / "tuning.json.bak").exists()
     assert data["tables"] == {"allreduce": {"2": [[None, "tree"]]}}
+
+
+def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
+    """tune: the algorithms within 1.25x of the fastest (two at most, fastest first) follow the
+    winner in its rule; select: ``candidates`` lists a rule's names (the multi-node swap applied
+    to each), ``auto`` returns the first."""
+    from collectives import select
+    row = [_result("native", "out", 1.00e-3), _result("ring", "out", 0.95e-3),
+           _result("tree", "out", 1.10e-3), _result("shm", "out", 1.30e-3),
+           _result("binomial", "out", 1.15e-3)]
+    assert tune.alternates(row, row[0]) == ("ring", "tree")   # the incumbent kept
+    assert tune.alternates(row, row[1]) == ("native", "tree")
+    assert tune.alternates(row[3:4], row[3]) == ()
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
+        "2": [[100, "native"], [None, "shm", "ring", "nope"]]}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(path))
+    select.load_table(reload=True)
+    assert select.candidates("allreduce", 64, 2) == ("native",)
+    assert select.candidates("allreduce", 4096, 2) == ("shm", "ring")    # unknown names dropped
+    assert select.auto("allreduce", 4096, 2) == "shm"
+    assert select.candidates("allreduce", 4096, 2, single_node=False) == \
+        ("hierarchical_shm", "ring")
 
 
 def test_tuning_file_is_what_select_reads(tmp_path, monkeypatch):
@@ -268,7 +295,7 @@ def test_tuning_file_is_what_select_reads(tmp_path, monkeypatch):
     assert select.auto("allreduce", 600 << 10, 2, inplace=True) == "ring"
     # a size with no in-place rules (none smaller either, no default): the others
     assert select._rules({"allreduce": {"2": [[None, "ring"]], "in-place": {"4": []}}},
-                         "allreduce", 2, True) == [(None, "ring")]
+                         "allreduce", 2, True) == [(None, ("ring",))]
 
 
 def test_validation_markdown():

@@ -284,6 +284,64 @@ def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
     assert_all(ok, f"auto ran {out.description} / {inplace.description}")
 
 
+@pytest.mark.parametrize("trials", ["on", "off"])
+def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
+    """A rule naming several algorithms: where the choice cannot change a result (2 ranks, or a
+    collective that only moves data) auto runs each of them 1 + TIMED times in turn, then every
+    rank runs the one whose slowest-rank time was least; elsewhere, and with
+    COLLECTIVES_AUTO_TRIAL=0, the rule's first. Non-blocking calls run the first meanwhile and
+    do not count; a float min/max always runs the first. Results are right all along."""
+    import json
+
+    from collectives import api
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    names = ["ring", "recursive_doubling", "native"]
+    table = tmp_path / f"trial-{rank}.json"
+    table.write_text(json.dumps({"version": 1, "tables": {
+        "allreduce": {"default": [[None] + names], str(size): [[None] + names]},
+        "allgather": {"default": [[None, "ring", "native"]],
+                      str(size): [[None, "ring", "native"]]}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1" if trials == "on" else "0")
+    x = np.full(1000, rank + 1, np.float32)
+    want = size * (size + 1) // 2
+    bad = []
+    for collective, rule, exact in (("allreduce", names, size == 2),
+                                    ("allgather", ["ring", "native"], True)):
+        measured = trials == "on" and size > 1 and exact
+        if collective == "allreduce":
+            call, check = (lambda: coll.allreduce(x, comm=comm)), (lambda y: (y == want).all())
+            req = coll.iallreduce(x, comm=comm)
+            if "(ring, 1000" not in req.description or not (req.wait() == want).all():
+                bad.append(f"non-blocking: {req.description}")
+        else:
+            call = lambda: coll.allgather(x, comm=comm)  # noqa: E731
+            check = lambda y: np.array_equal(y, np.repeat(np.arange(1, size + 1), 1000))  # noqa
+        for i in range(len(rule) * (1 + api._Trial.TIMED)):
+            if (api.auto_pick(collective, x.nbytes, comm) is None) != measured:
+                bad.append(f"{collective} call {i}: {api.auto_pick(collective, x.nbytes, comm)}")
+            if not check(call()):
+                bad.append(f"{collective} call {i}: wrong result")
+        pick = api.auto_pick(collective, x.nbytes, comm)
+        picks = comm.allgather(pick)
+        if pick not in rule or len(set(picks)) > 1 or not (measured or pick == rule[0]):
+            bad.append(f"{collective}: picks {picks}")
+        trial = api._context(comm).auto_trials.get((collective, x.nbytes))
+        if (sorted(trial or ()) != sorted(rule)) if measured else trial is not None:
+            bad.append(f"{collective}: measured {trial}")
+        if not check(call()):
+            bad.append(f"{collective} after: wrong result")
+        if collective == "allreduce":
+            # after the trial, a non-blocking call runs the pick too; a float max, whose -0.0
+            # against +0.0 depends on the operands' order, the rule's first
+            after, peak = coll.iallreduce(x, comm=comm), coll.iallreduce(x, "max", comm=comm)
+            if f"({pick}, " not in after.description or "(ring, " not in peak.description \
+                    or not (after.wait() == want).all() or not (peak.wait() == size).all():
+                bad.append(f"after: {after.description} / {peak.description}")
+    assert_all(not bad, f"trials {trials}: {bad[:4]}")
+
+
 def test_torch_tensors_round_trip():
     torch = pytest.importorskip("torch")
     comm = world()
