@@ -13,8 +13,8 @@ of ``collectives.select``::
                               "in-place": {"2": [[524288, "native"], [null, "ring"]]}}, ...}}
 
 (allreduce is measured in place too, and its in-place winners become the ``"in-place"`` rules).
-A rule also names the algorithms within 1.25x of the fastest (two at most), ``[max_bytes,
-winner, alternate, ...]``: ``auto`` measures them at run time where that cannot change a
+A rule also names the algorithms within 1.25x of the fastest and those the rule in force named
+(three at most), ``[max_bytes, winner, alternate, ...]``: ``auto`` measures them at run time where that cannot change a
 result (``collectives.select``), since which of two close algorithms is faster changes from one
 process launch to the next on a shared machine.
 What ``auto`` runs now stays where the fastest beats it by no more than 3% or three standard
@@ -90,17 +90,21 @@ def rules(best: list[tuple]) -> list[list]:
     return out
 
 
-# Algorithms within this factor of the fastest at a size become the rule's alternates (at
-# most ALTERNATES of them, fastest first), which ``auto`` measures at run time where the choice
-# cannot change a result (collectives.select): one launch's ranking is not the next one's.
+# A rule's alternates, which ``auto`` measures at run time where the choice cannot change a
+# result (collectives.select), since one launch's ranking is not the next one's: the algorithms
+# within ALTERNATE of the fastest at a size, and the ones the rule named before (the evidence of
+# earlier runs: binomial reduce at 128 KiB, n = 2, was 1.26x faster than native in one launch
+# and 1.3x slower in another), at most ALTERNATES, fastest first.
 ALTERNATE = 1.25
-ALTERNATES = 2
+ALTERNATES = 3
 
 
-def alternates(row: list, win) -> tuple[str, ...]:
-    """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest, fastest first."""
+def alternates(row: list, win, before=()) -> tuple[str, ...]:
+    """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest or named in
+    ``before`` (the rule in force), fastest first."""
     fastest = min(r.time for r in row)
-    close = sorted((r for r in row if r is not win and r.time <= ALTERNATE * fastest),
+    close = sorted((r for r in row if r is not win and
+                    (r.time <= ALTERNATE * fastest or r.algorithm in before)),
                    key=lambda r: r.time)
     return tuple(r.algorithm for r in close[:ALTERNATES])
 
@@ -220,9 +224,9 @@ def main(argv=None) -> int:
         best = []
         for nbytes in dict.fromkeys(r.nbytes for r in mine):
             row = [r for r in mine if r.nbytes == nbytes]
-            win = winner(row, before[key][nbytes])
+            win = winner(row, before[key][nbytes][0])
             best.append((_input_bytes(_split(key)[0], win),
-                         (win.algorithm,) + alternates(row, win)))
+                         (win.algorithm,) + alternates(row, win, before[key][nbytes])))
         new[key] = rules(best)
     note = None
     if rank0 and not args.dry_run:
@@ -255,7 +259,8 @@ def _split(key: str) -> tuple[str, bool]:
 
 
 def _auto_now(measured, n, path: Path) -> dict:
-    """What ``auto`` picks now for every measured size (built-in table if no file yet)."""
+    """The algorithms of the rule ``auto`` uses now for every measured size, its pick first
+    (built-in table if no file yet)."""
     import tempfile
 
     from collectives import select
@@ -271,8 +276,8 @@ def _auto_now(measured, n, path: Path) -> dict:
         picks = {}
         for key, res in measured.items():
             c, inplace = _split(key)
-            picks[key] = {r.nbytes: select.auto(c, _input_bytes(c, r), n, inplace=inplace)
-                          for r in res}
+            picks[key] = {r.nbytes: select.candidates(c, _input_bytes(c, r), n,
+                                                      inplace=inplace) for r in res}
         return picks
     finally:
         if empty is not None:
@@ -304,7 +309,7 @@ def _report(measured, before, new, n, path, sig, note, dry):
         for nbytes in dict.fromkeys(r.nbytes for r in res):
             row = {r.algorithm: r for r in res if r.nbytes == nbytes}
             win = min(row.values(), key=lambda r: r.time)
-            b = before[c][nbytes]
+            b = before[c][nbytes][0]
             a = _after(new[c], _input_bytes(_split(c)[0], win))
             tb = row[b].time if b in row else float("nan")
             ta = row[a].time

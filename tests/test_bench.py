@@ -239,16 +239,19 @@ def test_tune_rules_and_merge(tmp_path):
 
 
 def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
-    """tune: the algorithms within 1.25x of the fastest (two at most, fastest first) follow the
-    winner in its rule; select: ``candidates`` lists a rule's names (the multi-node swap applied
+    """tune: the algorithms within 1.25x of the fastest, and those the rule in force named (three
+    at most, fastest first), follow the winner in its rule; select: ``candidates`` lists a rule's names (the multi-node swap applied
     to each), ``auto`` returns the first."""
     from collectives import select
     row = [_result("native", "out", 1.00e-3), _result("ring", "out", 0.95e-3),
            _result("tree", "out", 1.10e-3), _result("shm", "out", 1.30e-3),
            _result("binomial", "out", 1.15e-3)]
-    assert tune.alternates(row, row[0]) == ("ring", "tree")   # the incumbent kept
-    assert tune.alternates(row, row[1]) == ("native", "tree")
+    assert tune.alternates(row, row[0]) == ("ring", "tree", "binomial")  # the incumbent kept
+    assert tune.alternates(row, row[1]) == ("native", "tree", "binomial")
     assert tune.alternates(row[3:4], row[3]) == ()
+    few = row[:3] + row[3:4]  # native, ring, tree, shm (1.3x: not close)
+    assert tune.alternates(few, row[1]) == ("native", "tree")
+    assert tune.alternates(few, row[1], ("shm", "gone")) == ("native", "tree", "shm")  # named
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
         "2": [[100, "native"], [None, "shm", "ring", "nope"]]}}}))
@@ -373,7 +376,8 @@ def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
     assert data["version"] == 1 and data["signature"]
     for table in (data["tables"]["allreduce"]["2"], data["tables"]["broadcast"]["2"],
                   data["tables"]["allreduce"]["in-place"]["2"]):  # allreduce: both modes
-        assert table[-1][0] is None and all(isinstance(name, str) for _, name in table)
+        assert table[-1][0] is None and all(isinstance(name, str) for _, *names in table
+                                            for name in names)
     assert "in-place" not in data["tables"]["broadcast"]
     assert "auto before" in p.stdout and "auto after" in p.stdout
 
