@@ -316,31 +316,40 @@ class _Trial:
     """``auto``'s measurement of a rule's algorithms on one communicator for one message size
     (STAR-MPI's *delayed finalization*, Faraj, Yuan and Lowenthal, ICS 2006).
 
-    The blocking calls of this size run the algorithms in turn, ``1 + TIMED`` calls each; the
-    first call of each (its schedule built, its scratch allocated) is not timed. Then every rank
-    takes, per algorithm, the median of its timed calls, one ``MPI_Allreduce(MAX)`` makes them
-    the slowest rank's, and the fastest algorithm (the rule's first, on a tie) is what ``auto``
-    runs for this size from then on. Every rank makes the same calls in the same order, so
-    every rank runs the same algorithm at every call, and takes the same decision at the same
-    call. Non-blocking calls during the trial run the rule's first algorithm and are not timed
-    (a start-to-wait time is the caller's); calls whose result could depend on the algorithm
+    The blocking calls of this size run the algorithms in rounds: per round, a block of
+    ``BLOCK`` consecutive calls of each algorithm (in an order that rotates from round to
+    round), the first call of a block untimed (the switch from the algorithm before), the
+    block's time the mean of the others. After each round from ``MIN_ROUNDS`` on, one
+    ``MPI_Allreduce(MAX)`` gives every rank the slowest rank's figure per algorithm, the upper
+    quartile of its blocks (an algorithm that runs in two modes is judged by its slow one: at 3
+    ranks on 2 cores binomial's blocks went from 180 to 600 us and back within a run). The
+    trial ends when the best figure beats every other by ``CLEAR`` or after ``MAX_ROUNDS``;
+    the best algorithm (the rule's first on a tie) is what ``auto`` runs for this size from then
+    on. Every rank makes the same calls in the same order and sees the same figures, so every
+    rank runs the same algorithm at every call and ends the trial at the same call.
+    Non-blocking calls during the trial run the rule's first algorithm and are not timed (a
+    start-to-wait time is the caller's); calls whose result could depend on the algorithm
     (``_exact``) always run the first. The trial stays in the memo (calls of its size take
     ``_auto``'s path, ~0.3 us), since that check is per call.
     """
 
-    TIMED = 3
+    BLOCK = 4
+    MIN_ROUNDS = 3
+    MAX_ROUNDS = 8
+    CLEAR = 1.1
 
-    __slots__ = ("ctx", "collective", "key", "names", "builders", "times", "calls", "timing",
-                 "decided", "_index")
+    __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "calls", "timing",
+                 "decided", "_index", "_sum")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
-        self.times: list[list[float]] = [[] for _ in names]
+        self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
         self.calls = 0  # blocking calls made in the trial
         self.timing = False
         self.decided = None  # (name, builder) once measured
         self._index = 0
+        self._sum = 0.0  # seconds of the timed calls of the current block
 
     def next(self, blocking: bool, exact: bool = True):
         """``(name, builder)`` for this call; sets ``timing`` (record its time)."""
@@ -351,22 +360,34 @@ class _Trial:
             return self.decided
         if not blocking:
             return self.names[0], self.builders[0]
-        i = self.calls % len(self.names)
-        self.timing = self.calls >= len(self.names)  # the first round warms each one up
+        m = len(self.names)
+        block, within = divmod(self.calls, self.BLOCK)
+        rnd, slot = divmod(block, m)
+        i = (slot + rnd) % m  # the order rotates: no algorithm always follows the same one
+        self.timing = within > 0
         self._index = i
         self.calls += 1
         return self.names[i], self.builders[i]
 
     def record(self, seconds: float) -> None:
-        """The time of the call that ``next`` chose; after the last, the decision."""
-        self.times[self._index].append(seconds)
+        """The time of the call that ``next`` chose; at a round's end, maybe the decision."""
         self.timing = False
-        if self.calls < len(self.names) * (1 + self.TIMED):
+        self._sum += seconds
+        if self.calls % self.BLOCK:
+            return
+        self.blocks[self._index].append(self._sum / (self.BLOCK - 1))
+        self._sum = 0.0
+        m = len(self.names)
+        rounds = self.calls // (self.BLOCK * m)
+        if self.calls % (self.BLOCK * m) or rounds < self.MIN_ROUNDS:
             return
         from mpi4py import MPI
-        mine = np.array([np.median(t) for t in self.times], dtype=np.float64)
+        mine = np.array([np.percentile(b, 75) for b in self.blocks], dtype=np.float64)
         self.ctx.comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        best = int(np.argmin(mine))  # the first of equal times: the rule's order
+        best = int(np.argmin(mine))  # the first of equal figures: the rule's order
+        others = np.delete(mine, best)
+        if rounds < self.MAX_ROUNDS and not (others > self.CLEAR * mine[best]).all():
+            return
         self.decided = (self.names[best], self.builders[best])
         self.ctx.auto_trials[(self.collective, self.key)] = \
             dict(zip(self.names, (float(t) for t in mine)))

@@ -469,3 +469,9 @@ def test_tune_keeps_what_auto_runs_within_the_noise():
     wobbly = _result("tree", "out", 1.08e-3, rounds=noisy)      # 8%, but within its noise
     assert tune.winner([dbt, wobbly], "tree") is wobbly
     assert tune.winner([dbt, _result("tree", "out", 1.08e-3, rounds=steady)], "tree") is dbt
+    # two modes: fast in 11 of 21 rounds (a median that wins), 3x slower in the rest
+    modal = _result("binomial", "out", 0.6e-3, rounds=tuple(1.0 if k % 2 == 0 else 3.0
+                                                             for k in range(21)))
+    tree = _result("tree", "out", 1.0e-3, rounds=steady)
+    assert modal.time < tree.time and tune.winner([modal, tree], "tree") is tree
+    assert tune.winner([modal, tree], None) is modal           # nothing to keep

@@ -287,8 +287,8 @@ def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
 @pytest.mark.parametrize("trials", ["on", "off"])
 def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
     """A rule naming several algorithms: where the choice cannot change a result (2 ranks, or a
-    collective that only moves data) auto runs each of them 1 + TIMED times in turn, then every
-    rank runs the one whose slowest-rank time was least; elsewhere, and with
+    collective that only moves data) auto runs them in blocks, in turn, for 3 to 8 rounds, then
+    every rank runs the one whose slowest-rank time was least; elsewhere, and with
     COLLECTIVES_AUTO_TRIAL=0, the rule's first. Non-blocking calls run the first meanwhile and
     do not count; a float min/max always runs the first. Results are right all along."""
     import json
@@ -318,8 +318,10 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
         else:
             call = lambda: coll.allgather(x, comm=comm)  # noqa: E731
             check = lambda y: np.array_equal(y, np.repeat(np.arange(1, size + 1), 1000))  # noqa
-        for i in range(len(rule) * (1 + api._Trial.TIMED)):
-            if (api.auto_pick(collective, x.nbytes, comm) is None) != measured:
+        calls = len(rule) * api._Trial.BLOCK * api._Trial.MAX_ROUNDS  # the longest trial
+        for i in range(calls):
+            if i < len(rule) * api._Trial.BLOCK * api._Trial.MIN_ROUNDS and \
+                    (api.auto_pick(collective, x.nbytes, comm) is None) != measured:
                 bad.append(f"{collective} call {i}: {api.auto_pick(collective, x.nbytes, comm)}")
             if not check(call()):
                 bad.append(f"{collective} call {i}: wrong result")
