@@ -316,40 +316,46 @@ class _Trial:
     """``auto``'s measurement of a rule's algorithms on one communicator for one message size
     (STAR-MPI's *delayed finalization*, Faraj, Yuan and Lowenthal, ICS 2006).
 
-    The blocking calls of this size run the algorithms in rounds: per round, a block of
-    ``BLOCK`` consecutive calls of each algorithm (in an order that rotates from round to
-    round), the first call of a block untimed (the switch from the algorithm before), the
-    block's time the mean of the others. After each round from ``MIN_ROUNDS`` on, one
-    ``MPI_Allreduce(MAX)`` gives every rank the slowest rank's figure per algorithm, the upper
-    quartile of its blocks (an algorithm that runs in two modes is judged by its slow one: at 3
-    ranks on 2 cores binomial's blocks went from 180 to 600 us and back within a run). The
-    trial ends when the best figure beats every other by ``CLEAR`` or after ``MAX_ROUNDS``;
-    the best algorithm (the rule's first on a tie) is what ``auto`` runs for this size from then
-    on. Every rank makes the same calls in the same order and sees the same figures, so every
-    rank runs the same algorithm at every call and ends the trial at the same call.
-    Non-blocking calls during the trial run the rule's first algorithm and are not timed (a
-    start-to-wait time is the caller's); calls whose result could depend on the algorithm
-    (``_exact``) always run the first. The trial stays in the memo (calls of its size take
-    ``_auto``'s path, ~0.3 us), since that check is per call.
+    The blocking calls of this size run the algorithms in turn. First one round of two calls
+    each, the second timed; one ``MPI_Allreduce(MAX)`` of those times sets every algorithm's
+    block length, the same on every rank: about ``BLOCK_S`` seconds (3 to 100 calls). Then
+    rounds of one block of each algorithm, in an order that rotates from round to round, the
+    block's first call untimed (the switch from the algorithm before) and its time the mean of
+    the others. After each round from ``MIN_ROUNDS`` on, one ``MPI_Allreduce(MAX)`` gives every
+    rank the slowest rank's median block per algorithm; the trial ends when the fastest beats
+    every other by ``CLEAR``, or after ``MAX_ROUNDS``. The rule's first algorithm (the one the
+    table measured best) stays unless another beats it by ``SWITCH``: short blocks of the same
+    code differ by 5-10% here, and a trial that follows them picks among equals at random.
+    Every rank makes the same calls in the same order and sees the same figures, so every rank
+    runs the same algorithm at every call and ends the trial at the same call. Non-blocking
+    calls during the trial run the rule's first algorithm and are not timed (a start-to-wait
+    time is the caller's); calls whose result could depend on the algorithm (``_exact``) always
+    run the first. The trial stays in the memo (calls of its size take ``_auto``'s path,
+    ~0.3 us), since that check is per call.
     """
 
-    BLOCK = 4
-    MIN_ROUNDS = 3
+    BLOCK_S = 2e-3
+    MIN_ROUNDS = 4
     MAX_ROUNDS = 8
-    CLEAR = 1.1
+    CLEAR = 1.2
+    SWITCH = 1.1
 
-    __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "calls", "timing",
-                 "decided", "_index", "_sum")
+    __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
+                 "decided", "plan", "_step", "_index", "_sum", "_first", "_lengths")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
         self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
-        self.calls = 0  # blocking calls made in the trial
         self.timing = False
         self.decided = None  # (name, builder) once measured
+        m = len(names)
+        # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
+        self.plan = [(i, k == 1, k == 1) for i in range(m) for k in range(2)]
+        self._step = 0
         self._index = 0
         self._sum = 0.0  # seconds of the timed calls of the current block
+        self._first = True  # still in the first round (single timed calls)
 
     def next(self, blocking: bool, exact: bool = True):
         """``(name, builder)`` for this call; sets ``timing`` (record its time)."""
@@ -360,37 +366,56 @@ class _Trial:
             return self.decided
         if not blocking:
             return self.names[0], self.builders[0]
-        m = len(self.names)
-        block, within = divmod(self.calls, self.BLOCK)
-        rnd, slot = divmod(block, m)
-        i = (slot + rnd) % m  # the order rotates: no algorithm always follows the same one
-        self.timing = within > 0
-        self._index = i
-        self.calls += 1
+        i, timed, _ = self.plan[self._step]
+        self.timing, self._index = timed, i
+        if not timed:  # (a timed call's step is taken by ``record``)
+            self._step += 1
         return self.names[i], self.builders[i]
 
     def record(self, seconds: float) -> None:
-        """The time of the call that ``next`` chose; at a round's end, maybe the decision."""
+        """The time of the call that ``next`` chose; at a round's end, the next round or the
+        decision."""
         self.timing = False
+        i, _, ends = self.plan[self._step]
         self._sum += seconds
-        if self.calls % self.BLOCK:
-            return
-        self.blocks[self._index].append(self._sum / (self.BLOCK - 1))
-        self._sum = 0.0
-        m = len(self.names)
-        rounds = self.calls // (self.BLOCK * m)
-        if self.calls % (self.BLOCK * m) or rounds < self.MIN_ROUNDS:
+        self._step += 1
+        if ends:
+            self.blocks[i].append(self._sum / max(1, self._timed(i)))
+            self._sum = 0.0
+        if self._step < len(self.plan):
             return
         from mpi4py import MPI
-        mine = np.array([np.percentile(b, 75) for b in self.blocks], dtype=np.float64)
-        self.ctx.comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        best = int(np.argmin(mine))  # the first of equal figures: the rule's order
-        others = np.delete(mine, best)
-        if rounds < self.MAX_ROUNDS and not (others > self.CLEAR * mine[best]).all():
-            return
-        self.decided = (self.names[best], self.builders[best])
-        self.ctx.auto_trials[(self.collective, self.key)] = \
-            dict(zip(self.names, (float(t) for t in mine)))
+        m = len(self.names)
+        if self._first:  # block lengths from the slowest rank's single calls
+            once = np.array([b[0] for b in self.blocks], dtype=np.float64)
+            self.ctx.comm.Allreduce(MPI.IN_PLACE, once, op=MPI.MAX)
+            self._lengths = [int(min(100, max(3, round(self.BLOCK_S / max(t, 1e-9)))))
+                             for t in once]
+            self.blocks = [[] for _ in self.names]
+            self._first = False
+        else:
+            rounds = len(self.blocks[0])
+            if rounds >= self.MIN_ROUNDS:
+                med = np.array([np.median(b) for b in self.blocks], dtype=np.float64)
+                self.ctx.comm.Allreduce(MPI.IN_PLACE, med, op=MPI.MAX)
+                best = int(np.argmin(med))
+                clear = bool((np.delete(med, best) > self.CLEAR * med[best]).all())
+                if clear or rounds >= self.MAX_ROUNDS:
+                    if med[0] <= self.SWITCH * med[best]:
+                        best = 0  # not clearly faster than the rule's first
+                    self.decided = (self.names[best], self.builders[best])
+                    self.ctx.auto_trials[(self.collective, self.key)] = \
+                        dict(zip(self.names, (float(t) for t in med)))
+                    return
+        rnd = len(self.blocks[0])
+        self.plan = [(i, k > 0, k == self._lengths[i] - 1)
+                     for i in ((slot + rnd) % m for slot in range(m))
+                     for k in range(self._lengths[i])]
+        self._step = 0
+
+    def _timed(self, i: int) -> int:
+        """Timed calls in a block of algorithm ``i``."""
+        return 1 if self._first else self._lengths[i] - 1
 
 
 def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op=None,
