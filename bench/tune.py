@@ -14,9 +14,9 @@ of ``collectives.select``::
 
 (allreduce is measured in place too, and its in-place winners become the ``"in-place"`` rules).
 A rule also names the algorithms within 1.25x of the fastest and those the rule in force named
-(three at most), ``[max_bytes, winner, alternate, ...]``: ``auto`` measures them at run time where that cannot change a
-result (``collectives.select``), since which of two close algorithms is faster changes from one
-process launch to the next on a shared machine.
+(three at most), ``[max_bytes, winner, alternate, ...]``: ``auto`` measures them at run time
+where that cannot change a result (``collectives.select``), since which of two close
+algorithms is faster changes from one process launch to the next on a shared machine.
 What ``auto`` runs now stays where the fastest beats it by no more than 3% or three standard
 errors (``winner``): near-equals trade places from run to run, and the table follows evidence.
 

@@ -231,7 +231,7 @@ class Run:
         self.on_done = on_done
         self.pending = list(plan.ndeps)
         self.ready = deque(plan.roots)
-        self.posted = [False] * len(plan.ops)   # comm op ready (deps done) - may still wait its turn
+        self.posted = [False] * len(plan.ops)  # comm op ready (deps done); may still wait its turn
         self.next = dict.fromkeys(plan.queues, 0)
         self.handles: list = []   # outstanding MPI requests ...
         self.hops: list = []      # ... and the op index of each

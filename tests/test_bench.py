@@ -240,8 +240,8 @@ def test_tune_rules_and_merge(tmp_path):
 
 def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
     """tune: the algorithms within 1.25x of the fastest, and those the rule in force named (three
-    at most, fastest first), follow the winner in its rule; select: ``candidates`` lists a rule's names (the multi-node swap applied
-    to each), ``auto`` returns the first."""
+    at most, fastest first), follow the winner in its rule; select: ``candidates`` lists a
+    rule's names (the multi-node swap applied to each), ``auto`` returns the first."""
     from collectives import select
     row = [_result("native", "out", 1.00e-3), _result("ring", "out", 0.95e-3),
            _result("tree", "out", 1.10e-3), _result("shm", "out", 1.30e-3),

@@ -55,7 +55,7 @@ def test_wait_future_without_work_fails_instead_of_hanging():
         ct.wait_future(torch.futures.Future())
 
 
-# -- MPI --------------------------------------------------------------------------------------------
+# -- MPI -------------------------------------------------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [0, 1, 7, 1000])
