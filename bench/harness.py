@@ -320,16 +320,16 @@ def noise(a: Result, b: Result) -> float:
     return 3 * math.hypot(median_error(a), median_error(b))
 
 
-def _race(keys, results) -> list:
+def _race(keys, results, kept=()) -> list:
     """The contenders that stay in the race (``Sweep._settle``): per mode, the best, ``auto``,
-    and those not clearly slower than the best (by more than ``noise``)."""
+    those in ``kept``, and those not clearly slower than the best (by more than ``noise``)."""
     stay = []
     for mode in dict.fromkeys(key[1] for key in keys):
         mine = [key for key in keys if key[1] == mode]
         best = results[min(mine, key=lambda k: results[k].time)]
         for key in mine:
             res = results[key]
-            if res is best or key[0] == "auto" or \
+            if res is best or key[0] == "auto" or key in kept or \
                     math.log(res.time / best.time) <= noise(res, best):
                 stay.append(key)
     return stay
@@ -430,7 +430,7 @@ class Sweep:
     def __init__(self, collective: Collective, comm, *, dtype="float32", op="sum", root=0,
                  algorithms=None, iters=0, warmup=2, rounds=3, budget=0.01, check=True,
                  modes=None, gloo_comm=None, out=None, max_rounds=None, target=0.01,
-                 settle=8.0):
+                 settle=8.0, incumbent=None):
         self.spec, self.comm = collective, comm
         self.n, self.rank = comm.Get_size(), comm.Get_rank()
         self.dtype = np.dtype(dtype)
@@ -444,6 +444,9 @@ class Sweep:
         # seconds of blocks per size, until the median of each is known to ``target``.
         self.max_rounds = max(self.rounds, 20 * self.rounds if max_rounds is None else max_rounds)
         self.target, self.settle = target, settle
+        # incumbent(input bytes, mode) -> the algorithm auto runs now there (``tune``): a
+        # contender of the race like ``auto``, whatever its first rounds said.
+        self.incumbent = incumbent
         self.budget, self.check = budget, check
         self.modes = [m for m in (modes or collective.modes) if m in collective.modes]
         if not self.modes:
@@ -571,7 +574,7 @@ class Sweep:
             if progress is not None:
                 progress.step(f"{format_size(size_col)} round {r + 1}/{self.rounds}")
         correct_drift(list(results.values()))
-        self._settle(calls, results, order)
+        self._settle(calls, results, order, cin * self.dtype.itemsize)
         return list(results.values())
 
     def _block(self, fn, iters: int, res: Result, est: float, round_id=None) -> float:
@@ -592,14 +595,17 @@ class Sweep:
             res.round_ids.append(round_id)
         return max(ranks_t) * iters + (est if warm else 0.0)
 
-    def _settle(self, calls, results, order) -> None:
+    def _settle(self, calls, results, order, nbytes: int = 0) -> None:
         """Extra rounds for the algorithms that could be the fastest at this size (a race).
 
         After ``rounds`` rounds of everything, the *contenders* of each mode are the algorithms
-        within ``CONTEND`` of the fastest median, and ``auto``. They alone run more rounds;
-        after each, a contender whose median is clearly slower than the best's (by more than
-        three standard errors of the difference) leaves the race (``auto`` and the current best
-        never do). The race ends when every median left is known to ``target`` (its standard
+        within ``CONTEND`` of the fastest median, ``auto``, and the ``incumbent`` (what ``auto``
+        runs now, for ``tune``: an algorithm in its fast mode for the first rounds made every
+        other look 1.5x slower, and alone, it raced no one: binomial reduce at 3 ranks, 3 fast
+        rounds of 5, median 192 us against tree's 293, where the next run measured 444 against
+        327). They alone run more rounds; after each, a contender whose median is clearly
+        slower than the best's (by more than three standard errors of the difference) leaves
+        the race (``auto``, the incumbent and the current best never do). The race ends when every median left is known to ``target`` (its standard
         error, from the spread of its drift-corrected rounds) and so is the gap between
         ``auto`` and the best (``_resolved``), after ``max_rounds`` rounds, or
         when its blocks have taken ``settle`` seconds. Why: who is fastest, and whether
@@ -618,8 +624,9 @@ class Sweep:
             if not mine:
                 continue
             best = min(results[key].time for key in mine)
+            keep = self._kept(nbytes, mode)
             close = [key for key in mine
-                     if results[key].time <= CONTEND * best or key[0] == "auto"]
+                     if results[key].time <= CONTEND * best or key[0] in keep]
             if len(close) >= 2:
                 keys += close
         if not keys:
@@ -637,9 +644,17 @@ class Sweep:
                 res = results[key]
                 spent += self._block(calls[key][0], iters, res, res.time, r)
             correct_drift(list(results.values()))
-            keys = _race(keys, results)
+            keys = _race(keys, results, {k for k in keys if k[0] in self._kept(nbytes, k[1])})
             if spent >= self.settle or _resolved(keys, results, self.target):
                 break
+
+    def _kept(self, nbytes: int, mode: str) -> set:
+        """The algorithms that stay in the race whatever their times: ``auto``, and the
+        incumbent."""
+        kept = {"auto"}
+        if self.incumbent is not None:
+            kept.add(self.incumbent(nbytes, mode))
+        return kept
 
     def run(self, sizes) -> list[Result]:
         """Every size in turn; calls ``out(results)`` after each size."""

@@ -29,6 +29,7 @@ their measured times; ``--verify`` runs the benchmark again with ``auto`` to sho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
         # both), so that both see the same interleaving; ``_ruled`` says which make rules.
         sweep = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
                       budget=args.budget / 1e3, check=True, modes=list(s.modes),
-                      settle=args.settle)
+                      settle=args.settle, incumbent=_incumbent(c, n, path))
         res = sweep.run(sizes)
         for mode in sweep.modes:
             if _ruled(c, mode, sweep.modes):
@@ -275,31 +276,50 @@ def _split(key: str) -> tuple[str, bool]:
 def _auto_now(measured, n, path: Path) -> dict:
     """The algorithms of the rule ``auto`` uses now for every measured size, its pick first
     (built-in table if no file yet)."""
-    import tempfile
-
     from collectives import select
-    saved = os.environ.get("COLLECTIVES_TUNING")
-    empty = None
-    if not path.exists():
-        # select refuses a COLLECTIVES_TUNING that names no file: point it at an empty table.
-        fd, empty = tempfile.mkstemp(suffix=".json")
-        os.write(fd, b'{"version": 1, "tables": {}}')
-        os.close(fd)
-        os.environ["COLLECTIVES_TUNING"] = empty
-    try:
+    with _rules_in_force(path):
         picks = {}
         for key, res in measured.items():
             c, inplace = _split(key)
             picks[key] = {r.nbytes: select.candidates(c, _input_bytes(c, r), n,
                                                       inplace=inplace) for r in res}
         return picks
+
+
+def _incumbent(collective: str, n: int, path: Path):
+    """``Sweep``'s ``incumbent``: what ``auto`` runs now for an input size and mode."""
+    from collectives import select
+    memo: dict = {}
+
+    def pick(nbytes: int, mode: str) -> str:
+        if (nbytes, mode) not in memo:
+            with _rules_in_force(path):
+                memo[nbytes, mode] = select.auto(collective, nbytes, n, inplace=mode == "in")
+        return memo[nbytes, mode]
+    return pick
+
+
+@contextlib.contextmanager
+def _rules_in_force(path: Path):
+    """The rules ``auto`` uses now: the file's, or the built-in table if there is no file yet
+    (select refuses a COLLECTIVES_TUNING that names no file: it points at an empty table)."""
+    import tempfile
+    if path.exists():
+        yield
+        return
+    saved = os.environ.get("COLLECTIVES_TUNING")
+    fd, empty = tempfile.mkstemp(suffix=".json")
+    os.write(fd, b'{"version": 1, "tables": {}}')
+    os.close(fd)
+    os.environ["COLLECTIVES_TUNING"] = empty
+    try:
+        yield
     finally:
-        if empty is not None:
-            os.unlink(empty)
-            if saved is None:
-                del os.environ["COLLECTIVES_TUNING"]
-            else:
-                os.environ["COLLECTIVES_TUNING"] = saved
+        os.unlink(empty)
+        if saved is None:
+            del os.environ["COLLECTIVES_TUNING"]
+        else:
+            os.environ["COLLECTIVES_TUNING"] = saved
 
 
 def _after(rules_: list, nbytes: int) -> str:

@@ -454,6 +454,32 @@ def test_sweep_races_the_contenders_only():
     assert all(len(r.rounds) == 3 for r in slow.run_size(1 << 12))  # settle=0: no race
 
 
+def test_sweep_races_the_incumbent_too():
+    """tune's sweep: the algorithm auto runs now is a contender even when the first rounds put
+    it past 1.5x of the fastest (an algorithm in a lucky fast mode raced no one before)."""
+    from mpi4py import MPI
+    spec = tune.spec("allreduce")
+    seen = []
+
+    def incumbent(nbytes, mode):
+        seen.append((nbytes, mode))
+        return "ring"
+    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "ring"], rounds=3,
+                          budget=0.0005, check=False, modes=["out"], max_rounds=9,
+                          target=0.0, settle=5.0, incumbent=incumbent)
+    res = {r.algorithm: r for r in sweep.run_size(1 << 12)}
+    assert len(res["native"].rounds) == len(res["ring"].rounds) == 9
+    assert seen and seen[0] == (1 << 12, "out")
+    assert sweep._kept(1 << 12, "out") == {"auto", "ring"}
+    # the race keeps the incumbent however slow; without it, the clearly slower one leaves
+    steady = tuple(1.0 + 0.01 * (k % 3) for k in range(21))
+    fast = _result("binomial", "out", 0.6e-3, rounds=steady)
+    tree = _result("tree", "out", 1.0e-3, rounds=steady)
+    results = {("binomial", "out"): fast, ("tree", "out"): tree}
+    assert harness._race(list(results), results) == [("binomial", "out")]
+    assert harness._race(list(results), results, {("tree", "out")}) == list(results)
+
+
 def test_tune_keeps_what_auto_runs_within_the_noise():
     """A rule changes only where the fastest beats auto's current pick clearly: by more than 3%
     and three standard errors of the difference."""
