@@ -605,10 +605,11 @@ class Sweep:
         rounds of 5, median 192 us against tree's 293, where the next run measured 444 against
         327). They alone run more rounds; after each, a contender whose median is clearly
         slower than the best's (by more than three standard errors of the difference) leaves
-        the race (``auto``, the incumbent and the current best never do). The race ends when every median left is known to ``target`` (its standard
-        error, from the spread of its drift-corrected rounds) and so is the gap between
-        ``auto`` and the best (``_resolved``), after ``max_rounds`` rounds, or
-        when its blocks have taken ``settle`` seconds. Why: who is fastest, and whether
+        the race (``auto``, the incumbent and the current best never do). The race ends when
+        every median left is known to ``target`` (its standard error, from the spread of its
+        drift-corrected rounds) and so is the gap between ``auto`` and the best
+        (``_resolved``), after ``max_rounds`` rounds, or when its blocks have taken ``settle``
+        seconds. Why: who is fastest, and whether
         ``auto`` is as fast as the best, is decided between close medians, and on a shared
         2-core machine running 3 ranks the corrected rounds of one algorithm scatter by 4-6%
         (sd) at best and fall in two modes 1.5x apart at worst, so the medians of 7 rounds of
@@ -637,6 +638,7 @@ class Sweep:
         for key in keys:
             results[key].extra_iters = iters
             results[key].round_ids = results[key].ids()
+        kept = {key for key in keys if key[0] in self._kept(nbytes, key[1])}
         spent = 0.0  # block time (max over ranks): the same on every rank, so is every verdict
         for r in range(self.rounds, self.max_rounds):
             order.shuffle(keys)
@@ -644,7 +646,7 @@ class Sweep:
                 res = results[key]
                 spent += self._block(calls[key][0], iters, res, res.time, r)
             correct_drift(list(results.values()))
-            keys = _race(keys, results, {k for k in keys if k[0] in self._kept(nbytes, k[1])})
+            keys = _race(keys, results, kept)
             if spent >= self.settle or _resolved(keys, results, self.target):
                 break
 

@@ -218,6 +218,7 @@ def main(argv=None) -> int:
         os.environ["COLLECTIVES_TUNING"] = str(path)  # so auto reads the table we write
     sig = signature(comm)
     measured, new = {}, {}
+    rule_now = _rules_now(n, path)
     for c in collectives:
         s = spec(c)
         algs = [a for a in select.algorithms(c)]
@@ -228,19 +229,22 @@ def main(argv=None) -> int:
         # both), so that both see the same interleaving; ``_ruled`` says which make rules.
         sweep = Sweep(s, comm, dtype=args.datatype, algorithms=algs, rounds=args.rounds,
                       budget=args.budget / 1e3, check=True, modes=list(s.modes),
-                      settle=args.settle, incumbent=_incumbent(c, n, path))
+                      settle=args.settle,
+                      incumbent=lambda nbytes, mode, c=c: rule_now(c, nbytes, mode == "in")[0])
         res = sweep.run(sizes)
         for mode in sweep.modes:
             if _ruled(c, mode, sweep.modes):
                 key = c if mode == sweep.modes[0] else f"{c} in-place"
                 measured[key] = [r for r in res if r.mode == mode]
-    before = _auto_now(measured, n, path)
+    before = {}  # the rule auto uses now, per measured size
     for key, mine in measured.items():
+        c, inplace = _split(key)
+        before[key] = {r.nbytes: rule_now(c, _input_bytes(c, r), inplace) for r in mine}
         best = []
         for nbytes in dict.fromkeys(r.nbytes for r in mine):
             row = [r for r in mine if r.nbytes == nbytes]
             win = winner(row, before[key][nbytes][0])
-            best.append((_input_bytes(_split(key)[0], win),
+            best.append((_input_bytes(c, win),
                          (win.algorithm,) + alternates(row, win, before[key][nbytes])))
         new[key] = rules(best)
     note = None
@@ -273,30 +277,20 @@ def _split(key: str) -> tuple[str, bool]:
     return c, bool(mode)
 
 
-def _auto_now(measured, n, path: Path) -> dict:
-    """The algorithms of the rule ``auto`` uses now for every measured size, its pick first
-    (built-in table if no file yet)."""
-    from collectives import select
-    with _rules_in_force(path):
-        picks = {}
-        for key, res in measured.items():
-            c, inplace = _split(key)
-            picks[key] = {r.nbytes: select.candidates(c, _input_bytes(c, r), n,
-                                                      inplace=inplace) for r in res}
-        return picks
-
-
-def _incumbent(collective: str, n: int, path: Path):
-    """``Sweep``'s ``incumbent``: what ``auto`` runs now for an input size and mode."""
+def _rules_now(n: int, path: Path):
+    """``rule(collective, input bytes, in place)``: the algorithms of the rule ``auto`` uses now
+    there, its pick first (the file's, or the built-in table if there is no file yet);
+    memoized, for the race (``Sweep``'s ``incumbent``) and the verdict (``winner``) alike."""
     from collectives import select
     memo: dict = {}
 
-    def pick(nbytes: int, mode: str) -> str:
-        if (nbytes, mode) not in memo:
+    def rule(collective: str, nbytes: int, inplace: bool) -> tuple[str, ...]:
+        key = (collective, nbytes, inplace and collective in select.IN_PLACE_RULES)
+        if key not in memo:
             with _rules_in_force(path):
-                memo[nbytes, mode] = select.auto(collective, nbytes, n, inplace=mode == "in")
-        return memo[nbytes, mode]
-    return pick
+                memo[key] = select.candidates(collective, nbytes, n, inplace=key[2])
+        return memo[key]
+    return rule
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from . import check as _check
 from . import native, select
 from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
-from .errors import env_raw, network_error
+from .errors import OFF_WORDS, env_raw, getenv, network_error
 from .executor import Run, context, segment_elems
 from .ops import resolve
 from .progress import Done, Request
@@ -293,12 +293,9 @@ def _trials(ctx, collective: str) -> bool:
     data movement; or 2 ranks, where every algorithm reduces an element once and a + b = b + a
     (``_exact`` says which calls); on more ranks the association order differs, and float sums
     round differently."""
-    if ctx.size < 2 or env_raw(b"COLLECTIVES_AUTO_TRIAL") in _OFF:
+    if ctx.size < 2 or (getenv("COLLECTIVES_AUTO_TRIAL") or "").strip().lower() in OFF_WORDS:
         return False
     return ctx.size == 2 or collective in _MOVES
-
-
-_OFF = frozenset(("0", b"0", "false", b"false", "no", b"no"))
 
 
 def _exact(call: Call) -> bool:
@@ -341,7 +338,7 @@ class _Trial:
     SWITCH = 1.1
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
-                 "decided", "plan", "_step", "_index", "_sum", "_first", "_lengths")
+                 "decided", "plan", "_step", "_sum", "_first", "_lengths")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
@@ -353,7 +350,6 @@ class _Trial:
         # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
         self.plan = [(i, k == 1, k == 1) for i in range(m) for k in range(2)]
         self._step = 0
-        self._index = 0
         self._sum = 0.0  # seconds of the timed calls of the current block
         self._first = True  # still in the first round (single timed calls)
 
@@ -367,7 +363,7 @@ class _Trial:
         if not blocking:
             return self.names[0], self.builders[0]
         i, timed, _ = self.plan[self._step]
-        self.timing, self._index = timed, i
+        self.timing = timed
         if not timed:  # (a timed call's step is taken by ``record``)
             self._step += 1
         return self.names[i], self.builders[i]

@@ -56,7 +56,7 @@ from collections import deque
 import numpy as np
 
 from .buffers import Buffer, _contiguous, bfloat16, check_dtype, torch_dtype_to_numpy
-from .errors import CollectiveError
+from .errors import OFF_WORDS, CollectiveError
 from .schedule import RECV, SEND
 
 __all__ = ["wrap_cupy", "wrap_torch", "awareness", "aware", "transport", "native", "staged",
@@ -162,7 +162,7 @@ def wrap_torch(t) -> Buffer:
 # -- is the MPI library CUDA-aware? ----------------------------------------------------------------
 _DETECTED = None
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+_FALSE = OFF_WORDS
 
 
 def awareness() -> tuple[bool, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
-           "network_error", "getenv"]
+           "network_error", "getenv", "OFF_WORDS"]
 
 _ENVIRON = getattr(os.environ, "_data", None)  # CPython's own store: bytes keys on POSIX
 
@@ -13,6 +13,10 @@ _ENVIRON = getattr(os.environ, "_data", None)  # CPython's own store: bytes keys
 # keys of memos that must follow the variable, on the hottest paths.
 env_raw = _ENVIRON.get if _ENVIRON is not None and os.name == "posix" else \
     (lambda key: os.environ.get(key.decode()))
+
+
+# The values of an on/off environment variable that turn it off (after .strip().lower()).
+OFF_WORDS = ("0", "false", "no", "off")
 
 
 def getenv(name: str, key: bytes | None = None) -> str | None:

@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 
-from .errors import getenv, network_error
+from .errors import OFF_WORDS, getenv, network_error
 
 __all__ = ["Request", "Done", "NativeWork", "Worker", "use_thread"]
 
@@ -73,7 +73,7 @@ def use_thread() -> bool:
     """
     value = getenv("COLLECTIVES_PROGRESS_THREAD", b"COLLECTIVES_PROGRESS_THREAD")
     setting = "auto" if value is None else value.lower()
-    if setting in ("0", "false", "no", "off", ""):
+    if setting in OFF_WORDS or not setting:
         return False
     if setting != "auto":
         return True

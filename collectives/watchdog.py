@@ -109,11 +109,7 @@ class _Entry:
     __slots__ = ("ctx", "call", "what", "seq", "start", "work", "phase", "label")
 
     def __init__(self, ctx, call, what, phase):
-        self.ctx, self.call, self.what, self.phase = ctx, call, what, phase
-        self.seq = call.seq if call is not None else ctx.seq
-        self.start = _monotonic()
-        self.work = None
-        self.label = _LABEL.get()
+        _fill(self, ctx, call, what, phase)
 
     def describe(self) -> str:
         text = self.call.describe() if self.call is not None else self.what
@@ -174,15 +170,19 @@ def watch(ctx, call=None, what: str = "", phase: str = "run") -> _Entry:
         _Channel(ctx)
     # ``_Entry(...)`` filled slot by slot: this runs on every collective call, and it is 0.2 us
     # quicker than ``__init__``.
-    entry = _blank(_Entry)
-    entry.ctx, entry.call, entry.what, entry.phase = ctx, call, what, phase
-    entry.seq = call.seq if call is not None else ctx.seq
-    entry.start, entry.work, entry.label = _monotonic(), None, _LABEL.get()
+    entry = _fill(_blank(_Entry), ctx, call, what, phase)
     _INFLIGHT.add(entry)
     return entry
 
 
 _blank = object.__new__
+
+
+def _fill(entry, ctx, call, what, phase):
+    entry.ctx, entry.call, entry.what, entry.phase = ctx, call, what, phase
+    entry.seq = call.seq if call is not None else ctx.seq
+    entry.start, entry.work, entry.label = _monotonic(), None, _LABEL.get()
+    return entry
 
 
 def unwatch(entry: _Entry, error: BaseException | None = None) -> None:
