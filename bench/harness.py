@@ -547,7 +547,7 @@ class Sweep:
                 # auto may still be measuring the algorithms of its rule (a few calls of each):
                 # run it until it has chosen, so that its timed rounds are of its choice.
                 pick = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
-                for _ in range(20000):  # a trial: at most 9 rounds of 100 calls of each
+                for _ in range(40000):  # a trial: at most 31 rounds of 100 calls of 5
                     if not _sum(self.comm, pick is None):  # the same answer on every rank
                         break
                     fn()

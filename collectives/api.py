@@ -21,6 +21,7 @@ more ranks are registered with the watchdog (``collectives.watchdog``) while the
 from __future__ import annotations
 
 import functools
+import math
 from time import perf_counter
 
 import numpy as np
@@ -189,17 +190,25 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             # in place has rules of its own (allreduce: in place on every rank or none)
             key = ~nbytes if call.inplace and collective in _IN_PLACE else nbytes
             env = env_raw(b"COLLECTIVES_TUNING")
-            last = ctx.auto_last  # the previous auto call's (collective, key, env, pick)
-            if last[1] == key and last[0] is collective and last[2] is env:
+            # the previous auto call's (collective, key, env, pick, for any call: not only
+            # those whose result every algorithm gives alike, _exact)
+            last = ctx.auto_last
+            if last[1] == key and last[0] is collective and last[2] is env and \
+                    (last[4] or _exact(call)):
                 name, builder = last[3]
             else:
                 hit = _auto(ctx, collective, key, env)
                 if type(hit) is tuple:
                     name, builder = hit
-                    ctx.auto_last = (collective, key, env, hit)
+                    ctx.auto_last = (collective, key, env, hit, True)
                 else:  # a rule of several algorithms, measured here (_Trial)
-                    trial = hit
-                    name, builder = trial.next(blocking, _exact(call))
+                    trial, exact = hit, _exact(call)
+                    name, builder = trial.next(blocking, exact)
+                    if trial.decided is not None and exact:
+                        # decided: the same path as a rule of one (2 us less at n = 2)
+                        ctx.auto_last = (collective, key, env, trial.decided,
+                                         trial.decided[0] == trial.names[0])
+                        trial = None
         else:
             try:
                 name, builder = algorithm, _REGISTRY[collective].get(algorithm)
@@ -311,34 +320,39 @@ def _exact_op(op: str | None, kind: str) -> bool:
 
 class _Trial:
     """``auto``'s measurement of a rule's algorithms on one communicator for one message size
-    (STAR-MPI's *delayed finalization*, Faraj, Yuan and Lowenthal, ICS 2006).
+    (STAR-MPI's *delayed finalization*, Faraj, Yuan and Lowenthal, ICS 2006), run as a race.
 
     The blocking calls of this size run the algorithms in turn. First one round of two calls
     each, the second timed; one ``MPI_Allreduce(MAX)`` of those times sets every algorithm's
     block length, the same on every rank: about ``BLOCK_S`` seconds (3 to 100 calls). Then
-    rounds of one block of each algorithm, in an order that rotates from round to round, the
-    block's first call untimed (the switch from the algorithm before) and its time the mean of
-    the others. After each round from ``MIN_ROUNDS`` on, one ``MPI_Allreduce(MAX)`` gives every
-    rank the slowest rank's median block per algorithm; the trial ends when the fastest beats
-    every other by ``CLEAR``, or after ``MAX_ROUNDS``. The rule's first algorithm (the one the
-    table measured best) stays unless another beats it by ``SWITCH``: short blocks of the same
-    code differ by 5-10% here, and a trial that follows them picks among equals at random.
-    Every rank makes the same calls in the same order and sees the same figures, so every rank
-    runs the same algorithm at every call and ends the trial at the same call. Non-blocking
-    calls during the trial run the rule's first algorithm and are not timed (a start-to-wait
-    time is the caller's); calls whose result could depend on the algorithm (``_exact``) always
-    run the first. The trial stays in the memo (calls of its size take ``_auto``'s path,
-    ~0.3 us), since that check is per call.
+    rounds of one block of each algorithm still in the race, in an order that rotates from
+    round to round, the block's first call untimed (the switch from the algorithm before) and
+    its time the mean of the others; one ``MPI_Allreduce(MAX)`` per round gives every rank the
+    slowest rank's block times, so every rank holds the same figures and takes the same
+    decisions at the same call. From ``MIN_ROUNDS`` rounds on, an algorithm whose median block
+    is clearly slower than the fastest's (by more than ``NOISE`` standard errors of the log of
+    their ratio, from the spread of the blocks) leaves the race; the rule's first (the one the
+    table measured best) only when it is also slower by ``SWITCH``. The race ends when one is
+    left, when the medians of those left are known to ``PRECISION`` (they are tied: the rule's
+    first if it is among them, else the fastest), or after ``MAX_ROUNDS``. Why a race: short
+    blocks of the same code differ by 5-20% here, and a fixed 4-8 rounds decided between
+    algorithms within 10% at random (allgather, 2 ranks, 256 KiB: hierarchical by the trial,
+    0.89 of ring in the benchmark that followed). Non-blocking calls during the trial run the
+    rule's first algorithm and are not timed (a start-to-wait time is the caller's); calls
+    whose result could depend on the algorithm (``_exact``) always run the first. The trial
+    stays in the memo (calls of its size take ``_auto``'s path, ~0.3 us), since that check is
+    per call.
     """
 
     BLOCK_S = 2e-3
-    MIN_ROUNDS = 4
-    MAX_ROUNDS = 8
-    CLEAR = 1.2
-    SWITCH = 1.1
+    MIN_ROUNDS = 5
+    MAX_ROUNDS = 30
+    NOISE = 3.0
+    PRECISION = 0.015
+    SWITCH = 1.03
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
-                 "decided", "plan", "_step", "_sum", "_first", "_lengths")
+                 "decided", "plan", "alive", "_step", "_sum", "_first", "_lengths", "_round")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
@@ -346,12 +360,13 @@ class _Trial:
         self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
         self.timing = False
         self.decided = None  # (name, builder) once measured
-        m = len(names)
+        self.alive = list(range(len(names)))  # those still in the race
         # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
-        self.plan = [(i, k == 1, k == 1) for i in range(m) for k in range(2)]
+        self.plan = [(i, k == 1, k == 1) for i in self.alive for k in range(2)]
         self._step = 0
         self._sum = 0.0  # seconds of the timed calls of the current block
         self._first = True  # still in the first round (single timed calls)
+        self._round = np.zeros(len(names))  # this round's block times, agreed at its end
 
     def next(self, blocking: bool, exact: bool = True):
         """``(name, builder)`` for this call; sets ``timing`` (record its time)."""
@@ -376,42 +391,53 @@ class _Trial:
         self._sum += seconds
         self._step += 1
         if ends:
-            self.blocks[i].append(self._sum / max(1, self._timed(i)))
+            self._round[i] = self._sum / (1 if self._first else self._lengths[i] - 1)
             self._sum = 0.0
         if self._step < len(self.plan):
             return
         from mpi4py import MPI
-        m = len(self.names)
-        if self._first:  # block lengths from the slowest rank's single calls
-            once = np.array([b[0] for b in self.blocks], dtype=np.float64)
-            self.ctx.comm.Allreduce(MPI.IN_PLACE, once, op=MPI.MAX)
+        # every rank the slowest rank's block times (the same figures everywhere)
+        self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
+        if self._first:  # block lengths from the single calls
             self._lengths = [int(min(100, max(3, round(self.BLOCK_S / max(t, 1e-9)))))
-                             for t in once]
-            self.blocks = [[] for _ in self.names]
+                             for t in self._round]
             self._first = False
         else:
-            rounds = len(self.blocks[0])
-            if rounds >= self.MIN_ROUNDS:
-                med = np.array([np.median(b) for b in self.blocks], dtype=np.float64)
-                self.ctx.comm.Allreduce(MPI.IN_PLACE, med, op=MPI.MAX)
-                best = int(np.argmin(med))
-                clear = bool((np.delete(med, best) > self.CLEAR * med[best]).all())
-                if clear or rounds >= self.MAX_ROUNDS:
-                    if med[0] <= self.SWITCH * med[best]:
-                        best = 0  # not clearly faster than the rule's first
-                    self.decided = (self.names[best], self.builders[best])
-                    self.ctx.auto_trials[(self.collective, self.key)] = \
-                        dict(zip(self.names, (float(t) for t in med)))
-                    return
+            for i in self.alive:
+                self.blocks[i].append(float(self._round[i]))
+            if self._decide():
+                return
         rnd = len(self.blocks[0])
+        m = len(self.alive)
         self.plan = [(i, k > 0, k == self._lengths[i] - 1)
-                     for i in ((slot + rnd) % m for slot in range(m))
+                     for i in (self.alive[(slot + rnd) % m] for slot in range(m))
                      for k in range(self._lengths[i])]
         self._step = 0
 
-    def _timed(self, i: int) -> int:
-        """Timed calls in a block of algorithm ``i``."""
-        return 1 if self._first else self._lengths[i] - 1
+    def _decide(self) -> bool:
+        """After a round: who leaves the race, and whether it is over (``decided`` set)."""
+        rounds = len(self.blocks[self.alive[0]])
+        if rounds < self.MIN_ROUNDS:
+            return False
+        med, err = {}, {}
+        for i in self.alive:
+            logs = np.log(np.maximum(self.blocks[i], 1e-12))
+            med[i] = float(np.median(logs))
+            # the median's standard error: 1.2533 sigma / sqrt(k), sigma from the MAD
+            err[i] = 1.8581 * float(np.median(np.abs(logs - med[i]))) / math.sqrt(len(logs))
+        best = min(self.alive, key=med.__getitem__)
+        out = [i for i in self.alive if i != best and
+               med[i] - med[best] > self.NOISE * math.hypot(err[i], err[best]) and
+               (i != 0 or med[i] - med[best] > math.log(self.SWITCH))]
+        self.alive = [i for i in self.alive if i not in out]
+        tied = all(math.hypot(err[i], err[best]) <= self.PRECISION for i in self.alive)
+        if len(self.alive) > 1 and not tied and rounds < self.MAX_ROUNDS:
+            return False
+        pick = 0 if 0 in self.alive else best
+        self.decided = (self.names[pick], self.builders[pick])
+        self.ctx.auto_trials[(self.collective, self.key)] = {
+            name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
+        return True
 
 
 def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op=None,
@@ -660,20 +686,24 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ..
     that every rank raises (``check.settle``) instead of the others waiting.
     """
     from mpi4py import MPI
-    rows = -1 if xb is None else xb.shape[0] if xb.shape else 1
-    row = -1 if xb is None else int(np.prod(xb.shape[1:], dtype=np.int64)) if xb.shape else 1
+    shape = None if xb is None else xb.shape
+    # Plain ints (math.prod, tolist): this runs on every allgather, and numpy's reductions on
+    # two-element arrays made it 25 us at 8 B, n = 2, against 3 us for the MPI_Allgather.
+    rows = -1 if xb is None else shape[0] if shape else 1
+    row = -1 if xb is None else math.prod(shape[1:]) if shape else 1
     table = np.empty((ctx.size, 2), dtype=np.int64)
     entry = _watchdog.watch(ctx, what=f"allgather #{ctx.seq} (exchanging row counts: "
                                       f"MPI_Allgather)") if _watchdog.LIMIT else None
     ctx.comm.Allgather([np.array([rows, row], np.int64), MPI.INT64_T], [table, MPI.INT64_T])
     if entry is not None:
         _watchdog.unwatch(entry)
-    if (table[:, 0] < 0).any():
+    every_rows, every_row = table.T.tolist()
+    if min(every_rows) < 0:
         _check.settle(ctx.comm, "allgather", error)
-    if (table[:, 1] != row).any():
-        shapes = ", ".join(f"rank {r}: {int(e)} per row" for r, e in enumerate(table[:, 1]))
+    if every_row.count(row) != ctx.size:
+        shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(every_row))
         raise ValueError(f"allgather: x's trailing axes must agree on every rank ({shapes})")
-    return tuple(int(r) * row for r in table[:, 0]), int(table[:, 0].sum())
+    return tuple(r * row for r in every_rows), sum(every_rows)
 
 
 def _allgather(x, out, comm, algorithm, check, blocking):

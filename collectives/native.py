@@ -7,6 +7,9 @@ commutative user-defined ``MPI.Op`` over a contiguous datatype of one element, w
 """
 from __future__ import annotations
 
+import functools
+import itertools
+
 import numpy as np
 
 from .ops import Op
@@ -116,13 +119,18 @@ def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
                  False, "Ireduce_scatter")
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(counts: tuple, itemsize: int) -> tuple[list, list]:
+    """Allgatherv's byte counts and displacements (a program's few shapes repeat: cached, as
+    numpy's cumsum on a few counts cost more than the 8-byte call itself)."""
+    nbytes = [c * itemsize for c in counts]
+    return nbytes, list(itertools.accumulate(nbytes[:-1], initial=0))
+
+
 def allgather(comm, x, out, counts, blocking: bool):
     from mpi4py import MPI
-    isz = out.dtype.itemsize
-    nbytes = [c * isz for c in counts]
-    displs = list(np.cumsum([0] + nbytes[:-1]).tolist())
     send = [x.view(np.uint8), MPI.BYTE]
-    recv = [out.view(np.uint8), (nbytes, displs), MPI.BYTE]
+    recv = [out.view(np.uint8), _layout(counts, out.dtype.itemsize), MPI.BYTE]
     if blocking:
         comm.Allgatherv(send, recv)
         return _DONE

@@ -239,17 +239,19 @@ def test_tune_rules_and_merge(tmp_path):
 
 
 def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
-    """tune: the algorithms within 1.25x of the fastest, and those the rule in force named (three
+    """tune: the algorithms within 1.5x of the fastest, and those the rule in force named (four
     at most, fastest first), follow the winner in its rule; select: ``candidates`` lists a
     rule's names (the multi-node swap applied to each), ``auto`` returns the first."""
     from collectives import select
     row = [_result("native", "out", 1.00e-3), _result("ring", "out", 0.95e-3),
-           _result("tree", "out", 1.10e-3), _result("shm", "out", 1.30e-3),
+           _result("tree", "out", 1.10e-3), _result("shm", "out", 1.50e-3),
            _result("binomial", "out", 1.15e-3)]
     assert tune.alternates(row, row[0]) == ("ring", "tree", "binomial")  # the incumbent kept
     assert tune.alternates(row, row[1]) == ("native", "tree", "binomial")
     assert tune.alternates(row[3:4], row[3]) == ()
-    few = row[:3] + row[3:4]  # native, ring, tree, shm (1.3x: not close)
+    many = row + [_result("rabenseifner", "out", 1.05e-3), _result("bruck", "out", 1.2e-3)]
+    assert tune.alternates(many, row[1]) == ("native", "rabenseifner", "tree", "binomial")
+    few = row[:3] + row[3:4]  # native, ring, tree, shm (1.58x: not close)
     assert tune.alternates(few, row[1]) == ("native", "tree")
     assert tune.alternates(few, row[1], ("shm", "gone")) == ("native", "tree", "shm")  # named
     path = tmp_path / "t.json"
