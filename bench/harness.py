@@ -199,7 +199,7 @@ class Result:
 
     __slots__ = ("collective", "nbytes", "count", "dtype", "op", "root", "algorithm", "mode",
                  "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor", "picked",
-                 "round_ids", "extra_iters")
+                 "round_ids", "extra_iters", "trial")
 
     def __init__(self, collective, nbytes, count, dtype, op, root, algorithm, mode, n, factor):
         self.collective, self.nbytes, self.count, self.dtype = collective, nbytes, count, dtype
@@ -213,6 +213,7 @@ class Result:
         self.extra_iters = 0  # calls per block in the contenders' extra rounds (Sweep._settle)
         self.wrong: int | None = None
         self.picked: str | None = None  # for "auto": the algorithm it ran
+        self.trial: dict | None = None  # for "auto": what its trial measured (s per call)
 
     def ids(self) -> list[int]:
         """The sweep rounds this result took part in."""
@@ -267,7 +268,9 @@ class Result:
                 "spread": self.spread, "algbw_GBps": self.algbw / 1e9,
                 "busbw_GBps": self.busbw / 1e9, "wrong": self.wrong, "iterations": self.iters,
                 "lat_min_us": lat[0] * 1e6, "lat_avg_us": lat[1] * 1e6,
-                "lat_max_us": lat[2] * 1e6, "picked": self.picked}
+                "lat_max_us": lat[2] * 1e6, "picked": self.picked,
+                "trial_us": None if self.trial is None else
+                {name: t * 1e6 for name, t in self.trial.items()}}
 
 
 def correct_drift(results: list[Result]) -> None:
@@ -495,6 +498,12 @@ class Sweep:
                 calls[(alg, mode)] = (fn, spec.result(arr_x, out, mode), reset)
         return calls, cin
 
+    def _auto_trial(self, nbytes: int, inplace: bool = False) -> dict | None:
+        """What ``auto``'s trial measured at this size, if it ran one
+        (``collectives.api.auto_trial``)."""
+        from collectives.api import auto_trial
+        return auto_trial(self.spec.name, nbytes, self.comm, inplace)
+
     def _measure(self, fn, iters: int) -> float:
         self.comm.Barrier()
         t0 = time.perf_counter()
@@ -553,6 +562,7 @@ class Sweep:
                     fn()
                     pick = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
                 results[key].picked = pick
+                results[key].trial = self._auto_trial(cin * self.dtype.itemsize, key[1] == "in")
             ests[key] = est
         # One call count for every algorithm at this size (enough for the budget at the median
         # algorithm's pace): algorithms of about the same speed, the ones a reader compares,
@@ -792,7 +802,7 @@ def write_csv(path, results: list[Result]) -> None:
     dicts = [r.to_dict() for r in results]
     if not dicts:
         return
-    fields = [k for k in dicts[0] if k not in ("rounds_us", "drift")]
+    fields = [k for k in dicts[0] if k not in ("rounds_us", "drift", "trial_us")]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()

@@ -38,7 +38,7 @@ from .select import REGISTRY as _REGISTRY
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
            "iallreduce", "ireduce", "ibroadcast", "ireduce_scatter", "iallgather",
-           "algorithms", "auto_pick", "Call"]
+           "algorithms", "auto_pick", "auto_trial", "Call"]
 
 
 def algorithms(collective: str) -> tuple[str, ...]:
@@ -333,15 +333,15 @@ class _Trial:
     is clearly slower than the fastest's (by more than ``NOISE`` standard errors of the log of
     their ratio, from the spread of the blocks) leaves the race; the rule's first (the one the
     table measured best) only when it is also slower by ``SWITCH``. The race ends when one is
-    left, when the medians of those left are known to ``PRECISION`` (they are tied: the rule's
-    first if it is among them, else the fastest), or after ``MAX_ROUNDS``. Why a race: short
-    blocks of the same code differ by 5-20% here, and a fixed 4-8 rounds decided between
-    algorithms within 10% at random (allgather, 2 ranks, 256 KiB: hierarchical by the trial,
-    0.89 of ring in the benchmark that followed). Non-blocking calls during the trial run the
-    rule's first algorithm and are not timed (a start-to-wait time is the caller's); calls
-    whose result could depend on the algorithm (``_exact``) always run the first. The trial
-    stays in the memo (calls of its size take ``_auto``'s path, ~0.3 us), since that check is
-    per call.
+    left, when the medians of those left are known to ``PRECISION``, or after ``MAX_ROUNDS``;
+    the pick is the fastest left, or the rule's first if it is left and within ``KEEP`` of
+    that. Why a race: short blocks of the same code differ by 5-20% here, and a fixed 4-8
+    rounds decided between algorithms within 10% at random (allgather, 2 ranks, 256 KiB:
+    hierarchical by the trial, 0.89 of ring in the benchmark that followed). Non-blocking calls
+    during the trial run the rule's first algorithm and are not timed (a start-to-wait time is
+    the caller's); calls whose result could depend on the algorithm (``_exact``) always run the
+    first. Once decided, the trial stays in the memo for those; the others take the pick from
+    ``ctx.auto_last`` as a rule of one does (``_start``).
     """
 
     BLOCK_S = 2e-3
@@ -350,6 +350,7 @@ class _Trial:
     NOISE = 3.0
     PRECISION = 0.015
     SWITCH = 1.03
+    KEEP = 1.02
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_sum", "_first", "_lengths", "_round")
@@ -433,7 +434,10 @@ class _Trial:
         tied = all(math.hypot(err[i], err[best]) <= self.PRECISION for i in self.alive)
         if len(self.alive) > 1 and not tied and rounds < self.MAX_ROUNDS:
             return False
-        pick = 0 if 0 in self.alive else best
+        # the rule's first, unless the fastest left beats it by more than KEEP: tied medians
+        # known to 1.5% may still be 4% apart (binomial against tree, 2 ranks, 512 KiB in
+        # place: kept binomial, 0.92 of tree in the benchmark after)
+        pick = 0 if 0 in self.alive and med[0] - med[best] <= math.log(self.KEEP) else best
         self.decided = (self.names[pick], self.builders[pick])
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
@@ -455,6 +459,15 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op
     if not _exact_op(op, np.dtype(dtype or "float32").kind):
         return hit.names[0]
     return hit.decided[0] if hit.decided is not None else None
+
+
+def auto_trial(collective: str, nbytes: int, comm=None, inplace: bool = False) -> dict | None:
+    """What ``auto``'s trial (``_Trial``) measured on ``comm`` for ``nbytes`` of per-rank input
+    (``inplace``: calls with ``out=x``) once it has decided: ``{algorithm: median seconds per
+    call}``, the slowest rank's, the same on every rank; None if it ran none (yet)."""
+    ctx = _context(comm)
+    key = ~nbytes if inplace and collective in _IN_PLACE else nbytes
+    return ctx.auto_trials.get((collective, key))
 
 
 # The collectives whose in-place calls have rules (and picks) of their own.

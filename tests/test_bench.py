@@ -365,6 +365,9 @@ def test_allreduce_benchmark_under_mpiexec(tmp_path):
     # the pick is the table's: every auto row names a registered algorithm
     picked = [r["picked"] for r in data["results"] if r["algorithm"] == "auto"]
     assert picked and set(picked) <= want - {"auto"}, picked
+    # a trial's figures, where auto ran one, name what it picked among what it measured
+    trials = [(r["picked"], r["trial_us"]) for r in data["results"] if r["algorithm"] == "auto"]
+    assert all(t is None or (pk in t and min(t.values()) > 0) for pk, t in trials), trials
     assert "# auto ran: " in p.stdout
 
 
