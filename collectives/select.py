@@ -31,8 +31,8 @@ were within the noise of each other, or that ran in two modes from one process l
 next (measured: binomial reduce at 128 KiB, n = 2, ran 38-46 us in some launches and 58-65 us
 in others, native 43-52 in all). ``auto`` then measures them at run time where that cannot
 change a result (``collectives.api._Trial``: blocks of each in turn; every rank takes the
-fastest by the slowest rank's time); elsewhere, and with ``COLLECTIVES_AUTO_TRIAL=0``, it runs
-the first.
+fastest by the slowest rank's time; not by default where a node runs more ranks than it has
+cores); elsewhere, and with ``COLLECTIVES_AUTO_TRIAL=0``, it runs the first.
 ``candidates`` lists them, ``auto`` returns the first.
 """
 from __future__ import annotations
