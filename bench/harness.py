@@ -555,14 +555,15 @@ class Sweep:
             if key[0] == "auto":
                 # auto may still be measuring the algorithms of its rule (a few calls of each):
                 # run it until it has chosen, so that its timed rounds are of its choice.
-                pick = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
+                mine = (cin * self.dtype.itemsize, key[1] == "in")  # input bytes, in place
+                pick = self._auto_pick(*mine)
                 for _ in range(40000):  # a trial: at most 31 rounds of 100 calls of 5
                     if not _sum(self.comm, pick is None):  # the same answer on every rank
                         break
                     fn()
-                    pick = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
+                    pick = self._auto_pick(*mine)
                 results[key].picked = pick
-                results[key].trial = self._auto_trial(cin * self.dtype.itemsize, key[1] == "in")
+                results[key].trial = self._auto_trial(*mine)
             ests[key] = est
         # One call count for every algorithm at this size (enough for the budget at the median
         # algorithm's pace): algorithms of about the same speed, the ones a reader compares,

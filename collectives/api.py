@@ -218,8 +218,6 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
                 builder = select.get(collective, algorithm)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, collective, check, exc)
-    if trial is not None and trial.timing:
-        t0 = perf_counter()
     call.algorithm = name
     call.blocking = blocking
     call.seq = seq = ctx.next_seq()
@@ -237,6 +235,9 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
                           root=call.root, algorithm=name, counts=call.counts, sequence=seq)
             if entry is not None:
                 entry.phase = "run"
+        if trial is not None and trial.timing:
+            trial.start()  # after the check: a mismatched call raises, not waits in a barrier
+            t0 = perf_counter()
         if trivial:
             work = _trivial(call)
         elif builder == select.NATIVE:
@@ -407,15 +408,19 @@ class _Trial:
         self.timing = timed
         if not timed:  # (a timed call's step is taken by ``record``)
             self._step += 1
-        elif self._sync:
-            # Every rank starts the block's timed calls together, as the benchmark's blocks
-            # do: without it a rooted collective's ranks ran their calls skewed by the block
-            # before, and broadcast at 3 ranks, 2 MiB, timed native at 660-760 us in the trial
-            # and 510-540 in the benchmark (binomial 470-510 against 600-630), and the trial
-            # picked binomial.
+        return self.names[i], self.builders[i]
+
+    def start(self) -> None:
+        """Just before a timed call runs (after its checks): at a block's first, a barrier.
+
+        Every rank starts the block's timed calls together, as the benchmark's blocks do:
+        without it a rooted collective's ranks ran their calls skewed by the block before, and
+        broadcast at 3 ranks, 2 MiB, timed native at 660-760 us in the trial and 510-540 in the
+        benchmark (binomial 470-510 against 600-630), and the trial picked binomial.
+        """
+        if self._sync:
             self._sync = False
             self.ctx.comm.Barrier()
-        return self.names[i], self.builders[i]
 
     def record(self, seconds: float) -> None:
         """The time of the call that ``next`` chose; at a round's end, the next round or the

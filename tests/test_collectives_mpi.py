@@ -359,6 +359,36 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
     assert_all(not bad, f"trials {trials}: {bad[:4]}")
 
 
+def test_a_mismatched_call_in_a_trial_raises_on_every_rank(monkeypatch, tmp_path):
+    """A call whose lengths differ across ranks, made at a trial's timed step with the check on:
+    every rank raises MismatchError (the trial's barrier waits until after the check; before it
+    did not, and one rank sat in the barrier while the other checked, until the watchdog)."""
+    import json
+
+    from collectives import api
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    table = tmp_path / f"mismatch-{rank}.json"
+    rule = [[100, "native"], [None, "binomial", "native"]]
+    table.write_text(json.dumps({"version": 1, "tables": {
+        "broadcast": {"default": rule, str(size): rule}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    x = np.ones(1000, np.float32)
+    for _ in range(3):  # binomial's call, timed; native's first: the next is timed, a barrier
+        coll.broadcast(x, comm=comm)
+    assert api.auto_pick("broadcast", x.nbytes, comm) is None
+    y = np.ones(1000 if rank == 0 else 10, np.float32)
+    try:
+        coll.broadcast(y, comm=comm, check=True)
+        got = "no error"
+    except coll.MismatchError as e:
+        got = "mismatch" if "1000" in str(e) and "10 elements" in str(e) else str(e)
+    assert_all(got == "mismatch", f"rank {rank}: {got}")
+
+
 def test_torch_tensors_round_trip():
     torch = pytest.importorskip("torch")
     comm = world()
