@@ -13,7 +13,8 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   (``-c``: exact rank-dependent data, wrong elements counted), warm-up (``-w``), then ``--rounds``
   rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
   random order every round, each block (below 1 ms a call) after one untimed call; then the
-  algorithms within 1.5x of the fastest, and auto, race on: more rounds, the slower dropping out,
+  algorithms within 1.5x of the fastest, and auto, race on: more rounds, the slower dropping out
+  (and the fastest of the row rejoining, should the drift correction put one of those first),
   until each median, and auto's gap to the best, is known to ``--target`` (1%),
   ``--max-rounds`` (20 x ``--rounds``) or
   ``--settle`` seconds per size (8), since they are the ones a reader compares
@@ -338,6 +339,22 @@ def _race(keys, results, kept=()) -> list:
     return stay
 
 
+def _rejoin(keys, results) -> list:
+    """``keys`` and, per mode racing, the fastest median of every result of that mode when it
+    is not among them (``Sweep._settle``): an algorithm that left the race after a few rounds,
+    or never ran in it, whose median the drift correction of the later rounds has since put
+    first. Without this the table's best could be a median of 8-12 rounds known to 3-11%
+    (reduce-scatter, 2 ranks, 2 and 8 MiB: hierarchical, out after 9 rounds, the best of the
+    row by 8-20% at the end, where the contenders' medians were known to 1%)."""
+    keys = list(keys)
+    for mode in dict.fromkeys(key[1] for key in keys):
+        mine = [key for key in results if key[1] == mode and results[key].rounds]
+        best = min(mine, key=lambda k: results[k].time)
+        if best not in keys:
+            keys.append(best)
+    return keys
+
+
 def _resolved(keys, results, target: float) -> bool:
     """Whether the race (``Sweep._settle``) may end: every median left is known to ``target``,
     and so is, per mode, the gap between ``auto`` and the best (the standard error of the log
@@ -616,7 +633,8 @@ class Sweep:
         rounds of 5, median 192 us against tree's 293, where the next run measured 444 against
         327). They alone run more rounds; after each, a contender whose median is clearly
         slower than the best's (by more than three standard errors of the difference) leaves
-        the race (``auto``, the incumbent and the current best never do). The race ends when
+        the race (``auto``, the incumbent and the current best never do), and the fastest
+        median of the row rejoins it if it is not running (``_rejoin``). The race ends when
         every median left is known to ``target`` (its standard error, from the spread of its
         drift-corrected rounds) and so is the gap between ``auto`` and the best
         (``_resolved``), after ``max_rounds`` rounds, or when its blocks have taken ``settle``
@@ -646,18 +664,18 @@ class Sweep:
         fastest = min(results[key].time for key in keys)
         iters = self.iters or max(results[keys[0]].iters,
                                   int(min(1000, math.ceil(self.budget / max(fastest, 1e-9)))))
-        for key in keys:
-            results[key].extra_iters = iters
-            results[key].round_ids = results[key].ids()
+        for res in results.values():  # every one may run extra rounds (_rejoin)
+            res.round_ids = res.ids()
         kept = {key for key in keys if key[0] in self._kept(nbytes, key[1])}
         spent = 0.0  # block time (max over ranks): the same on every rank, so is every verdict
         for r in range(self.rounds, self.max_rounds):
             order.shuffle(keys)
             for key in keys:
                 res = results[key]
+                res.extra_iters = iters
                 spent += self._block(calls[key][0], iters, res, res.time, r)
             correct_drift(list(results.values()))
-            keys = _race(keys, results, kept)
+            keys = _rejoin(_race(keys, results, kept), results)
             if spent >= self.settle or _resolved(keys, results, self.target):
                 break
 

@@ -511,3 +511,21 @@ def test_tune_keeps_what_auto_runs_within_the_noise():
     tree = _result("tree", "out", 1.0e-3, rounds=steady)
     assert modal.time < tree.time and tune.winner([modal, tree], "tree") is tree
     assert tune.winner([modal, tree], None) is modal           # nothing to keep
+
+
+def test_race_brings_back_the_fastest_of_the_row():
+    """An algorithm out of the race whose median (a few rounds, drift-corrected since) is now
+    the row's fastest runs again (``_rejoin``), so that the table's best is known as well as
+    the contenders are; a slower one stays out, and so does every other mode."""
+    steady = tuple(1.0 + 0.01 * (k % 3) for k in range(21))
+    ring = _result("ring", "out", 1.0e-3, rounds=steady)
+    auto = _result("auto", "out", 1.02e-3, rounds=steady)
+    hier = _result("hierarchical", "out", 0.9e-3, rounds=steady[:9])   # out after 9 rounds
+    tree = _result("tree", "out", 1.3e-3, rounds=steady[:9])
+    inplace = _result("ring", "in", 0.5e-3, rounds=steady[:9])          # not racing
+    results = {(r.algorithm, r.mode): r for r in (ring, auto, hier, tree, inplace)}
+    keys = [("ring", "out"), ("auto", "out")]
+    assert harness._rejoin(keys, results) == keys + [("hierarchical", "out")]
+    assert keys == [("ring", "out"), ("auto", "out")]  # a new list
+    hier.rounds = [1.2e-3 * t for t in steady[:9]]                      # slower now
+    assert harness._rejoin(keys, results) == keys
