@@ -357,14 +357,15 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
                     or not (after.wait() == want).all() or not (peak.wait() == size).all():
                 bad.append(f"after: {after.description} / {peak.description}")
             # and blocking: a float max right after a sum that ran the pick (auto's one-pick
-            # path holds the pick for the op it was decided with) runs the rule's first
+            # path holds the pick for the op it was decided with) runs the rule's first (on
+            # two ranks or more: on one every call is a copy, and no schedule runs)
             ran, real = [], api._run_schedule
             monkeypatch.setattr(api, "_run_schedule",
                                 lambda c, name, b: (ran.append(name), real(c, name, b))[1])
             sums, peaks = call(), coll.allreduce(x, "max", comm=comm)
             monkeypatch.setattr(api, "_run_schedule", real)
-            if ran[-1:] != ["ring"] or (pick != "native") != (len(ran) == 2) or \
-                    not check(sums) or not (peaks == size).all():
+            if not check(sums) or not (peaks == size).all() or size > 1 and (
+                    ran[-1:] != ["ring"] or (pick != "native") != (len(ran) == 2)):
                 bad.append(f"blocking after: ran {ran}, pick {pick}")
     assert_all(not bad, f"trials {trials}: {bad[:4]}")
 
