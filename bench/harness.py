@@ -16,7 +16,7 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   algorithms within 1.5x of the fastest, and auto, race on: more rounds, the slower dropping out
   (and the fastest of the row rejoining, should the drift correction put one of those first),
   until each median, and auto's gap to the best, is known to ``--target`` (1%),
-  ``--max-rounds`` (20 x ``--rounds``) or
+  ``--max-rounds`` (60 x ``--rounds``) or
   ``--settle`` seconds per size (8), since they are the ones a reader compares
   (``Sweep._settle``). A round's per-iteration time is each rank's average, then the *max over
   ranks* (nccl-tests); the table shows the median over rounds, each round first divided by the
@@ -300,6 +300,16 @@ def correct_drift(results: list[Result]) -> None:
         r.drift = [factor[i] for i in r.ids()]
 
 
+# A timed block's length, when -n is not given (ms). Short blocks: at 3 ranks on 2 cores a block
+# that the scheduler interrupts runs far slower, and the longer the block the more of them it
+# catches; measured, two blocks in a row of MPICH's 8-byte reduce (the same code) differed by
+# 7% (sd, ~4 ms blocks), 10% (~10 ms) and 32% (~30 ms). With 2 ms instead of 10, the reduce
+# sweep 8 B - 2 KiB at n = 3 knew each median to 0.5-0.8% in 4 s instead of 0.7-1.1% in 49 s,
+# and the allreduce sweep 8 B - 64 MiB took 41 s at n = 2 and 60 s at n = 3 instead of 79 and
+# 108. It is also the length of ``auto``'s trial blocks (collectives.api._Trial), so that the
+# two measure the same thing.
+BUDGET_MS = 2.0
+
 # An algorithm within this factor of the fastest median after the first rounds may still
 # turn out the fastest: it gets the extra rounds (Sweep._settle), and so does ``auto``, whose
 # time is the one compared with the best. 1.5: at n = 3 on 2 cores the rounds of one
@@ -448,7 +458,7 @@ class Sweep:
     """A benchmark run: one collective over sizes and algorithms (see the module doc)."""
 
     def __init__(self, collective: Collective, comm, *, dtype="float32", op="sum", root=0,
-                 algorithms=None, iters=0, warmup=2, rounds=3, budget=0.01, check=True,
+                 algorithms=None, iters=0, warmup=2, rounds=3, budget=BUDGET_MS / 1e3, check=True,
                  modes=None, gloo_comm=None, out=None, max_rounds=None, target=0.01,
                  settle=8.0, incumbent=None):
         self.spec, self.comm = collective, comm
@@ -462,7 +472,7 @@ class Sweep:
         self.iters, self.warmup, self.rounds = iters, warmup, max(1, rounds)
         # The contenders' extra rounds (``_settle``): up to max_rounds in all and ``settle``
         # seconds of blocks per size, until the median of each is known to ``target``.
-        self.max_rounds = max(self.rounds, 20 * self.rounds if max_rounds is None else max_rounds)
+        self.max_rounds = max(self.rounds, 60 * self.rounds if max_rounds is None else max_rounds)
         self.target, self.settle = target, settle
         # incumbent(input bytes, mode) -> the algorithm auto runs now there (``tune``): a
         # contender of the race like ``auto``, whatever its first rounds said.
@@ -851,15 +861,15 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     p.add_argument("--max-rounds", type=int, default=None,
                    help="rounds for auto and the algorithms within 1.5x of the fastest at a "
-                        "size, until --target is met (default 20 x --rounds)")
+                        "size, until --target is met (default 60 x --rounds)")
     p.add_argument("--target", type=float, default=1.0,
                    help="stop those extra rounds when each median, and auto's gap to the "
                         "best, is known to this many percent (standard error; default 1)")
     p.add_argument("--settle", type=float, default=8.0,
                    help="at most this many seconds of extra rounds per size (default 8; 0: "
                         "none)")
-    p.add_argument("--budget", type=float, default=10,
-                   help="ms per round when -n is not given (default 10)")
+    p.add_argument("--budget", type=float, default=BUDGET_MS,
+                   help=f"ms per round when -n is not given (default {BUDGET_MS:g})")
     p.add_argument("--algorithms", default=None,
                    help="comma-separated (default: every registered one, auto, gloo)")
     p.add_argument("--modes", default=None, help=f"out,in (default: {','.join(spec.modes)})")

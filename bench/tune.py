@@ -182,6 +182,7 @@ def _input_bytes(collective, result) -> int:
 
 def main(argv=None) -> int:
     """``[mpiexec -n N] python -m bench tune [options]``."""
+    from bench.harness import BUDGET_MS
     p = argparse.ArgumentParser(prog="python -m bench tune",
                                 description="measure every algorithm and write the tuning "
                                             "table that algorithm='auto' reads")
@@ -192,7 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("-f", "--stepfactor", type=float, default=4)
     p.add_argument("-d", "--datatype", default="float32")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--budget", type=float, default=20, help="ms per round (default 20)")
+    p.add_argument("--budget", type=float, default=BUDGET_MS,
+                   help=f"ms per round (default {BUDGET_MS:g}, as the benchmark's)")
     p.add_argument("-o", "--output", default=None,
                    help="tuning file (default: $COLLECTIVES_TUNING or "
                         "~/.cache/collectives/tuning.json)")
