@@ -533,3 +533,27 @@ def test_race_brings_back_the_fastest_of_the_row():
     # their rounds share the drift correction (a round one algorithm ran in has none)
     auto.rounds = [0.5e-3 * t for t in steady]
     assert harness._rejoin([("auto", "out")], results) == [("auto", "out"), ("ring", "out")]
+
+
+def test_sweep_races_the_best_other_beside_an_auto_far_ahead(monkeypatch):
+    """On one rank (COMM_SELF), with the blocks' times set: auto, native's code, 3x ahead of
+    native in the first rounds (past CONTEND): native still races beside it, every round (the
+    figure auto is compared with; before, nothing raced, and 7 rounds in two states stood)."""
+    from mpi4py import MPI
+    spec = tune.spec("allreduce")
+    real = harness.Sweep._block
+
+    def block(self, fn, iters, res, est, round_id=None):
+        spent = real(self, fn, iters, res, est, round_id)
+        k = len(res.rounds)
+        slow = 3.0 if res.algorithm == "native" and k <= 7 else 1.0
+        jitter = 0.01 * (k % 3 if res.algorithm == "native" else k % 4)  # not all drift
+        res.rounds[-1] = 1e-5 * (1.0 + jitter) * slow
+        return spent
+    monkeypatch.setattr(harness.Sweep, "_block", block)
+    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "auto"], rounds=7,
+                          budget=0.0005, check=False, modes=["out"], max_rounds=30,
+                          target=0.0, settle=5.0)
+    res = {r.algorithm: r for r in sweep.run_size(1 << 12)}
+    assert len(res["native"].rounds) == len(res["auto"].rounds) == 30
+    assert res["native"].time == pytest.approx(res["auto"].time, rel=0.02)
