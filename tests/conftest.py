@@ -24,9 +24,27 @@ def _mpi_world():
 _CONFIG = None
 
 
+# The rank, when an MPI launcher started this process (MPICH's Hydra, Open MPI).
+_RANK = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+
+
 def pytest_configure(config):
     global _CONFIG
     _CONFIG = config
+    if _RANK is not None and config.option.basetemp is None:
+        # Each rank its own tmp_path root: the ranks of one job shared pytest's default one and
+        # raced to prune its old directories ("rm_rf ... Directory not empty" warnings).
+        # Named by the launcher's process on this node (the same for every rank of the job).
+        import tempfile
+        config.option.basetemp = os.path.join(
+            tempfile.gettempdir(), f"pytest-mpi-{os.getppid()}-rank{_RANK}")
+
+
+def pytest_unconfigure(config):
+    base = config.option.basetemp
+    if _RANK is not None and base and os.path.basename(base).startswith("pytest-mpi-"):
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)
