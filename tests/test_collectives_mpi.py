@@ -356,9 +356,10 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
             if f"({pick}, " not in after.description or "(ring, " not in peak.description \
                     or not (after.wait() == want).all() or not (peak.wait() == size).all():
                 bad.append(f"after: {after.description} / {peak.description}")
-            # and blocking: a float max right after a sum that ran the pick (auto's one-pick
-            # path holds the pick for the op it was decided with) runs the rule's first (on
-            # two ranks or more: on one every call is a copy, and no schedule runs)
+            # and blocking: a float max right after a sum that ran the pick runs the rule's
+            # first (auto's one-pick path repeats a pick other than the first only for calls
+            # that every algorithm gives alike, _exact; on one rank every call is a copy, and
+            # no schedule runs)
             ran, real = [], api._run_schedule
             monkeypatch.setattr(api, "_run_schedule",
                                 lambda c, name, b: (ran.append(name), real(c, name, b))[1])
