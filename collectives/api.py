@@ -176,39 +176,23 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     """Choose, validate and run ``call``; returns the result or a ``Request``."""
     ctx, collective, count = call.ctx, call.collective, call.x.count
     trial = None
-    # The pick is looked up inline on both paths: ``auto`` must cost no more than naming its
-    # pick (measured: one extra Python call on auto's path, or ``select.get`` on the named
-    # path, made the slower of the two 1-2% slower at 8 bytes, n = 2 and 3). ``auto`` repeats
-    # its previous pick on this communicator when the call is like the last one; else the
-    # memo (``_auto``).
+    # ``auto`` must cost no more than naming its pick. A call like the last auto call on this
+    # communicator (the same collective, bytes, in place or not, counts and
+    # COLLECTIVES_TUNING) repeats its *plan*: the algorithm, and how it runs (``_runner``),
+    # which the named path works out on every call; others go to ``_auto_plan``. Measured
+    # with the benchmark (``native`` against ``auto`` running it, 8 B - 8 KiB, 12 sizes x
+    # modes): repeating the pick alone and working out the rest on every call, ``auto`` was
+    # 1-2% slower at n = 2 and 2-3% at n = 3 (~900 instructions a call more than ``native``,
+    # callgrind); with the plan, 0-0.5% and ~1% (~700).
     try:
         if algorithm == "auto":
-            nbytes = call.x.flat.nbytes
-            if call.counts is not None and collective == "allgather":
-                # Its ranks may differ in length: the mean, so that every rank picks alike.
-                nbytes = sum(call.counts) * call.x.dtype.itemsize // ctx.size
-            # in place has rules of its own (allreduce: in place on every rank or none)
-            key = ~nbytes if call.inplace and collective in _IN_PLACE else nbytes
-            env = env_raw(b"COLLECTIVES_TUNING")
-            # the previous auto call's (collective, key, env, pick, for any call: not only
-            # those whose result every algorithm gives alike, _exact)
             last = ctx.auto_last
-            if last[1] == key and last[0] is collective and last[2] is env and \
-                    (last[4] or _exact(call)):
-                name, builder = last[3]
+            if call.x.flat.nbytes == last[1] and collective is last[0] and \
+                    call.inplace is last[2] and (call.counts is None or call.counts == last[3]) \
+                    and env_raw(b"COLLECTIVES_TUNING") is last[4] and (last[6] or _exact(call)):
+                name, builder, run = last[5]
             else:
-                hit = _auto(ctx, collective, key, env)
-                if type(hit) is tuple:
-                    name, builder = hit
-                    ctx.auto_last = (collective, key, env, hit, True)
-                else:  # a rule of several algorithms, measured here (_Trial)
-                    trial, exact = hit, _exact(call)
-                    name, builder = trial.next(blocking, exact)
-                    if trial.decided is not None and exact:
-                        # decided: the same path as a rule of one (2 us less at n = 2)
-                        ctx.auto_last = (collective, key, env, trial.decided,
-                                         trial.decided[0] == trial.names[0])
-                        trial = None
+                name, builder, run, trial = _auto_plan(call, blocking)
         else:
             try:
                 name, builder = algorithm, _REGISTRY[collective].get(algorithm)
@@ -216,15 +200,22 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
                 builder = None
             if builder is None:  # not loaded yet, or unknown: the error lists the names
                 builder = select.get(collective, algorithm)
+            if ctx.size == 1 or (sum(call.counts) if call.counts is not None else count) == 0:
+                run = _trivial
+            elif builder == select.NATIVE:
+                run = _native
+            elif hasattr(builder, "launch"):
+                run = _launch
+            else:
+                run = _scheduled
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, collective, check, exc)
     call.algorithm = name
     call.blocking = blocking
     call.seq = seq = ctx.next_seq()
-    trivial = ctx.size == 1 or (sum(call.counts) if call.counts is not None else count) == 0
     checking = _check.enabled(check)
     entry = None
-    if _watchdog.LIMIT and ctx.size > 1 and (checking or not trivial):
+    if _watchdog.LIMIT and ctx.size > 1 and (checking or run is not _trivial):
         entry = _watchdog.watch(ctx, call, phase="check" if checking else "run")
     try:
         if checking:
@@ -238,14 +229,7 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
         if trial is not None and trial.timing:
             trial.start()  # after the check: a mismatched call raises, not waits in a barrier
             t0 = perf_counter()
-        if trivial:
-            work = _trivial(call)
-        elif builder == select.NATIVE:
-            work = _native(call)
-        elif hasattr(builder, "launch"):
-            work = _launcher(builder)(call)
-        else:
-            work = _run_schedule(call, name, builder)
+        work = run(call, name, builder)
         if entry is not None:
             entry.work = work
         if blocking:
@@ -263,6 +247,48 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             finalize()
         return result
     return Request(work, result, finalize, description=call.describe())
+
+
+def _auto_plan(call: Call, blocking: bool):
+    """``(name, builder, run, trial)`` for an ``auto`` call unlike the last one (``_start``):
+    from the memo (``_auto``), or the next step of a trial (``_Trial``, returned so that the
+    call is timed); a plan that every call like this one may repeat is kept in
+    ``ctx.auto_last``."""
+    ctx, collective = call.ctx, call.collective
+    nbytes = call.x.flat.nbytes
+    if call.counts is not None and collective == "allgather":
+        # Its ranks may differ in length: the mean, so that every rank picks alike.
+        nbytes = sum(call.counts) * call.x.dtype.itemsize // ctx.size
+    # in place has rules of its own (allreduce: in place on every rank or none)
+    key = ~nbytes if call.inplace and collective in _IN_PLACE else nbytes
+    env = env_raw(b"COLLECTIVES_TUNING")
+    hit, trial = _auto(ctx, collective, key, env), None
+    if type(hit) is tuple:
+        pick, anycall = hit, True
+    else:  # a rule of several algorithms, measured here
+        exact = _exact(call)
+        pick = hit.next(blocking, exact)
+        if hit.decided is None or not exact:
+            return pick + (_runner(call, pick[1]), hit)
+        # decided: the same path as a rule of one; a pick other than the rule's first, only for
+        # the calls whose result every algorithm gives alike (2 us less at n = 2)
+        anycall = hit.decided[0] == hit.names[0]
+    name, builder = pick
+    run = _runner(call, builder)
+    ctx.auto_last = (collective, call.x.flat.nbytes, call.inplace, call.counts, env,
+                     (name, builder, run), anycall)
+    return name, builder, run, trial
+
+
+def _runner(call: Call, builder):
+    """How ``call`` runs with ``builder``: ``_trivial`` (one rank, or nothing to move),
+    ``_native``, ``_launch`` (a direct algorithm) or ``_scheduled``. (``_start``'s named path
+    works it out inline: a call more would cost it ~1%.)"""
+    if call.ctx.size == 1 or \
+            (sum(call.counts) if call.counts is not None else call.x.count) == 0:
+        return _trivial
+    return _native if builder == select.NATIVE else \
+        _launch if hasattr(builder, "launch") else _scheduled
 
 
 def _auto(ctx, collective: str, key: int, env):
@@ -520,7 +546,7 @@ def _network_error(call: Call, exc: BaseException) -> BaseException:
     return network_error(exc, f"rank {call.ctx.rank}: {call.describe()}")
 
 
-def _trivial(call: Call):
+def _trivial(call: Call, name=None, builder=None):
     """One rank, or nothing to move: the result is the input (or nothing)."""
     if call.collective != "broadcast" and not call.inplace and call.out is not None:
         n = min(call.out.count, call.x.count)
@@ -564,17 +590,20 @@ def _run_schedule(call: Call, name, builder):
     return run.start()
 
 
-def _launcher(builder):
+def _scheduled(call: Call, name, builder):
+    """A schedule algorithm's run (``_run_schedule``, looked up on each call)."""
+    return _run_schedule(call, name, builder)
+
+
+def _launch(call: Call, name, builder):
     """A direct algorithm's ``launch``; on device buffers, staged through host memory."""
-    def launch(call: Call):
-        if call.x.is_device:
-            from . import cuda
-            return cuda.staged(call, builder.launch)
-        return builder.launch(call)
-    return launch
+    if call.x.is_device:
+        from . import cuda
+        return cuda.staged(call, builder.launch)
+    return builder.launch(call)
 
 
-def _native(call: Call):
+def _native(call: Call, name=None, builder=None):
     if call.x.is_device:  # straight to a CUDA-aware MPI, or staged through host memory
         from . import cuda
         return cuda.native(call, _native_mpi)

@@ -263,6 +263,32 @@ def test_auto_follows_the_table_in_force(monkeypatch, tmp_path):
     assert_all(ok, f"auto ran {ran}")
 
 
+def test_auto_repeats_a_plan_only_for_a_call_like_it(monkeypatch, tmp_path):
+    """An auto call repeats the last auto call's plan only when nothing its pick depends on
+    changed: an allgather whose rank 0 passes the same length again, while the others pass
+    more, picks from the new mean (a plan keyed by rank 0's own bytes ran native there while
+    the others ran ring: a hang), and the same with every length as before picks as before."""
+    import json
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    table = tmp_path / f"plan-{rank}.json"
+    rules = [[64, "native"], [None, "ring"]]
+    table.write_text(json.dumps({"version": 1, "tables": {"allgather": {
+        "default": rules, str(size): rules}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    ran, ok = [], True
+    for others in (4, 100, 100, 4):  # float32 elements of ranks > 0; rank 0 passes 4
+        n = 4 if rank == 0 else others
+        req = coll.iallgather(np.full(n, rank, np.float32))
+        ran.append(req.description)
+        want = np.concatenate([np.full(4 if r == 0 else others, r, np.float32)
+                               for r in range(size)])
+        ok &= np.array_equal(req.wait(), want)
+    mean_small = [(16 + 4 * others * (size - 1)) // size <= 64 for others in (4, 100, 100, 4)]
+    ok &= all(f"({'native' if small else 'ring'}," in d for d, small in zip(ran, mean_small))
+    assert_all(ok, f"auto ran {ran}")
+
+
 def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
     """An allreduce in place on every rank runs the table's in-place rule for its size, out of
     place the other; both give the right sum."""
