@@ -392,8 +392,8 @@ class _Trial:
     hierarchical by the trial, 0.89 of ring in the benchmark that followed). Non-blocking calls
     during the trial run the rule's first algorithm and are not timed (a start-to-wait time is
     the caller's); calls whose result could depend on the algorithm (``_exact``) always run the
-    first. Once decided, the trial stays in the memo for those; the others take the pick from
-    ``ctx.auto_last`` as a rule of one does (``_start``).
+    first. Once decided, the trial stays in the memo for those; the others repeat the plan kept
+    in ``ctx.auto_last``, as the calls of a rule of one do (``_start``).
     """
 
     BLOCK_S = 2e-3

@@ -383,7 +383,7 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
                     or not (after.wait() == want).all() or not (peak.wait() == size).all():
                 bad.append(f"after: {after.description} / {peak.description}")
             # and blocking: a float max right after a sum that ran the pick runs the rule's
-            # first (auto's one-pick path repeats a pick other than the first only for calls
+            # first (auto's plan path repeats a pick other than the first only for calls
             # that every algorithm gives alike, _exact; on one rank every call is a copy, and
             # no schedule runs)
             ran, real = [], api._run_schedule
