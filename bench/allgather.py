@@ -1,4 +1,4 @@
-"""``python -m bench allgather``: every all-gather beside MPI's ``Allgatherv`` and gloo.
+"""``python -m bench allgather``: every all-gather beside MPI's ``Allgather`` and gloo.
 
 The size column is the whole output buffer (nccl-tests); each rank contributes size / n bytes;
 busbw = algbw x (n-1)/n. Out of place only (the API refuses ``out=x``).

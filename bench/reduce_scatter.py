@@ -1,4 +1,4 @@
-"""``python -m bench reduce_scatter``: every reduce-scatter beside MPI's ``Reduce_scatter``.
+"""``python -m bench reduce_scatter``: every reduce-scatter beside MPI's ``Reduce_scatter_block``.
 
 The size column is the whole input buffer (nccl-tests); rank r gets block r of size / n bytes;
 busbw = algbw x (n-1)/n. Out of place only (the API refuses ``out=x``).

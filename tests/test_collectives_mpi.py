@@ -189,6 +189,30 @@ def test_allgather_ragged(algorithm):
     assert_all(ok, algorithm)
 
 
+def test_native_takes_the_block_calls_for_equal_counts():
+    """MPI's own allgather and reduce-scatter: ``MPI_Allgather`` / ``Reduce_scatter_block``
+    when every rank has as many elements, the vector calls when not; blocking and not."""
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    for rows in ([3] * size, [(r * 2 + 1) % 3 for r in range(size)]):
+        x = np.full((rows[rank], 2), rank, np.int32)
+        want = np.concatenate([np.full((rows[r], 2), r, np.int32) for r in range(size)])
+        for got in (coll.allgather(x, algorithm="native"),
+                    coll.iallgather(x, algorithm="native").wait()):
+            if got.shape != want.shape or not np.array_equal(got, want):
+                bad.append(f"allgather {rows}")
+    for counts in ([4] * size, [(3 * r) % 4 for r in range(size)]):
+        x = np.arange(sum(counts), dtype=np.int64) * (rank + 1)
+        total = np.arange(sum(counts), dtype=np.int64) * (size * (size + 1) // 2)
+        start = sum(counts[:rank])
+        for got in (coll.reduce_scatter(x, counts=counts, algorithm="native"),
+                    coll.ireduce_scatter(x, counts=counts, algorithm="native").wait()):
+            if not np.array_equal(got, total[start:start + counts[rank]]):
+                bad.append(f"reduce_scatter {counts}")
+    assert_all(not bad, f"native: {bad}")
+
+
 def test_allgather_auto_agrees_on_ragged_lengths():
     """Ranks of very different lengths (0 B to 4 MiB each, across the tuning table's rules):
     ``auto`` picks from the agreed mean, so every rank runs the same algorithm (a pick from
