@@ -172,8 +172,11 @@ def _transport(call: Call):
     return call.ctx.transport
 
 
-def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
-    """Choose, validate and run ``call``; returns the result or a ``Request``."""
+def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None,
+           since=None):
+    """Choose, validate and run ``call``; returns the result or a ``Request``. ``since``: when
+    the call began, if it ran a collective of its own before this (allgather's count
+    exchange), for ``auto``'s trial to time it whole."""
     ctx, collective, count = call.ctx, call.collective, call.x.count
     trial = None
     # ``auto`` must cost no more than naming its pick. A call like the last auto call on this
@@ -227,8 +230,9 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             if entry is not None:
                 entry.phase = "run"
         if trial is not None and trial.timing:
-            trial.start()  # after the check: a mismatched call raises, not waits in a barrier
-            t0 = perf_counter()
+            # after the check: a mismatched call raises, not waits in a barrier; a block's
+            # first timed call is timed from that barrier, the others from their start
+            t0 = perf_counter() if trial.start() or since is None else since
         work = run(call, name, builder)
         if entry is not None:
             entry.work = work
@@ -439,8 +443,9 @@ class _Trial:
             self._step += 1
         return self.names[i], self.builders[i]
 
-    def start(self) -> None:
-        """Just before a timed call runs (after its checks): at a block's first, a barrier.
+    def start(self) -> bool:
+        """Just before a timed call runs (after its checks): at a block's first, a barrier
+        (True then).
 
         Every rank starts the block's timed calls together, as the benchmark's blocks do:
         without it a rooted collective's ranks ran their calls skewed by the block before, and
@@ -450,6 +455,8 @@ class _Trial:
         if self._sync:
             self._sync = False
             self.ctx.comm.Barrier()
+            return True
+        return False
 
     def record(self, seconds: float) -> None:
         """The time of the call that ``next`` chose; at a round's end, the next round or the
@@ -770,16 +777,24 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ..
     A rank whose ``x`` was refused (``xb`` None, ``error`` set) still joins, with rows -1, so
     that every rank raises (``check.settle``) instead of the others waiting.
     """
-    from mpi4py import MPI
     shape = None if xb is None else xb.shape
-    # Plain ints (math.prod, tolist): this runs on every allgather, and numpy's reductions on
-    # two-element arrays made it 25 us at 8 B, n = 2, against 3 us for the MPI_Allgather.
+    # Plain ints (math.prod, tolist) and buffers kept on the communicator: this runs on every
+    # allgather, and numpy's reductions on two-element arrays made it 25 us at 8 B, n = 2,
+    # against 3 us for the MPI_Allgather.
     rows = -1 if xb is None else shape[0] if shape else 1
     row = -1 if xb is None else math.prod(shape[1:]) if shape else 1
-    table = np.empty((ctx.size, 2), dtype=np.int64)
+    bufs = ctx.stash.get("allgather_counts")
+    if bufs is None:
+        from mpi4py import MPI
+        mine, table = np.empty(2, np.int64), np.empty((ctx.size, 2), np.int64)
+        bufs = ctx.stash["allgather_counts"] = (mine, table, [mine, MPI.INT64_T],
+                                                [table, MPI.INT64_T])
+    mine, table, send, recv = bufs
+    mine[0] = rows
+    mine[1] = row
     entry = _watchdog.watch(ctx, what=f"allgather #{ctx.seq} (exchanging row counts: "
                                       f"MPI_Allgather)") if _watchdog.LIMIT else None
-    ctx.comm.Allgather([np.array([rows, row], np.int64), MPI.INT64_T], [table, MPI.INT64_T])
+    ctx.comm.Allgather(send, recv)
     if entry is not None:
         _watchdog.unwatch(entry)
     every_rows, every_row = table.T.tolist()
@@ -788,10 +803,13 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ..
     if every_row.count(row) != ctx.size:
         shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(every_row))
         raise ValueError(f"allgather: x's trailing axes must agree on every rank ({shapes})")
+    if row == 1:
+        return tuple(every_rows), sum(every_rows)
     return tuple(r * row for r in every_rows), sum(every_rows)
 
 
 def _allgather(x, out, comm, algorithm, check, blocking):
+    since = perf_counter()  # the count exchange is part of the call (auto's trial times it)
     ctx = _context(comm)
     try:
         xb, error = wrap(x, "x"), None
@@ -806,7 +824,7 @@ def _allgather(x, out, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allgather", check, exc)
     call = _new_call("allgather", ctx, xb, outb, None, 0, counts)
-    return _start(call, algorithm, check, blocking, outb.obj)
+    return _start(call, algorithm, check, blocking, outb.obj, None, since)
 
 
 def allgather(x, *, out=None, comm=None, algorithm="auto", check=None):
