@@ -18,11 +18,12 @@ error as it would without checking. With checking off nothing is exchanged: the 
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
 
-from .errors import MismatchError, env_raw
+from .errors import OFF_WORDS, MismatchError, env_raw
 
 __all__ = ["enabled", "verify", "failed", "settle", "FIELDS"]
 
@@ -34,11 +35,21 @@ def enabled(check=None) -> bool:
     """Per-call ``check`` wins; else ``COLLECTIVES_CHECK``."""
     if check is not None:
         return bool(check)
-    return env_raw(b"COLLECTIVES_CHECK") not in _OFF
+    raw = env_raw(b"COLLECTIVES_CHECK")
+    return raw not in _OFF and _on(raw)
 
 
-# COLLECTIVES_CHECK values that mean off, raw (bytes on POSIX, str elsewhere: see env_raw).
-_OFF = frozenset((None, "0", "", "false", "no", b"0", b"", b"false", b"no"))
+# COLLECTIVES_CHECK values that mean off, raw (bytes on POSIX, str elsewhere: see env_raw): the
+# common ones, one set lookup a call; any other goes through ``_on``.
+_OFF = frozenset((None, "0", "", "false", "no", "off", b"0", b"", b"false", b"no", b"off"))
+
+
+@functools.lru_cache(maxsize=16)
+def _on(raw) -> bool:
+    """A COLLECTIVES_CHECK value not in ``_OFF`` ("OFF", " No ", ...): off words as everywhere
+    else in the toolkit (``errors.OFF_WORDS``), whatever their case and spaces."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    return text.strip().lower() not in OFF_WORDS + ("",)
 
 
 def _code(field: str, value) -> int:

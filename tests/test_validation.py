@@ -152,7 +152,8 @@ def test_reduce_ignores_a_valid_out_off_the_root_but_checks_it():
 
 
 @pytest.mark.parametrize("env,expected", [("0", False), ("", False), ("no", False),
-                                          ("1", True), ("yes", True)])
+                                          ("off", False), ("OFF", False), (" False ", False),
+                                          ("1", True), ("yes", True), ("on", True)])
 def test_check_enabled(env, expected, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_CHECK", env)
     assert _check.enabled() is expected
