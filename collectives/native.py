@@ -116,8 +116,8 @@ def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
     block = counts[0]
     recv = [out, counts[comm.Get_rank()], mpitype]
     if counts.count(block) == len(counts):
-        # the send buffer without a count: mpi4py's releases read a count here as the whole
-        # buffer's (3.x) or as one block's (4.x); from the buffer, both take its length
+        # the send buffer without a count: mpi4py 4 reads a count here as one block's, older
+        # releases as the whole buffer's; from the buffer alone, both take its length
         send = [x, mpitype]
         if blocking:
             comm.Reduce_scatter_block(send, recv, mpiop)
