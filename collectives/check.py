@@ -41,7 +41,7 @@ def enabled(check=None) -> bool:
 
 # COLLECTIVES_CHECK values that mean off, raw (bytes on POSIX, str elsewhere: see env_raw): the
 # common ones, one set lookup a call; any other goes through ``_on``.
-_OFF = frozenset((None, "0", "", "false", "no", "off", b"0", b"", b"false", b"no", b"off"))
+_OFF = frozenset((None, "", b"") + OFF_WORDS + tuple(w.encode() for w in OFF_WORDS))
 
 
 @functools.lru_cache(maxsize=16)

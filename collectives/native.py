@@ -113,9 +113,8 @@ def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
     """``MPI_Reduce_scatter_block`` when every rank gets as many elements, else
     ``MPI_Reduce_scatter`` with the counts."""
     mpitype, mpiop = mpi_type_op(op)
-    block = counts[0]
     recv = [out, counts[comm.Get_rank()], mpitype]
-    if counts.count(block) == len(counts):
+    if _even(counts):
         # the send buffer without a count: mpi4py 4 reads a count here as one block's, older
         # releases as the whole buffer's; from the buffer alone, both take its length
         send = [x, mpitype]
@@ -129,6 +128,11 @@ def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
         comm.Reduce_scatter(send, recv, counts, mpiop)
         return _DONE
     return _work(comm.Ireduce_scatter(send, recv, counts, mpiop), False, "Ireduce_scatter")
+
+
+def _even(counts: tuple) -> bool:
+    """Whether every rank has as many elements (MPI's block calls then, not the vector ones)."""
+    return counts.count(counts[0]) == len(counts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -147,7 +151,7 @@ def allgather(comm, x, out, counts, blocking: bool):
     (n = 3), measured side by side (2026-11-30)."""
     from mpi4py import MPI
     send = [x.view(np.uint8), MPI.BYTE]
-    if counts.count(counts[0]) == len(counts):
+    if _even(counts):
         recv = [out.view(np.uint8), MPI.BYTE]
         if blocking:
             comm.Allgather(send, recv)
