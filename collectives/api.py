@@ -575,8 +575,11 @@ def _run_schedule(call: Call, name, builder):
     # Schedule.direct); in place, IN is OUT and they must go through scratch.
     plan = schedule.plan(direct=not call.inplace)
     key = (x.kind, x.device, x.dtype)
-    tmp = ctx.take_scratch(key, plan.schedule.tmp, lambda n: x.new((n,)).flat)
-    taken = [tmp]
+    taken = []  # scratch to give back: none for a plan without TMP and with an OUT (~2 us)
+    tmp = None
+    if plan.schedule.tmp:
+        tmp = ctx.take_scratch(key, plan.schedule.tmp, lambda n: x.new((n,)).flat)
+        taken.append(tmp)
     if out is None:  # reduce on a non-root rank: OUT is scratch
         out_flat = ctx.take_scratch(key, x.count, lambda n: x.new((n,)).flat)[:x.count]
         taken.append(out_flat.base if out_flat.base is not None else out_flat)
@@ -586,16 +589,18 @@ def _run_schedule(call: Call, name, builder):
 
     transport = _transport(call)
     close = getattr(transport, "close", None)  # device transports: wait for queued GPU work
-
-    def release():
-        if close is not None:
-            close()
-        for arr in taken:
-            ctx.give_scratch(key, arr)
+    release = None
+    if close is not None or taken:
+        def release():
+            if close is not None:
+                close()
+            for arr in taken:
+                ctx.give_scratch(key, arr)
 
     run = Run(plan, in_flat, out_flat, tmp, call.op, transport,
               ctx.tag(call.seq), info=call.describe, on_done=release)
-    return run.start()
+    # a blocking call waits at once (_start): its first advance may block
+    return run if call.blocking else run.start()
 
 
 def _scheduled(call: Call, name, builder):

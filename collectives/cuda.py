@@ -456,8 +456,8 @@ class DirectTransport(_DeviceTransport):
         self._enter()
         return self.inner.testsome(handles)
 
-    def finish(self, handle, status, view, op) -> None:
-        self.inner.finish(handle, status, view, op)
+    def finish(self, handle, status, nbytes: int, op) -> None:
+        self.inner.finish(handle, status, nbytes, op)
 
 
 _COPYING, _WIRE, _DONE = 0, 1, 2
@@ -523,7 +523,7 @@ class StagingTransport(_DeviceTransport):
 
     def _arrived(self, m: _Message, status, cur) -> None:
         """``m``'s transfer completed on the wire."""
-        self.inner.finish(m.req, status, m.host, (m.kind, m.peer, None, ()))
+        self.inner.finish(m.req, status, m.host.nbytes, (m.kind, m.peer, None, ()))
         m.req = None
         if m.kind == RECV:
             dev = self.device
@@ -571,7 +571,7 @@ class StagingTransport(_DeviceTransport):
             j, status = self.inner.waitany([m.req for m in wire])
             self._arrived(wire[j], status, cur)
 
-    def finish(self, handle, status, view, op) -> None:
+    def finish(self, handle, status, nbytes: int, op) -> None:
         pass  # checked in _arrived, while the inner status was still ours
 
     def close(self) -> None:

@@ -281,10 +281,12 @@ class Plan:
 
     ``ndeps[i]``: how many ops op ``i`` waits for; ``users[i]``: the ops waiting for ``i``;
     ``order[i]``: the position of a send/recv in its (peer, direction) queue; ``queues``:
-    ``{(kind, peer): [op indices in program order]}``.
+    ``{(kind, peer): [op indices in program order]}``; for a send/recv, ``keys[i]`` is its
+    queue's key and ``msg[i]`` the region its bytes leave from or land in (the executor's
+    per-message lookups, done once here).
     """
 
-    __slots__ = ("ops", "ndeps", "users", "order", "queues", "roots", "schedule")
+    __slots__ = ("ops", "ndeps", "users", "order", "queues", "roots", "schedule", "keys", "msg")
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
@@ -297,9 +299,13 @@ class Plan:
                 self.users[j].append(i)
         self.queues: dict[tuple[int, int], list[int]] = {}
         self.order = [0] * len(self.ops)
+        self.keys: list = [None] * len(self.ops)
+        self.msg: list = [None] * len(self.ops)
         for i, op in enumerate(self.ops):
             if op[0] in (SEND, RECV):
-                q = self.queues.setdefault((op[0], op[1]), [])
+                key = self.keys[i] = (op[0], op[1])
+                self.msg[i] = op[3][0] if op[0] == SEND else op[2]
+                q = self.queues.setdefault(key, [])
                 self.order[i] = len(q)
                 q.append(i)
         self.roots = [i for i, n in enumerate(self.ndeps) if n == 0]

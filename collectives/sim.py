@@ -116,7 +116,7 @@ class _SimTransport:
     def waitany(self, handles):  # pragma: no cover - the simulator never blocks
         raise Deadlock("the simulator cannot block")
 
-    def finish(self, handle, status, view, op):
+    def finish(self, handle, status, nbytes, op):
         pass
 
 
