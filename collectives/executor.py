@@ -214,8 +214,7 @@ class Run:
 
     Written for the interpreter: this runs for every op of every call, and a call of a few ops
     costs ~10 us of Python here against ~2 us for the MPI calls, so the hot methods hold their
-    lookups in locals and slice regions inline. The byte views that messages travel in are made
-    at the first message (``_post_turns``); a run that sends nothing makes none."""
+    lookups in locals and slice regions inline."""
 
     __slots__ = ("plan", "typed", "raw", "op", "transport", "tag", "pending", "ready",
                  "posted", "next", "handles", "hops", "left", "done", "itemsize", "info",
@@ -225,7 +224,9 @@ class Run:
                  info="", on_done=None):
         self.plan = plan
         self.typed = (in_flat, out_flat, tmp_flat)
-        self.raw = None  # the three as flat uint8 views (numpy or cupy), at the first message
+        # the three as flat uint8 views (numpy or cupy), the bytes messages travel in
+        self.raw = tuple(None if a is None else a.view(_U8) for a in self.typed) \
+            if plan.queues else ()
         self.itemsize = out_flat.dtype.itemsize
         self.op = op
         self.transport = transport
@@ -255,8 +256,6 @@ class Run:
         pos = self.next[key]
         posted, handles, hops = self.posted, self.handles, self.hops
         raw = self.raw
-        if raw is None:
-            raw = self.raw = tuple(None if a is None else a.view(_U8) for a in self.typed)
         s, tag, peer = self.itemsize, self.tag, key[1]
         post = self.transport.isend if key[0] == SEND else self.transport.irecv
         while pos < len(queue) and posted[queue[pos]]:
@@ -270,8 +269,7 @@ class Run:
     def _drain(self) -> None:
         """Run every ready local op and post every ready message whose turn has come."""
         plan = self.plan
-        ops, users, ready, pending, typed = plan.ops, plan.users, self.ready, self.pending, \
-            self.typed
+        ops, ready, typed = plan.ops, self.ready, self.typed
         while ready:
             i = ready.popleft()
             kind, peer, dst, srcs = ops[i]
@@ -287,11 +285,7 @@ class Run:
             else:  # COPY
                 (d, da, db), (x, xa, xb) = dst, srcs[0]
                 typed[d][da:db] = typed[x][xa:xb]
-            self.left -= 1
-            for u in users[i]:
-                pending[u] -= 1
-                if pending[u] == 0:
-                    ready.append(u)
+            self._complete(i)
 
     def _finished(self, k: int, status) -> None:
         """Request ``k`` of ``handles`` completed."""
@@ -302,9 +296,13 @@ class Run:
             handles[k], hops[k] = last, last_op
         buf, a, b = plan.msg[i]
         self.transport.finish(h, status, (b - a) * self.itemsize, plan.ops[i])
+        self._complete(i)
+
+    def _complete(self, i: int) -> None:
+        """Op ``i`` is done: the ops that waited only for it become ready."""
         self.left -= 1
         pending, ready = self.pending, self.ready
-        for u in plan.users[i]:
+        for u in self.plan.users[i]:
             pending[u] -= 1
             if pending[u] == 0:
                 ready.append(u)
