@@ -17,7 +17,7 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   (the fastest of the row other than auto always among them: it rejoins if it left),
   until each median, and auto's gap to the best, is known to ``--target`` (1%),
   ``--max-rounds`` (60 x ``--rounds``) or
-  ``--settle`` seconds per size (8), since they are the ones a reader compares
+  ``--settle`` seconds per size (20), since they are the ones a reader compares
   (``Sweep._settle``). A round's per-iteration time is each rank's average, then the *max over
   ranks* (nccl-tests); the table shows the median over rounds, each round first divided by the
   machine's drift in that round (``correct_drift``), and the spread (max - min) / median.
@@ -465,7 +465,7 @@ class Sweep:
     def __init__(self, collective: Collective, comm, *, dtype="float32", op="sum", root=0,
                  algorithms=None, iters=0, warmup=2, rounds=3, budget=BUDGET_MS / 1e3, check=True,
                  modes=None, gloo_comm=None, out=None, max_rounds=None, target=0.01,
-                 settle=8.0, incumbent=None):
+                 settle=20.0, incumbent=None):
         self.spec, self.comm = collective, comm
         self.n, self.rank = comm.Get_size(), comm.Get_rank()
         self.dtype = np.dtype(dtype)
@@ -874,8 +874,8 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=1.0,
                    help="stop those extra rounds when each median, and auto's gap to the "
                         "best, is known to this many percent (standard error; default 1)")
-    p.add_argument("--settle", type=float, default=8.0,
-                   help="at most this many seconds of extra rounds per size (default 8; 0: "
+    p.add_argument("--settle", type=float, default=20.0,
+                   help="at most this many seconds of extra rounds per size (default 20; 0: "
                         "none)")
     p.add_argument("--budget", type=float, default=BUDGET_MS,
                    help=f"ms per round when -n is not given (default {BUDGET_MS:g})")

@@ -198,9 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", default=None,
                    help="tuning file (default: $COLLECTIVES_TUNING or "
                         "~/.cache/collectives/tuning.json)")
-    p.add_argument("--settle", type=float, default=8.0,
+    p.add_argument("--settle", type=float, default=20.0,
                    help="seconds of extra rounds per size for the close contenders (see "
-                        "python -m bench allreduce --help; default 8)")
+                        "python -m bench allreduce --help; default 20)")
     p.add_argument("--dry-run", action="store_true", help="print, do not write")
     p.add_argument("--verify", action="store_true",
                    help="benchmark auto again with the new table")
