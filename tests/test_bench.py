@@ -557,3 +557,34 @@ def test_sweep_races_the_best_other_beside_an_auto_far_ahead(monkeypatch):
     res = {r.algorithm: r for r in sweep.run_size(1 << 12)}
     assert len(res["native"].rounds) == len(res["auto"].rounds) == 30
     assert res["native"].time == pytest.approx(res["auto"].time, rel=0.02)
+
+
+def test_gloo_runs_after_the_others(monkeypatch):
+    """On one rank (COMM_SELF), a stand-in for gloo's call: its blocks run after every other
+    block of the size, race included, in rounds of their own (ids past the others'), so that
+    its TCP traffic disturbs no other row's blocks."""
+    from mpi4py import MPI
+    spec = tune.spec("allreduce")
+    real_calls, real_block = harness.Sweep._callables, harness.Sweep._block
+    seen = []
+
+    def callables(self, coll, count):
+        calls, cin = real_calls(self, coll, count)
+        fn, res, reset = calls[("native", "out")]
+        calls[("gloo", "out")] = (fn, res, reset)
+        return calls, cin
+
+    def block(self, fn, iters, res, est, round_id=None):
+        seen.append(res.algorithm)
+        return real_block(self, fn, iters, res, est, round_id)
+    monkeypatch.setattr(harness.Sweep, "_callables", callables)
+    monkeypatch.setattr(harness.Sweep, "_block", block)
+    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "auto"], rounds=3,
+                          budget=0.0005, check=True, modes=["out"], max_rounds=9,
+                          target=0.0, settle=5.0)
+    res = {r.algorithm: r for r in sweep.run_size(1 << 12)}
+    first = seen.index("gloo")
+    assert seen[first:] == ["gloo"] * 3 and "gloo" not in seen[:first]
+    assert len(seen[:first]) == 2 * 9  # native and auto: 3 rounds, then the race to 9
+    assert res["gloo"].ids() == [9, 10, 11] and res["gloo"].wrong == 0
+    assert res["native"].ids() == list(range(9))
