@@ -100,18 +100,26 @@ def rules(best: list[tuple]) -> list[list]:
 # and 1.3x slower in another), at most ALTERNATES, fastest first. 1.5, as the benchmark's race
 # (harness.CONTEND): allgather at 256 KiB, n = 2, ring was 1.3x native in tune and 0.9x in the
 # benchmark's run after; ``auto``'s trial drops the clearly slower ones after a few blocks.
+# The built-in rule's names (``keep``) stay whatever this run measured: they are the evidence of
+# many runs, and some algorithms run in two modes minutes apart on a shared machine (broadcast,
+# 2 ranks, 2 MiB: shm 0.52-0.6x native's time in one benchmark and 3.5x in the tune just
+# before it, the same code); dropped from the table, the trial could not find the fast mode.
 ALTERNATE = 1.5
 ALTERNATES = 4
 
 
-def alternates(row: list, win, before=()) -> tuple[str, ...]:
+def alternates(row: list, win, before=(), keep=()) -> tuple[str, ...]:
     """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest or named in
-    ``before`` (the rule in force), fastest first."""
+    ``before`` (the rule in force), fastest first, ``ALTERNATES`` at most; then those of
+    ``keep`` (the built-in rule) not among them."""
     fastest = min(r.time for r in row)
     close = sorted((r for r in row if r is not win and
                     (r.time <= ALTERNATE * fastest or r.algorithm in before)),
                    key=lambda r: r.time)
-    return tuple(r.algorithm for r in close[:ALTERNATES])
+    names = [r.algorithm for r in close[:ALTERNATES]]
+    measured = {r.algorithm for r in row} - {win.algorithm}
+    names += [name for name in keep if name in measured and name not in names]
+    return tuple(names)
 
 
 # A new rule must beat what ``auto`` runs now by more than this, or by three standard errors of
@@ -223,6 +231,7 @@ def main(argv=None) -> int:
     sig = signature(comm)
     measured, new = {}, {}
     rule_now = _rules_now(n, path)
+    builtin = _rules_now(n, path, builtin=True)
     for c in collectives:
         s = spec(c)
         algs = [a for a in select.algorithms(c)]
@@ -248,8 +257,8 @@ def main(argv=None) -> int:
         for nbytes in dict.fromkeys(r.nbytes for r in mine):
             row = [r for r in mine if r.nbytes == nbytes]
             win = winner(row, before[key][nbytes][0])
-            best.append((_input_bytes(c, win),
-                         (win.algorithm,) + alternates(row, win, before[key][nbytes])))
+            best.append((_input_bytes(c, win), (win.algorithm,) + alternates(
+                row, win, before[key][nbytes], builtin(c, _input_bytes(c, row[0]), inplace))))
         new[key] = rules(best)
     note = None
     if rank0 and not args.dry_run:
@@ -281,28 +290,30 @@ def _split(key: str) -> tuple[str, bool]:
     return c, bool(mode)
 
 
-def _rules_now(n: int, path: Path):
+def _rules_now(n: int, path: Path, builtin: bool = False):
     """``rule(collective, input bytes, in place)``: the algorithms of the rule ``auto`` uses now
-    there, its pick first (the file's, or the built-in table if there is no file yet);
-    memoized, for the race (``Sweep``'s ``incumbent``) and the verdict (``winner``) alike."""
+    there, its pick first (the file's, or the built-in table if there is no file yet, or with
+    ``builtin`` always); memoized, for the race (``Sweep``'s ``incumbent``) and the verdict
+    (``winner``) alike."""
     from collectives import select
     memo: dict = {}
 
     def rule(collective: str, nbytes: int, inplace: bool) -> tuple[str, ...]:
         key = (collective, nbytes, inplace and collective in select.IN_PLACE_RULES)
         if key not in memo:
-            with _rules_in_force(path):
+            with _rules_in_force(path, builtin):
                 memo[key] = select.candidates(collective, nbytes, n, inplace=key[2])
         return memo[key]
     return rule
 
 
 @contextlib.contextmanager
-def _rules_in_force(path: Path):
-    """The rules ``auto`` uses now: the file's, or the built-in table if there is no file yet
-    (select refuses a COLLECTIVES_TUNING that names no file: it points at an empty table)."""
+def _rules_in_force(path: Path, builtin: bool = False):
+    """The rules ``auto`` uses now: the file's, or the built-in table if there is no file yet or
+    ``builtin`` (select refuses a COLLECTIVES_TUNING that names no file: it points at an empty
+    table)."""
     import tempfile
-    if path.exists():
+    if path.exists() and not builtin:
         yield
         return
     saved = os.environ.get("COLLECTIVES_TUNING")
