@@ -14,7 +14,8 @@ of ``collectives.select``::
 
 (allreduce is measured in place too, and its in-place winners become the ``"in-place"`` rules).
 A rule also names the algorithms within 1.5x of the fastest and those the rule in force named
-(four at most), ``[max_bytes, winner, alternate, ...]``: ``auto`` measures them at run time
+(four at most), then the built-in rule's, ``[max_bytes, winner, alternate, ...]`` (``alternates``):
+``auto`` measures them at run time
 where that cannot change a result (``collectives.select``), since which of two close
 algorithms is faster changes from one process launch to the next on a shared machine.
 What ``auto`` runs now stays where the fastest beats it by no more than 3% or three standard

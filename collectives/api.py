@@ -333,35 +333,22 @@ def _trials(ctx, collective: str) -> bool:
     the choice cannot change a result, so that results stay the same from run to run (DESIGN):
     data movement; or 2 ranks, where every algorithm reduces an element once and a + b = b + a
     (``_exact`` says which calls); on more ranks the association order differs, and float sums
-    round differently. Not where a node runs more of the ranks than it has cores, unless
-    COLLECTIVES_AUTO_TRIAL asks for trials (``_oversubscribed``)."""
+    round differently. ``COLLECTIVES_AUTO_TRIAL=0`` turns trials off.
+
+    Also where a node runs more of the ranks than it has cores (3 ranks on 2 here), since the
+    benchmark and the tuner time 2 ms blocks, as the trial does (when they timed 10 ms blocks
+    there, the trial's shorter ones disagreed with them, and trials were off by default). With
+    them on, 3 ranks, allgather and broadcast from 32 KiB (two launches each way, the same
+    tuning table): allgather ran the best of the row or within 2% of it at every size with
+    trials, where the rule's first alone (shm at 512 KiB and 2 MiB, the tuner's pick) was
+    0.73-0.85 of ``native`` at four of eight cells; shm runs in two modes minutes apart here.
+    """
     if ctx.size < 2:
         return False
     ask = (getenv("COLLECTIVES_AUTO_TRIAL") or "").strip().lower()
     if ask in OFF_WORDS:
         return False
-    return (ctx.size == 2 or collective in _MOVES) and (bool(ask) or not _oversubscribed(ctx))
-
-
-def _oversubscribed(ctx) -> bool:
-    """Whether some node runs more of ``ctx``'s ranks than it has cores (collective on first
-    use, then cached). There the trial's ~2 ms blocks are shorter than the scheduler's time
-    slice and time which rank it left waiting: at 3 ranks on 2 cores, broadcast's trial timed
-    MPICH's own at 660-2300 us where the benchmark's 10 ms blocks measured 510-1660, picked
-    binomial or tree, and the benchmark then measured ``auto`` at 0.82 of native (2 MiB, two
-    runs of four). The rule's first (the tuner's pick, from its longer race over more rounds)
-    is the better bet. (Measured while the benchmark and the tuner timed 10 ms blocks; they
-    time 2 ms blocks now, as the trial does, and this was not measured again since.)"""
-    hit = ctx.stash.get("oversubscribed")
-    if hit is None:
-        import os
-
-        from mpi4py import MPI
-
-        from .topology import topology
-        mine = topology(ctx).local_size(ctx.rank) > (os.cpu_count() or 1)
-        hit = ctx.stash["oversubscribed"] = bool(ctx.comm.allreduce(mine, op=MPI.LOR))
-    return hit
+    return ctx.size == 2 or collective in _MOVES
 
 
 def _exact(call: Call) -> bool:

@@ -31,8 +31,8 @@ were within the noise of each other, or that ran in two modes from one process l
 next (measured: binomial reduce at 128 KiB, n = 2, ran 38-46 us in some launches and 58-65 us
 in others, native 43-52 in all). ``auto`` then measures them at run time where that cannot
 change a result (``collectives.api._Trial``: blocks of each in turn; every rank takes the
-fastest by the slowest rank's time; not by default where a node runs more ranks than it has
-cores); elsewhere, and with ``COLLECTIVES_AUTO_TRIAL=0``, it runs the first.
+fastest by the slowest rank's time); elsewhere, and with ``COLLECTIVES_AUTO_TRIAL=0``, it runs
+the first.
 ``candidates`` lists them, ``auto`` returns the first.
 """
 from __future__ import annotations
@@ -167,14 +167,19 @@ DEFAULT_TABLE = {
         # 1.3-2x slower): it led every size to 4 MiB per rank by 10-40% at n = 2 and 3 (two
         # tunes and a benchmark, 2026-11-30); above, it, shm and the schedules were within 10%.
         "2": [[4 << 20, NATIVE], [None, NATIVE, "shm", "recursive_doubling"]],
-        "3": [[4 << 20, NATIVE], [None, NATIVE, "shm", "ring"]],
+        # 3 ranks, 512 KiB - 2 MiB: shm the best by 1.3-1.4x in some launches, 0.73-0.85 of
+        # native in others (2026-11-30, late): the trial decides at run time.
+        "3": [[32 << 10, NATIVE], [4 << 20, NATIVE, "shm"], [None, NATIVE, "shm", "ring"]],
     },
     "broadcast": {
         # shm runs in two modes minutes apart here (2 ranks, 2 MiB: 0.52-0.6x native's time
         # in two benchmark runs, 3.5x in the tunes just before; 8 MiB: 0.55-0.8 ms or 2-3 ms,
         # native 0.7-1.1 ms): from 512 KiB the trial measures both at run time.
         "2": [[256 << 10, NATIVE], [8 << 20, NATIVE, "shm"], [None, "shm", NATIVE]],
-        "3": [[4 << 20, NATIVE], [8 << 20, "binomial", NATIVE], [None, "shm", "binomial"]],
+        # 3 ranks: shm 1.15-1.4x faster than the rule's first at 2 and 8 MiB in four of six
+        # full runs (2026-11-30, late), slower in the tunes before them.
+        "3": [[256 << 10, NATIVE], [4 << 20, NATIVE, "shm"], [8 << 20, "binomial", NATIVE, "shm"],
+              [None, "shm", "binomial", NATIVE]],
     },
     "reduce": {
         # 128 KiB at n = 2: binomial and tree ran 38-46 us in some process launches and 58-65
