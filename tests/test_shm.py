@@ -66,8 +66,8 @@ def pairs():
 
 @pytest.fixture(params=["cma", "window"])
 def path(request, monkeypatch):
-    """Both ways through a shm all-gather, at every size: single-copy reads (where the window
-    found them working) and the window's slots; the same on every rank."""
+    """Both ways through a shm all-gather or broadcast, at every size: single-copy reads (where
+    the window found them working) and the window's slots; the same on every rank."""
     monkeypatch.setattr(shm, "CMA_MIN_BYTES", 0)
     old = shm.set_cma(request.param == "cma")
     yield request.param
@@ -213,6 +213,8 @@ def test_paths_interleave(monkeypatch):
             ok = ok and np.array_equal(got, want)
             g = coll.allgather(np.full(i + 1, rank, np.int16), algorithm="shm")
             ok = ok and np.array_equal(g, np.repeat(np.arange(size), i + 1).astype(np.int16))
+            b = coll.broadcast(np.full(n, rank, np.float64), root=i % size, algorithm="shm")
+            ok = ok and bool((b == i % size).all())
     finally:
         shm.set_cma(old)
         shm.set_chunk_bytes(chunk)
