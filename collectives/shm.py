@@ -577,13 +577,13 @@ def launch(call) -> ShmWork:
     if call.collective == "reduce_scatter":
         return ShmWork(win, _reduce_scatter, (win, x, out, call.op, tuple(call.counts)),
                        call.describe())
+    # All-gather and broadcast: single-copy reads from CMA_MIN_BYTES. The output's size is the
+    # same on every rank, so every rank takes the same path.
+    single = out is not None and win.cma and CMA and out.nbytes >= CMA_MIN_BYTES
     if call.collective == "allgather":
-        # The output's size is the same on every rank, so every rank takes the same path.
-        single = win.cma and CMA and out.nbytes >= CMA_MIN_BYTES
         return ShmWork(win, _allgather_cma if single else _allgather,
                        (win, x, out, tuple(call.counts)), call.describe())
     if call.collective == "broadcast":
-        single = win.cma and CMA and out.nbytes >= CMA_MIN_BYTES
         return ShmWork(win, _broadcast_cma if single else _broadcast, (win, out, call.root),
                        call.describe())
     raise ValueError(f"algorithm 'shm' does not implement {call.collective}")
