@@ -435,7 +435,7 @@ class ShmNodes:
         counts = tuple(split(call.count, k)[i + 1] - split(call.count, k)[i] for i in range(k))
         name = "sum" if call.op.is_avg else call.op.name
         return shm.ShmWork(win, _shm_nodes, (win, src, call.out.flat, call.op, name, counts, j,
-                                            k, comms.cross), call.describe())
+                                            k, comms.cross), call)
 
 
 def _shm_nodes(work, win, src, out, op, name, counts, j, k, cross) -> None:

@@ -144,14 +144,17 @@ DEFAULT_TABLE = {
         # n = 3 out of place: tree at 512 KiB and ring above 16 MiB, once the executor had been
         # sped up (six full runs: tree the best at 512 KiB in all six, shm 0.87-0.99 of it;
         # at 32 MiB ring 0.93-1.00 of the best, shm 0.81-1.00).
-        "3": [[256 << 10, NATIVE], [512 << 10, "tree"], [2 << 20, "shm"], [None, "ring"]],
+        # From 128 KiB shm, since its allreduces up to 512 KiB meet once a round, not twice
+        # (2026-11-30, n = 3, one launch: 128 KiB 200-215 us against native's 244-275, 512 KiB
+        # 390-430 against tree's 440-500).
+        "3": [[32 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
         # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
         # wins there out of place, took 2.2x native's time in place); at n = 3 the rules out of
         # place had before the six runs above, which kept shm at 512 KiB and above 16 MiB in
         # place (the best or within 2% of it in all six at 512 KiB, and in five at 32 MiB).
         "in-place": {
             "2": [[512 << 10, NATIVE], [None, "ring", "double_binary_tree", "rabenseifner"]],
-            "3": [[256 << 10, NATIVE], [2 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
+            "3": [[32 << 10, NATIVE], [2 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
         },
     },
     "reduce_scatter": {
@@ -186,8 +189,12 @@ DEFAULT_TABLE = {
         # in others, native 43-52 in all, until the executor's per-message Python was cut:
         # now 0.74-0.81x native's time (two tunes and a benchmark agreed); of six full runs
         # binomial was the best there in all, tree 0.78-1.00 of it.
-        "2": [[32 << 10, NATIVE], [128 << 10, "binomial", "tree"], [None, "tree", "binomial"]],
-        "3": [[128 << 10, NATIVE], [16 << 20, "tree"], [None, "hierarchical"]],
+        # Then shm's reduce (the others copy into the window and go on; the root reduces) from
+        # 128 KiB (2026-11-30, one launch each): n = 2 1.1x the best message-based algorithm
+        # at 128 KiB, 1.45-2x from 512 KiB; n = 3 1.1x at 128 KiB, 1.4-2.2x from 512 KiB.
+        "2": [[32 << 10, NATIVE], [128 << 10, "shm", "binomial", "tree"],
+              [None, "shm", "tree", "binomial"]],
+        "3": [[32 << 10, NATIVE], [None, "shm"]],
     },
 }
 for _rules in DEFAULT_TABLE.values():

@@ -22,7 +22,7 @@ def test_set_chunk_bytes_validates():
 
 
 def test_registered():
-    for c in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+    for c in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"):
         assert "shm" in coll.algorithms(c)
 
 
@@ -74,6 +74,15 @@ def path(request, monkeypatch):
     shm.set_cma(old)
 
 
+@pytest.fixture(params=["whole", "split"])
+def form(request, monkeypatch):
+    """Both forms of a shm allreduce, at every size: one meeting a round (every rank reduces
+    the whole round) and two (each reduces a slice, then all copy every slice out)."""
+    monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: (1 << 40) if request.param == "whole"
+                                                 else -1})
+    return request.param
+
+
 @pytest.fixture
 def chunk():
     """A small chunk so that short arrays take many rounds (STYLE 13)."""
@@ -83,7 +92,7 @@ def chunk():
 
 
 @pytest.mark.mpi
-def test_allreduce_every_dtype_and_op(chunk):
+def test_allreduce_every_dtype_and_op(chunk, form):
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -105,7 +114,7 @@ def test_allreduce_every_dtype_and_op(chunk):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nbytes", [64, 4096, 1 << 20])
-def test_allreduce_lengths_and_chunks(nbytes):
+def test_allreduce_lengths_and_chunks(nbytes, form):
     """Primes around chunk multiples, exact int64 closed form, bitwise-equal floats."""
     from tests.mpiutil import assert_all, world
     comm = world()
@@ -127,6 +136,57 @@ def test_allreduce_lengths_and_chunks(nbytes):
     finally:
         shm.set_chunk_bytes(old)
     assert_all(not bad, str(bad[:5]))
+
+
+@pytest.mark.mpi
+def test_reduce_every_dtype_and_op_and_root(chunk):
+    """Onto every root, in place and not: the result there (the input untouched out of place),
+    None elsewhere with the input untouched; many rounds, so that ranks run rounds ahead."""
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    for dtype, op in pairs():
+        for n in LENGTHS:
+            xs = inputs(size, n, dtype, op)
+            want = reference(xs, op, dtype)
+            for root in range(size):
+                x = xs[rank].copy()
+                got = coll.reduce(x, op, root=root, algorithm="shm")
+                if not np.array_equal(x, xs[rank]) or \
+                        (rank == root and not same(got, want)) or (rank != root and got is not None):
+                    bad.append((dtype.name, op, n, root, "out of place"))
+                y = xs[rank].copy()
+                res = coll.reduce(y, op, root=root, out=y if rank == root else None,
+                                  algorithm="shm")
+                if (rank == root and not (res is y and same(y, want))) or \
+                        (rank != root and not np.array_equal(y, xs[rank])):
+                    bad.append((dtype.name, op, n, root, "in place"))
+    assert_all(not bad, str(bad[:5]))
+
+
+@pytest.mark.mpi
+def test_reduce_in_rank_order():
+    """The root sums in rank order, as one rank would: float32 bits equal to the sequential sum
+    over ranks 0, 1, ..., at every root and through many rounds."""
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = shm.set_chunk_bytes(4096)
+    bad = []
+    try:
+        xs = [np.random.default_rng(r).standard_normal(10007).astype(np.float32)
+              for r in range(size)]
+        want = xs[0].copy()
+        for x in xs[1:]:
+            want += x
+        for root in range(size):
+            got = coll.reduce(xs[rank], root=root, algorithm="shm")
+            if rank == root and got.tobytes() != want.tobytes():
+                bad.append(root)
+    finally:
+        shm.set_chunk_bytes(old)
+    assert_all(not bad, str(bad))
 
 
 @pytest.mark.mpi
