@@ -192,7 +192,8 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             last = ctx.auto_last
             if call.x.flat.nbytes == last[1] and collective is last[0] and \
                     call.inplace is last[2] and (call.counts is None or call.counts == last[3]) \
-                    and env_raw(b"COLLECTIVES_TUNING") is last[4] and (last[6] or _exact(call)):
+                    and env_raw(b"COLLECTIVES_TUNING") is last[4] and (last[6] or _exact(call)) \
+                    and (last[7] is None or last[7].tick()):
                 name, builder, run = last[5]
             else:
                 name, builder, run, trial = _auto_plan(call, blocking)
@@ -268,7 +269,7 @@ def _auto_plan(call: Call, blocking: bool):
     env = env_raw(b"COLLECTIVES_TUNING")
     hit, trial = _auto(ctx, collective, key, env), None
     if type(hit) is tuple:
-        pick, anycall = hit, True
+        pick, anycall, hit = hit, True, None
     else:  # a rule of several algorithms, measured here
         exact = _exact(call)
         pick = hit.next(blocking, exact)
@@ -280,7 +281,7 @@ def _auto_plan(call: Call, blocking: bool):
     name, builder = pick
     run = _runner(call, builder)
     ctx.auto_last = (collective, own, call.inplace, call.counts, env, (name, builder, run),
-                     anycall)
+                     anycall, hit)
     return name, builder, run, trial
 
 
@@ -400,17 +401,31 @@ class _Trial:
     NOISE = 3.0
     PRECISION = 0.015
     SWITCH = 1.03
+    # Again after this many seconds of calls at the pick's measured pace, then after twice as
+    # many while the pick stays, up to RETRIAL_MAX (back to the first when it changes), and
+    # never before RETRIAL_SHARE times what the race itself took: see ``next``.
+    # COLLECTIVES_AUTO_RETRIAL=0: one race only.
+    RETRIAL_S = float(getenv("COLLECTIVES_AUTO_RETRIAL") or 1.0)
+    RETRIAL_MAX = 64.0
+    RETRIAL_SHARE = 20
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_sum", "_first", "_lengths", "_round",
-                 "_sync")
+                 "_sync", "left", "every", "_last")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
+        self.every, self._last = self.RETRIAL_S, None
+        self._reset()
+
+    def _reset(self) -> None:
+        """A race from the start (the first trial, and each one after)."""
+        names = self.names
         self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
         self.timing = False
         self.decided = None  # (name, builder) once measured
+        self.left = 0  # calls until the next trial, once decided
         self.alive = list(range(len(names)))  # those still in the race
         # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
         self.plan = [(i, k == 1, k == 1) for i in self.alive for k in range(2)]
@@ -421,12 +436,21 @@ class _Trial:
         self._round = np.zeros(len(names))  # this round's block times, agreed at its end
 
     def next(self, blocking: bool, exact: bool = True):
-        """``(name, builder)`` for this call; sets ``timing`` (record its time)."""
+        """``(name, builder)`` for this call; sets ``timing`` (record its time).
+
+        A decided trial counts the calls that run its pick (``tick``: every rank makes the same
+        calls, so every rank counts alike) and races again when they are used up: the machine
+        changes under a process (here shm's reduce of 512 KiB at 2 ranks ran 260-300 us a call
+        for a minute, then 45-60, while binomial and tree ran 80-140 throughout), and a pick
+        made in one phase of it is wrong in the next.
+        """
         self.timing = False
         if not exact:
             return self.names[0], self.builders[0]
         if self.decided is not None:
-            return self.decided
+            if self.tick():
+                return self.decided
+            self._reset()
         if not blocking:
             return self.names[0], self.builders[0]
         i, timed, _ = self.plan[self._step]
@@ -434,6 +458,12 @@ class _Trial:
         if not timed:  # (a timed call's step is taken by ``record``)
             self._step += 1
         return self.names[i], self.builders[i]
+
+    def tick(self) -> bool:
+        """One call of the decided pick: False when it is time to measure again (or the race
+        runs now)."""
+        self.left -= 1
+        return self.decided is not None and (self.left >= 0 or not self.RETRIAL_S)
 
     def start(self) -> bool:
         """Just before a timed call runs (after its checks): at a block's first, a barrier
@@ -505,6 +535,15 @@ class _Trial:
         # kept binomial, 0.92 of tree in the benchmark after)
         pick = best if med[0] - med[best] > math.log(self.SWITCH) else 0
         self.decided = (self.names[pick], self.builders[pick])
+        # the next race: after ``every`` seconds at the pick's pace, and at least RETRIAL_SHARE
+        # times this one's length (at most 5% of the time in races), from figures every rank
+        # holds
+        spent = sum(sum(b) * n for b, n in zip(self.blocks, self._lengths))
+        self.every = self.every * 2 if pick == self._last else self.RETRIAL_S
+        self.every = min(self.every, self.RETRIAL_MAX)
+        self._last = pick
+        pace = max(math.exp(med[pick]), 1e-7)
+        self.left = int(min(1e12, max(self.every, self.RETRIAL_SHARE * spent) / pace))
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True

@@ -77,7 +77,7 @@ class Context:
         # tuning table named by ``auto_env`` (the raw COLLECTIVES_TUNING) (collectives.api)
         self.auto: defaultdict = defaultdict(dict)
         self.auto_env = None
-        self.auto_last = (None,) * 7  # the last auto call and its plan (api._start)
+        self.auto_last = (None,) * 8  # the last auto call and its plan (api._start)
         # What auto's trials measured: {(collective, key): {algorithm: seconds}} (api._Trial).
         self.auto_trials: dict = {}
 

@@ -414,6 +414,60 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
     assert_all(not bad, f"trials {trials}: {bad[:4]}")
 
 
+def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
+    """A decided trial races again after its calls are used up (seconds at the pick's pace):
+    every rank at the same call, results right all along, the picks the same on every rank;
+    while the pick stays, the wait doubles; COLLECTIVES_AUTO_RETRIAL=0 races once."""
+    import json
+
+    from collectives import api
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("one rank has nothing to choose")
+    table = tmp_path / f"retrial-{rank}.json"
+    rule = [[None, "ring", "native"]]
+    table.write_text(json.dumps({"version": 1, "tables": {
+        "allgather": {"default": rule, str(size): rule}}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    monkeypatch.setattr(api._Trial, "RETRIAL_SHARE", 0)
+    monkeypatch.setattr(api._Trial, "RETRIAL_S", 2e-3)  # a few calls after each race
+    x = np.full(100, rank + 1, np.float32)
+    want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 100)
+    bad, races, waits, deciding = [], 0, [], True
+    for call in range(200000):  # a race takes 1000-6000 calls here
+        if not np.array_equal(coll.allgather(x, comm=comm), want):
+            bad.append(f"call {call}: wrong result")
+        undecided = api.auto_pick("allgather", x.nbytes, comm) is None
+        if deciding and not undecided:
+            races += 1
+            hit = api._context(comm).auto["allgather"][x.nbytes]
+            waits.append((hit.decided[0], hit.every))
+        deciding = undecided
+        if races == 4:
+            break
+    seen = comm.allgather(waits)
+    if races < 4 or any(w != waits for w in seen):
+        bad.append(f"{races} races, waits {seen}")
+    for (p0, e0), (p1, e1) in zip(waits, waits[1:]):
+        if e1 != (2 * e0 if p1 == p0 else api._Trial.RETRIAL_S):
+            bad.append(f"waits {waits}")
+    monkeypatch.setattr(api._Trial, "RETRIAL_S", 0.0)
+    y = np.full(50, rank + 1, np.float32)
+    for call in range(20000):  # the race
+        coll.allgather(y, comm=comm)
+        if api.auto_pick("allgather", y.nbytes, comm) is not None:
+            break
+    picked = 0
+    for call in range(3000):
+        coll.allgather(y, comm=comm)
+        picked += api.auto_pick("allgather", y.nbytes, comm) is not None
+    if picked < 3000:
+        bad.append(f"COLLECTIVES_AUTO_RETRIAL=0: decided at {picked} calls of 3000 after")
+    assert_all(not bad, str(bad[:4]))
+
+
 def test_a_mismatched_call_in_a_trial_raises_on_every_rank(monkeypatch, tmp_path):
     """A call whose lengths differ across ranks, made at a trial's timed step with the check on:
     every rank raises MismatchError (the trial's barrier waits until after the check; before it
