@@ -315,7 +315,8 @@ def _auto(ctx, collective: str, key: int, env):
     if hit is None:
         names = select.candidates(collective, key if key >= 0 else ~key, ctx.size,
                                   single_node=lambda: _single_node(ctx), inplace=key < 0)
-        if len(names) > 1 and _trials(ctx, collective):
+        names = _trials(ctx, collective, names)
+        if len(names) > 1:
             hit = _Trial(ctx, collective, key, names)
         else:
             hit = (names[0], select.get(collective, names[0]))
@@ -329,12 +330,14 @@ def _auto(ctx, collective: str, key: int, env):
 _MOVES = ("allgather", "broadcast")
 
 
-def _trials(ctx, collective: str) -> bool:
-    """Whether ``auto`` may choose among a rule's algorithms by measuring them here: only where
-    the choice cannot change a result, so that results stay the same from run to run (DESIGN):
-    data movement; or 2 ranks, where every algorithm reduces an element once and a + b = b + a
-    (``_exact`` says which calls); on more ranks the association order differs, and float sums
-    round differently. ``COLLECTIVES_AUTO_TRIAL=0`` turns trials off.
+def _trials(ctx, collective: str, names: tuple) -> tuple:
+    """The algorithms of a rule (``names``, its first first) that ``auto`` may choose among by
+    measuring them here: only where the choice cannot change a result, so that results stay the
+    same from run to run (DESIGN): data movement; or 2 ranks, where every algorithm reduces an
+    element once and a + b = b + a (``_exact`` says which calls); on more ranks the association
+    order differs, and float sums round differently, except among the algorithms that combine
+    alike (``select.SAME_BITS``: tree and shm), when the rule's first is one of them. One name:
+    no trial. ``COLLECTIVES_AUTO_TRIAL=0`` turns trials off.
 
     Also where a node runs more of the ranks than it has cores (3 ranks on 2 here), since the
     benchmark and the tuner time 2 ms blocks, as the trial does (when they timed 10 ms blocks
@@ -346,12 +349,15 @@ def _trials(ctx, collective: str) -> bool:
     Broadcast: two cells of twelve below 0.95 of the best with trials (0.90, 0.91), one
     without (0.92).
     """
-    if ctx.size < 2:
-        return False
+    if ctx.size < 2 or len(names) < 2:
+        return names[:1]
     ask = (getenv("COLLECTIVES_AUTO_TRIAL") or "").strip().lower()
     if ask in OFF_WORDS:
-        return False
-    return ctx.size == 2 or collective in _MOVES
+        return names[:1]
+    if ctx.size == 2 or collective in _MOVES:
+        return names
+    alike = select.SAME_BITS.get(collective, ())
+    return tuple(n for n in names if n in alike) if names[0] in alike else names[:1]
 
 
 def _exact(call: Call) -> bool:

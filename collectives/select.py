@@ -133,8 +133,8 @@ DEFAULT_TABLE = {
     # A rule's further names are its alternates (see the module doc): the algorithms that
     # traded places with the first from one benchmark run to the next (four runs, 2026-11-30;
     # the n = 2 reductions from 128 KiB measured again after the executor's speed-up).
-    # They are measured at run time only where the choice cannot change a result (2 ranks, or
-    # data movement), so the 3-rank reductions name one algorithm per rule.
+    # They are measured at run time only where the choice cannot change a result (2 ranks,
+    # data movement, or among SAME_BITS: tree and shm), so the 3-rank reductions name no other.
     "allreduce": {
         # Since the executor's per-message Python was cut (~30% of a small schedule call),
         # recursive doubling passes MPICH's own at 128 KiB (0.84x its time; two tunes agreed).
@@ -147,14 +147,15 @@ DEFAULT_TABLE = {
         # From 128 KiB shm, since its allreduces up to 512 KiB meet once a round, not twice
         # (2026-11-30, n = 3, one launch: 128 KiB 200-215 us against native's 244-275, 512 KiB
         # 390-430 against tree's 440-500).
-        "3": [[32 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
+        "3": [[32 << 10, NATIVE], [2 << 20, "shm", "tree"], [None, "ring"]],
         # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
         # wins there out of place, took 2.2x native's time in place); at n = 3 the rules out of
         # place had before the six runs above, which kept shm at 512 KiB and above 16 MiB in
         # place (the best or within 2% of it in all six at 512 KiB, and in five at 32 MiB).
         "in-place": {
             "2": [[512 << 10, NATIVE], [None, "ring", "double_binary_tree", "rabenseifner"]],
-            "3": [[32 << 10, NATIVE], [2 << 20, "shm"], [16 << 20, "ring"], [None, "shm"]],
+            "3": [[32 << 10, NATIVE], [2 << 20, "shm", "tree"], [16 << 20, "ring"],
+                  [None, "shm", "tree"]],
         },
     },
     "reduce_scatter": {
@@ -194,7 +195,9 @@ DEFAULT_TABLE = {
         # at 128 KiB, 1.45-2x from 512 KiB; n = 3 1.1x at 128 KiB, 1.4-2.2x from 512 KiB.
         "2": [[32 << 10, NATIVE], [128 << 10, "shm", "binomial", "tree"],
               [None, "shm", "tree", "binomial"]],
-        "3": [[32 << 10, NATIVE], [None, "shm"]],
+        # At 3 ranks shm runs in two modes, minutes apart: 1.3-1.8x tree's speed at 32 MiB in
+        # two benchmarks, 0.8 in the tunes just before them; the trial races the two.
+        "3": [[32 << 10, NATIVE], [None, "shm", "tree"]],
     },
 }
 for _rules in DEFAULT_TABLE.values():
@@ -202,6 +205,11 @@ for _rules in DEFAULT_TABLE.values():
 
 # What a single-node algorithm becomes when the communicator spans several nodes.
 MULTI_NODE = {"shm": {"allreduce": "hierarchical_shm", "default": "hierarchical"}}
+
+# Reductions whose algorithms here give the same bits on any number of ranks: shm combines
+# every element as tree does on its way to the root (shm._combine), so ``auto`` may race them
+# where the choice among others would change how a float sum rounds (api._trials).
+SAME_BITS = {"allreduce": frozenset({"tree", "shm"}), "reduce": frozenset({"tree", "shm"})}
 
 
 def tuning_path() -> Path | None:

@@ -84,6 +84,7 @@ import numpy as np
 
 from . import cma
 from .schedule import split
+from .tree.pipelined import btree
 
 __all__ = ["CHUNK_BYTES", "CMA", "SLOTS", "set_chunk_bytes", "set_cma", "ShmWork", "launch",
            "window"]
@@ -186,6 +187,14 @@ class Window:
             at = self.header + s * self.chunk
             view = self.mem[j][at:at + self.chunk].view(dtype)
             self._views[key] = view
+        return view
+
+    def scratch(self, dtype, level: int):
+        """This rank's private chunk for partial results at ``level`` of ``_combine``'s tree."""
+        key = ("scratch", dtype, level)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = np.empty(self.chunk, np.uint8).view(dtype)
         return view
 
     def _probe(self) -> bool:
@@ -450,11 +459,32 @@ def _pipeline(work, win: Window, rounds: int, phases) -> None:
     win.base = base + rounds
 
 
-def _reduce_into(op, dst, mine, others) -> None:
-    """``dst = mine op others[0] op others[1] ...`` in this order (dst may be any of them)."""
-    op.reduce(dst, mine, others[0])
-    for other in others[1:]:
-        op.reduce(dst, dst, other)
+def _combine(win: Window, op, dst, parts, root: int = 0) -> None:
+    """``dst`` = ``parts`` (one array a rank) combined as ``algorithm="tree"`` combines them
+    on its way to ``root`` (``tree.pipelined``: at each node of its in-order binary tree,
+    first child's subtree, then the node's own, then second child's), so that shm's reductions
+    and tree's give the same bits and ``auto`` may race them (``select.SAME_BITS``).
+    ``dst`` may be ``parts[root]`` (the tree's root reads its own first); partial results of
+    the subtrees live in the window's scratch, one chunk per tree level."""
+    k = len(parts)
+
+    def node(v: int, depth: int):  # v's subtree combined: an input as it is, or scratch
+        _, first, second = btree(v, k)
+        mine = parts[(v + root) % k]
+        if first is None and second is None:
+            return mine
+        out = dst if depth == 0 else win.scratch(dst.dtype, depth)[:dst.shape[0]]
+        if first is not None:
+            op.reduce(out, node(first, depth + 1), mine)
+            mine = out
+        if second is not None:
+            op.reduce(out, mine, node(second, depth + 1))
+        return out
+
+    if k == 1:
+        np.copyto(dst, parts[0])
+    else:
+        node(0, 0)
 
 
 def _allreduce(work, win: Window, src, out, op) -> None:
@@ -479,8 +509,9 @@ def _allreduce(work, win: Window, src, out, op) -> None:
         c0, c = i * step, cut(i)
         a, b = c[r], c[r + 1]
         if b > a:
-            others = [win.slot(dtype, s, j)[a:b] for j in range(k) if j != r]
-            _reduce_into(op, win.slot(dtype, s, r)[a:b], src[c0 + a:c0 + b], others)
+            parts = [src[c0 + a:c0 + b] if j == r else win.slot(dtype, s, j)[a:b]
+                     for j in range(k)]
+            _combine(win, op, win.slot(dtype, s, r)[a:b], parts)
 
     def copy_out(i, s):
         c0, c = i * step, cut(i)
@@ -493,7 +524,7 @@ def _allreduce(work, win: Window, src, out, op) -> None:
 
 def _allreduce_whole(work, win: Window, src, out, op) -> None:
     """Allreduce with one meeting a round (below ``WHOLE_MAX_BYTES``): every rank copies its
-    whole round into its slot, then reduces every slot, in rank order, into its output."""
+    whole round into its slot, then combines every slot into its output (``_combine``)."""
     r, k = win.rank, win.size
     n, dtype = out.shape[0], out.dtype
     step = win.chunk // dtype.itemsize
@@ -506,8 +537,7 @@ def _allreduce_whole(work, win: Window, src, out, op) -> None:
     def reduce(i, s):
         c0 = i * step
         m = min(n, c0 + step) - c0
-        slots = [win.slot(dtype, s, j)[:m] for j in range(k)]
-        _reduce_into(op, out[c0:c0 + m], slots[0], slots[1:])
+        _combine(win, op, out[c0:c0 + m], [win.slot(dtype, s, j)[:m] for j in range(k)])
 
     _pipeline(work, win, -(-n // step), (copy_in, reduce))
 
@@ -515,27 +545,26 @@ def _allreduce_whole(work, win: Window, src, out, op) -> None:
 def _reduce(work, win: Window, src, out, op, root) -> None:
     """Reduce onto ``root``: the others copy each round into their slots and go on (one phase:
     their slot is written again only once the root has read it, the slot guard); the root
-    reduces its input and the others' slots, in rank order, into its output (in place and not
-    first in that order, from a copy in its own slot: the output overwrites its input)."""
+    combines its input and their slots into its output (``_combine``: its own first, so the
+    output may be the input)."""
     r, k = win.rank, win.size
     n, dtype = src.shape[0], src.dtype
     step = win.chunk // dtype.itemsize
-    own = r != root or (src is out and root > 0)  # this rank reads its input from its slot
 
     def copy_in(i, s):
-        if own:
-            c0 = i * step
-            m = min(n, c0 + step) - c0
-            np.copyto(win.slot(dtype, s, r)[:m], src[c0:c0 + m])
+        c0 = i * step
+        np.copyto(win.slot(dtype, s, r)[:min(n, c0 + step) - c0], src[c0:c0 + step])
 
     def reduce(i, s):
         c0 = i * step
         m = min(n, c0 + step) - c0
-        parts = [win.slot(dtype, s, j)[:m] if j != r or own else src[c0:c0 + m]
-                 for j in range(k)]
-        _reduce_into(op, out[c0:c0 + m], parts[0], parts[1:])
+        parts = [src[c0:c0 + m] if j == r else win.slot(dtype, s, j)[:m] for j in range(k)]
+        _combine(win, op, out[c0:c0 + m], parts, root)
 
-    _pipeline(work, win, -(-n // step), (copy_in, reduce) if r == root else (copy_in,))
+    if r == root:
+        _pipeline(work, win, -(-n // step), (lambda i, s: None, reduce))
+    else:
+        _pipeline(work, win, -(-n // step), (copy_in,))
 
 
 def _bounds(counts):
@@ -564,8 +593,9 @@ def _reduce_scatter(work, win: Window, src, out, op, counts) -> None:
         lo = i * piece
         m = min(counts[r], lo + piece) - lo
         if m > 0:
-            others = [win.slot(dtype, s, j)[r * piece:r * piece + m] for j in range(k) if j != r]
-            _reduce_into(op, out[lo:lo + m], src[bounds[r] + lo:bounds[r] + lo + m], others)
+            parts = [src[bounds[r] + lo:bounds[r] + lo + m] if j == r else
+                     win.slot(dtype, s, j)[r * piece:r * piece + m] for j in range(k)]
+            _combine(win, op, out[lo:lo + m], parts)
 
     _pipeline(work, win, rounds, (copy_in, reduce))
 

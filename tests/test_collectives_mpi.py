@@ -414,6 +414,46 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
     assert_all(not bad, f"trials {trials}: {bad[:4]}")
 
 
+def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path):
+    """On 3 ranks and more a reduction's rule races only the algorithms that combine alike
+    (select.SAME_BITS: tree and shm), when its first is one of them; a rule led by another runs
+    its first. Every call gives the rule's first's bits, the same on every rank."""
+    import json
+
+    from collectives import api
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size < 3:
+        pytest.skip("at 2 ranks every algorithm gives the same bits")
+    table = tmp_path / f"same-{rank}.json"
+    rules = {"allreduce": [[4000, "native", "shm", "tree"], [None, "shm", "ring", "tree"]],
+             "reduce": [[4000, "native", "shm", "tree"], [None, "tree", "native", "shm"]]}
+    table.write_text(json.dumps({"version": 1, "tables": {
+        c: {"default": r, str(size): r} for c, r in rules.items()}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    bad = []
+    for n, raced in ((500, False), (5000, True)):
+        x = (np.random.default_rng(rank).standard_normal(n) * 10.0 ** rank).astype(np.float32)
+        for c, fn in (("allreduce", lambda: coll.allreduce(x, comm=comm)),
+                      ("reduce", lambda: coll.reduce(x, comm=comm))):
+            first = rules[c][raced][1]  # its bits, and when raced tree's and shm's alike
+            want = getattr(coll, c)(x, comm=comm, algorithm=first)
+            for call in range(20000):
+                got = fn()
+                if rank == 0 and got.tobytes() != want.tobytes():
+                    bad.append(f"{c} {n}: call {call} not {first}'s bits")
+                    break
+                if api.auto_pick(c, x.nbytes, comm) is not None:
+                    break
+            trial = api.auto_trial(c, x.nbytes, comm)
+            if (sorted(trial or ()) != ["shm", "tree"]) if raced else trial is not None:
+                bad.append(f"{c} {n}: measured {trial}")
+            if c == "allreduce" and len({bytes(b) for b in comm.allgather(got.tobytes())}) > 1:
+                bad.append(f"{c} {n}: ranks differ")
+    assert_all(not bad, str(bad[:4]))
+
+
 def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     """A decided trial races again after its calls are used up (seconds at the pick's pace):
     every rank at the same call, results right all along, the picks the same on every rank;

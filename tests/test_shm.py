@@ -166,27 +166,38 @@ def test_reduce_every_dtype_and_op_and_root(chunk):
 
 
 @pytest.mark.mpi
-def test_reduce_in_rank_order():
-    """The root sums in rank order, as one rank would: float32 bits equal to the sequential sum
-    over ranks 0, 1, ..., at every root and through many rounds."""
+@pytest.mark.parametrize("nbytes", [64, 4096])
+def test_same_bits_as_tree(nbytes, form):
+    """shm's allreduce (both forms) and reduce (onto every root, in place and not) give
+    algorithm="tree"'s bits on any number of ranks, so auto may race the two
+    (select.SAME_BITS): float sums of magnitudes 1 to 10^4, where the order of the additions
+    shows in the last bits."""
+    from collectives import select
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    old = shm.set_chunk_bytes(4096)
+    old = shm.set_chunk_bytes(nbytes)
     bad = []
     try:
-        xs = [np.random.default_rng(r).standard_normal(10007).astype(np.float32)
-              for r in range(size)]
-        want = xs[0].copy()
-        for x in xs[1:]:
-            want += x
-        for root in range(size):
-            got = coll.reduce(xs[rank], root=root, algorithm="shm")
-            if rank == root and got.tobytes() != want.tobytes():
-                bad.append(root)
+        for n in (0, 1, 7, 97, 1009):
+            for dtype in (np.float32, np.float64):
+                rng = np.random.default_rng(1000 * rank + n)
+                x = (rng.standard_normal(n) * 10.0 ** rank).astype(dtype)
+                for name in ("allreduce", "reduce"):
+                    assert {"tree", "shm"} <= select.SAME_BITS[name]
+                a = coll.allreduce(x, algorithm="shm")
+                if a.tobytes() != coll.allreduce(x, algorithm="tree").tobytes():
+                    bad.append(("allreduce", n, dtype.__name__))
+                for root in range(size):
+                    want = coll.reduce(x, root=root, algorithm="tree")
+                    got = coll.reduce(x, root=root, algorithm="shm")
+                    y = x.copy()
+                    coll.reduce(y, root=root, out=y if rank == root else None, algorithm="shm")
+                    if rank == root and not (got.tobytes() == y.tobytes() == want.tobytes()):
+                        bad.append(("reduce", n, dtype.__name__, root))
     finally:
         shm.set_chunk_bytes(old)
-    assert_all(not bad, str(bad))
+    assert_all(not bad, str(bad[:5]))
 
 
 @pytest.mark.mpi
