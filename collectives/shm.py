@@ -11,25 +11,28 @@ read it). Allreduce, round by round, for rank r of k, the round's chunk cut into
 1. *copy in*: r copies the slices of its input that other ranks reduce into its *slot* of the
    window (its own slice stays where it is: only r reads it);
 2. *reduce*: once every rank has copied in, r reduces slice r straight from its own input and
-   the k - 1 slots, in a fixed order (its input, then the others by rank), into its slot;
+   the k - 1 slots into its slot, combining as ``algorithm="tree"`` does (``_combine``);
 3. *copy out*: once every rank has reduced, each rank copies all k reduced slices to its output.
 
 Per rank that is one read of the input and one write of the output from memory; everything in
 between touches the window, which stays in cache while its round is in flight. One rank
-computes each element, so the result is bitwise identical everywhere.
+computes each element, so the result is bitwise identical everywhere; and every reduction
+here combines as tree does on its way to the root (at each node of its in-order binary tree:
+first child's subtree, the node's own, second child's), so shm's bits are tree's on any number
+of ranks and ``auto`` may race the two (``select.SAME_BITS``).
 
 *Whole rounds* (allreduces up to ``WHOLE_MAX_BYTES``: 128 KiB at 2 ranks, 512 KiB at more):
 every rank copies its whole round into its slot, and once every rank has, each reduces every
-slot, in rank order, into its output: k times the arithmetic, but the ranks meet once a round,
+slot into its output: k times the arithmetic, but the ranks meet once a round,
 not twice, and on a node with more ranks than cores a meeting costs the scheduler's time, not
-the copy's. Every rank computes each element in the same order, so the results agree bitwise.
+the copy's. Every rank computes each element alike, so the results agree bitwise.
 Measured (``mpiexec -n 3``, 2 cores, medians of the benchmark's rounds, one launch): 32 KiB
 184 against 234 us, 128 KiB 216 against 275, 512 KiB 429 against 458, 2 MiB 1720 against 1488
 (so not there); at 2 ranks 128 KiB 67 against 72, 512 KiB 150 against 129.
 
 *Reduce*: the ranks other than the root copy each round into their slots and go on (their
 slot is written again only after the root read it: the slot guard below), and the root reduces
-its input and their slots, in rank order, into its output. Only the root waits, so a reduce
+its input and their slots into its output. Only the root waits, so a reduce
 costs about a copy on the others. Measured against the best message-based algorithm
 (binomial, tree) and MPICH's own (one launch each): 2 ranks 1.1x at 128 KiB, 1.45-2x from
 512 KiB; 3 ranks 1.1x at 128 KiB, 1.4-2.2x from 512 KiB.
