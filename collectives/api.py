@@ -417,7 +417,7 @@ class _Trial:
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_sum", "_first", "_lengths", "_round",
-                 "_sync", "left", "every", "_last")
+                 "_sync", "left", "every", "_last", "_spent")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
@@ -432,6 +432,7 @@ class _Trial:
         self.timing = False
         self.decided = None  # (name, builder) once measured
         self.left = 0  # calls until the next trial, once decided
+        self._spent = 0.0  # seconds of timed blocks in this race (the slowest rank's)
         self.alive = list(range(len(names)))  # those still in the race
         # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
         self.plan = [(i, k == 1, k == 1) for i in self.alive for k in range(2)]
@@ -503,20 +504,31 @@ class _Trial:
         # every rank the slowest rank's block times (the same figures everywhere)
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
-            self._lengths = [int(min(100, max(3, round(self.BLOCK_S / max(t, 1e-9)))))
-                             for t in self._round]
+            self._lengths = [self._length(t) for t in self._round]
             self._first = False
         else:
             for i in self.alive:
                 self.blocks[i].append(float(self._round[i]))
+                self._spent += float(self._round[i]) * self._lengths[i]
             if self._decide():
                 return
+            # and again from each round's blocks: a size's first calls may pay what later ones
+            # do not (shm's first calls at 512 KiB faulted its window's pages in, 0.5-1.6 ms a
+            # call against 60, and its blocks were 3 calls long, two timed, where tree's were
+            # 13-15: shm's timed calls, still filling its pipeline, measured 85-115 us where
+            # its 10-call blocks ran 52-64, and the trial picked tree, 0.5-0.63 of shm)
+            for i in self.alive:
+                self._lengths[i] = self._length(self._round[i])
         rnd = len(self.blocks[0])
         m = len(self.alive)
         self.plan = [(i, k > 0, k == self._lengths[i] - 1)
                      for i in (self.alive[(slot + rnd) % m] for slot in range(m))
                      for k in range(self._lengths[i])]
         self._step = 0
+
+    def _length(self, seconds: float) -> int:
+        """Calls in a block of about ``BLOCK_S`` at ``seconds`` a call (3 to 100)."""
+        return int(min(100, max(3, round(self.BLOCK_S / max(seconds, 1e-9)))))
 
     def _decide(self) -> bool:
         """After a round: who leaves the race, and whether it is over (``decided`` set)."""
@@ -544,7 +556,7 @@ class _Trial:
         # the next race: after ``every`` seconds at the pick's pace, and at least RETRIAL_SHARE
         # times this one's length (at most 5% of the time in races), from figures every rank
         # holds
-        spent = sum(sum(b) * n for b, n in zip(self.blocks, self._lengths))
+        spent = self._spent
         self.every = self.every * 2 if pick == self._last else self.RETRIAL_S
         self.every = min(self.every, self.RETRIAL_MAX)
         self._last = pick
