@@ -428,6 +428,12 @@ class _Trial:
     def _reset(self) -> None:
         """A race from the start (the first trial, and each one after)."""
         names = self.names
+        if self.ctx.auto_last[7] is self:
+            # the plan kept for calls like the last would run the old pick after the race
+            # decides (on the ranks whose calls take that path: a reduce's root in place and
+            # the others not, and the two ranks ran tree and shm in one call, until the
+            # watchdog)
+            self.ctx.auto_last = (None,) * 8
         self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
         self.timing = False
         self.decided = None  # (name, builder) once measured
@@ -469,8 +475,10 @@ class _Trial:
     def tick(self) -> bool:
         """One call of the decided pick: False when it is time to measure again (or the race
         runs now)."""
+        if self.decided is None:
+            return False
         self.left -= 1
-        return self.decided is not None and (self.left >= 0 or not self.RETRIAL_S)
+        return self.left >= 0 or not self.RETRIAL_S
 
     def start(self) -> bool:
         """Just before a timed call runs (after its checks): at a block's first, a barrier

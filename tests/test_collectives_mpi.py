@@ -468,7 +468,8 @@ def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     table = tmp_path / f"retrial-{rank}.json"
     rule = [[None, "ring", "native"]]
     table.write_text(json.dumps({"version": 1, "tables": {
-        "allgather": {"default": rule, str(size): rule}}}))
+        "allgather": {"default": rule, str(size): rule},
+        "reduce": {"default": [[None, "tree", "shm"]], str(size): [[None, "tree", "shm"]]}}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
     monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
     monkeypatch.setattr(api._Trial, "RETRIAL_SHARE", 0)
@@ -493,6 +494,39 @@ def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     for (p0, e0), (p1, e1) in zip(waits, waits[1:]):
         if e1 != (2 * e0 if p1 == p0 else api._Trial.RETRIAL_S):
             bad.append(f"waits {waits}")
+    from mpi4py import MPI
+
+    # A race that picks another algorithm: every call after it runs the new pick, on every
+    # rank, whichever way its calls take (rank 0 alternates in place and not, which breaks
+    # the plan kept for calls like the last; the others repeat one kind of call).
+    decide, turns = api._Trial._decide, [0]
+
+    def alternate(self):
+        done = decide(self)
+        if done:
+            turns[0] += 1
+            i = turns[0] % len(self.names)
+            self.decided = (self.names[i], self.builders[i])
+        return done
+    monkeypatch.setattr(api._Trial, "_decide", alternate)
+    z = np.full(300, rank + 1, np.float32)
+    hit, races, stale = None, 0, []
+    for call in range(200000):
+        if rank == 0 and call % 2:
+            w = z.copy()
+            coll.reduce(w, out=w)
+        else:
+            coll.reduce(z)
+        hit = hit or api._context(comm).auto["reduce"].get(z.nbytes)
+        last = api._context(comm).auto_last
+        if hit is not None and hit.decided and last[7] is hit and last[5][0] != hit.decided[0]:
+            stale.append((call, last[5][0], hit.decided[0]))
+        races = comm.allreduce(turns[0], op=MPI.MIN) if call % 100 == 0 else races
+        if races >= 3:
+            break
+    if stale or races < 3:
+        bad.append(f"after {races} races, calls ran a stale plan: {stale[:3]}")
+    monkeypatch.setattr(api._Trial, "_decide", decide)
     monkeypatch.setattr(api._Trial, "RETRIAL_S", 0.0)
     y = np.full(50, rank + 1, np.float32)
     for call in range(20000):  # the race
