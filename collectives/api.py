@@ -217,6 +217,8 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
     call.algorithm = name
     call.blocking = blocking
     call.seq = seq = ctx.next_seq()
+    if ctx.pending:
+        _drain(ctx)
     checking = _check.enabled(check)
     entry = None
     if _watchdog.LIMIT and ctx.size > 1 and (checking or run is not _trivial):
@@ -235,6 +237,8 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             # first timed call is timed from that barrier, the others from their start
             t0 = perf_counter() if trial.start() or since is None else since
         work = run(call, name, builder)
+        if not blocking and getattr(work, "needs_progress", False):
+            ctx.pending.append(work)
         if entry is not None:
             entry.work = work
         if blocking:
@@ -252,6 +256,22 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             finalize()
         return result
     return Request(work, result, finalize, description=call.describe())
+
+
+def _drain(ctx) -> None:
+    """Run the earlier non-blocking calls on ``ctx`` that move only when a rank runs them
+    (shm's) before a later call starts: every rank issued them in the same order, so every rank
+    runs them here or in a wait, and none waits in a later collective for a peer that waits in
+    an earlier one (DDP, 3 ranks: a bucket's shm allreduce run by one rank's progress in a
+    gradient hook, the other ranks already in the unused-parameter exchange, until the
+    timeout). An error stays with its call, for its ``wait`` to raise."""
+    pending, ctx.pending = ctx.pending, []
+    for work in pending:
+        if not work.done:
+            try:
+                work.wait()
+            except BaseException:  # noqa: BLE001 - raised again by the call's own wait
+                pass
 
 
 def _auto_plan(call: Call, blocking: bool):

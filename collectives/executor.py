@@ -80,6 +80,9 @@ class Context:
         self.auto_last = (None,) * 8  # the last auto call and its plan (api._start)
         # What auto's trials measured: {(collective, key): {algorithm: seconds}} (api._Trial).
         self.auto_trials: dict = {}
+        # Non-blocking calls that move only when a rank runs them (shm's), not yet done: a later
+        # call on this communicator runs them first (api._start).
+        self.pending: list = []
 
     def next_seq(self) -> int:
         """The sequence number of the next collective (the same on every rank)."""
