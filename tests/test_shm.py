@@ -64,6 +64,14 @@ def pairs():
                 yield dtype, op
 
 
+def cases(size):
+    """Every dtype and op at every length: ``(dtype, op, n, every rank's input, reference)``."""
+    for dtype, op in pairs():
+        for n in LENGTHS:
+            xs = inputs(size, n, dtype, op)
+            yield dtype, op, n, xs, reference(xs, op, dtype)
+
+
 @pytest.fixture(params=["cma", "window"])
 def path(request, monkeypatch):
     """Both ways through a shm all-gather or broadcast, at every size: single-copy reads (where
@@ -97,18 +105,15 @@ def test_allreduce_every_dtype_and_op(chunk, form):
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     bad = []
-    for dtype, op in pairs():
-        for n in LENGTHS:
-            xs = inputs(size, n, dtype, op)
-            want = reference(xs, op, dtype)
-            x = xs[rank].copy()
-            got = coll.allreduce(x, op, algorithm="shm")
-            if not (same(got, want) and np.array_equal(x, xs[rank])):
-                bad.append((dtype.name, op, n, "out of place"))
-            y = xs[rank].copy()
-            res = coll.allreduce(y, op, out=y, algorithm="shm")
-            if not (res is y and same(y, want)):
-                bad.append((dtype.name, op, n, "in place"))
+    for dtype, op, n, xs, want in cases(size):
+        x = xs[rank].copy()
+        got = coll.allreduce(x, op, algorithm="shm")
+        if not (same(got, want) and np.array_equal(x, xs[rank])):
+            bad.append((dtype.name, op, n, "out of place"))
+        y = xs[rank].copy()
+        res = coll.allreduce(y, op, out=y, algorithm="shm")
+        if not (res is y and same(y, want)):
+            bad.append((dtype.name, op, n, "in place"))
     assert_all(not bad, str(bad[:5]))
 
 
@@ -146,22 +151,19 @@ def test_reduce_every_dtype_and_op_and_root(chunk):
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     bad = []
-    for dtype, op in pairs():
-        for n in LENGTHS:
-            xs = inputs(size, n, dtype, op)
-            want = reference(xs, op, dtype)
-            for root in range(size):
-                x = xs[rank].copy()
-                got = coll.reduce(x, op, root=root, algorithm="shm")
-                if not np.array_equal(x, xs[rank]) or \
-                        (rank == root and not same(got, want)) or (rank != root and got is not None):
-                    bad.append((dtype.name, op, n, root, "out of place"))
-                y = xs[rank].copy()
-                res = coll.reduce(y, op, root=root, out=y if rank == root else None,
-                                  algorithm="shm")
-                if (rank == root and not (res is y and same(y, want))) or \
-                        (rank != root and not np.array_equal(y, xs[rank])):
-                    bad.append((dtype.name, op, n, root, "in place"))
+    for dtype, op, n, xs, want in cases(size):
+        for root in range(size):
+            x = xs[rank].copy()
+            got = coll.reduce(x, op, root=root, algorithm="shm")
+            if not np.array_equal(x, xs[rank]) or \
+                    (rank == root and not same(got, want)) or (rank != root and got is not None):
+                bad.append((dtype.name, op, n, root, "out of place"))
+            y = xs[rank].copy()
+            res = coll.reduce(y, op, root=root, out=y if rank == root else None,
+                              algorithm="shm")
+            if (rank == root and not (res is y and same(y, want))) or \
+                    (rank != root and not np.array_equal(y, xs[rank])):
+                bad.append((dtype.name, op, n, root, "in place"))
     assert_all(not bad, str(bad[:5]))
 
 
