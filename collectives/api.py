@@ -436,7 +436,7 @@ class _Trial:
     RETRIAL_SHARE = 20
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
-                 "decided", "plan", "alive", "_step", "_sum", "_first", "_lengths", "_round",
+                 "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "left", "every", "_last", "_spent")
 
     def __init__(self, ctx, collective, key, names):
@@ -464,7 +464,7 @@ class _Trial:
         self.plan = [(i, k == 1, k == 1) for i in self.alive for k in range(2)]
         self._sync = True  # the next timed call starts a block's timing: a barrier first
         self._step = 0
-        self._sum = 0.0  # seconds of the timed calls of the current block
+        self._t0 = 0.0  # when the current block's timed calls began (after its barrier)
         self._first = True  # still in the first round (single timed calls)
         self._round = np.zeros(len(names))  # this round's block times, agreed at its end
 
@@ -512,19 +512,24 @@ class _Trial:
         if self._sync:
             self._sync = False
             self.ctx.comm.Barrier()
+            self._t0 = perf_counter()
             return True
         return False
 
     def record(self, seconds: float) -> None:
-        """The time of the call that ``next`` chose; at a round's end, the next round or the
-        decision."""
+        """A timed call that ``next`` chose has returned (after ``seconds``); at a block's end,
+        the block's time a call, from its barrier to now (the time between its calls too, as
+        the benchmark's blocks: timing the calls alone, the trial measured every reduce at 2
+        ranks, 128 KiB, at 28-31 us, the benchmark's blocks right after at 36-41, and it left
+        out more of some algorithms than of others, those whose messages move between calls:
+        it picked tree at 28.5 against shm's 31.0, where the blocks ran tree at 40.8 and shm
+        at 36.0; run M); at a round's end, the next round or the decision."""
         self.timing = False
         i, _, ends = self.plan[self._step]
-        self._sum += seconds
         self._step += 1
         if ends:
-            self._round[i] = self._sum / (1 if self._first else self._lengths[i] - 1)
-            self._sum = 0.0
+            self._round[i] = (perf_counter() - self._t0) / \
+                (1 if self._first else self._lengths[i] - 1)
             self._sync = True
         if self._step < len(self.plan):
             return
