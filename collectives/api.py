@@ -172,11 +172,8 @@ def _transport(call: Call):
     return call.ctx.transport
 
 
-def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None,
-           since=None):
-    """Choose, validate and run ``call``; returns the result or a ``Request``. ``since``: when
-    the call began, if it ran a collective of its own before this (allgather's count
-    exchange), for ``auto``'s trial to time it whole."""
+def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=None):
+    """Choose, validate and run ``call``; returns the result or a ``Request``."""
     ctx, collective, count = call.ctx, call.collective, call.x.count
     trial = None
     # ``auto`` must cost no more than naming its pick. A call like the last auto call on this
@@ -233,9 +230,9 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             if entry is not None:
                 entry.phase = "run"
         if trial is not None and trial.timing:
-            # after the check: a mismatched call raises, not waits in a barrier; a block's
-            # first timed call is timed from that barrier, the others from their start
-            t0 = perf_counter() if trial.start() or since is None else since
+            # after the check: a mismatched call raises, not waits in a barrier; a block is
+            # timed from that barrier, before its first timed call, to its last call's end
+            trial.start()
         work = run(call, name, builder)
         if not blocking and getattr(work, "needs_progress", False):
             ctx.pending.append(work)
@@ -251,7 +248,7 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
         if entry is not None:
             _watchdog.unwatch(entry)
         if trial is not None and trial.timing:
-            trial.record(perf_counter() - t0)
+            trial.record()
         if finalize is not None:
             finalize()
         return result
@@ -500,9 +497,9 @@ class _Trial:
         self.left -= 1
         return self.left >= 0 or not self.RETRIAL_S
 
-    def start(self) -> bool:
-        """Just before a timed call runs (after its checks): at a block's first, a barrier
-        (True then).
+    def start(self) -> None:
+        """Just before a timed call runs (after its checks): at a block's first, a barrier,
+        and the block's time starts.
 
         Every rank starts the block's timed calls together, as the benchmark's blocks do:
         without it a rooted collective's ranks ran their calls skewed by the block before, and
@@ -513,17 +510,16 @@ class _Trial:
             self._sync = False
             self.ctx.comm.Barrier()
             self._t0 = perf_counter()
-            return True
-        return False
 
-    def record(self, seconds: float) -> None:
-        """A timed call that ``next`` chose has returned (after ``seconds``); at a block's end,
-        the block's time a call, from its barrier to now (the time between its calls too, as
-        the benchmark's blocks: timing the calls alone, the trial measured every reduce at 2
-        ranks, 128 KiB, at 28-31 us, the benchmark's blocks right after at 36-41, and it left
-        out more of some algorithms than of others, those whose messages move between calls:
-        it picked tree at 28.5 against shm's 31.0, where the blocks ran tree at 40.8 and shm
-        at 36.0; run M); at a round's end, the next round or the decision."""
+    def record(self) -> None:
+        """A timed call that ``next`` chose has returned; at a block's end, the block's time a
+        call, from its barrier to now (the time between its calls too, allgather's count
+        exchanges among them, as the benchmark's blocks: timing the calls alone, the trial
+        measured every reduce at 2 ranks, 128 KiB, at 28-31 us, the benchmark's blocks right
+        after at 36-41, and it left out more of some algorithms than of others, those whose
+        messages move between calls: it picked tree at 28.5 against shm's 31.0, where the
+        blocks ran tree at 40.8 and shm at 36.0; run M); at a round's end, the next round or
+        the decision."""
         self.timing = False
         i, _, ends = self.plan[self._step]
         self._step += 1
@@ -895,7 +891,6 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ..
 
 
 def _allgather(x, out, comm, algorithm, check, blocking):
-    since = perf_counter()  # the count exchange is part of the call (auto's trial times it)
     ctx = _context(comm)
     try:
         xb, error = wrap(x, "x"), None
@@ -910,7 +905,7 @@ def _allgather(x, out, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allgather", check, exc)
     call = _new_call("allgather", ctx, xb, outb, None, 0, counts)
-    return _start(call, algorithm, check, blocking, outb.obj, None, since)
+    return _start(call, algorithm, check, blocking, outb.obj)
 
 
 def allgather(x, *, out=None, comm=None, algorithm="auto", check=None):

@@ -204,8 +204,9 @@ class Window:
         key = ("scratch", dtype, level)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = np.zeros(self.chunk, np.uint8).view(dtype)
-            view.view(np.uint8).fill(0)  # its pages faulted in now
+            raw = np.empty(self.chunk, np.uint8)
+            raw.fill(0)  # its pages faulted in now, not in a call
+            view = self._views[key] = raw.view(dtype)
         return view
 
     def _probe(self) -> bool:
@@ -534,24 +535,30 @@ def _allreduce(work, win: Window, src, out, op) -> None:
     _pipeline(work, win, rounds, (copy_in, reduce, copy_out))
 
 
-def _allreduce_whole(work, win: Window, src, out, op) -> None:
-    """Allreduce with one meeting a round (below ``WHOLE_MAX_BYTES``): every rank copies its
-    whole round into its slot, then combines every slot into its output (``_combine``)."""
-    r, k = win.rank, win.size
-    n, dtype = out.shape[0], out.dtype
-    step = win.chunk // dtype.itemsize
+def _copy_in(win: Window, src, step: int):
+    """The phase that copies round i of ``src`` (``step`` elements a round) into this rank's
+    slot s."""
+    n, r = src.shape[0], win.rank
 
     def copy_in(i, s):
         c0 = i * step
-        m = min(n, c0 + step) - c0
-        np.copyto(win.slot(dtype, s, r)[:m], src[c0:c0 + m])
+        np.copyto(win.slot(src.dtype, s, r)[:min(n, c0 + step) - c0], src[c0:c0 + step])
+    return copy_in
+
+
+def _allreduce_whole(work, win: Window, src, out, op) -> None:
+    """Allreduce with one meeting a round (below ``WHOLE_MAX_BYTES``): every rank copies its
+    whole round into its slot, then combines every slot into its output (``_combine``)."""
+    k = win.size
+    n, dtype = out.shape[0], out.dtype
+    step = win.chunk // dtype.itemsize
 
     def reduce(i, s):
         c0 = i * step
         m = min(n, c0 + step) - c0
         _combine(win, op, out[c0:c0 + m], [win.slot(dtype, s, j)[:m] for j in range(k)])
 
-    _pipeline(work, win, -(-n // step), (copy_in, reduce))
+    _pipeline(work, win, -(-n // step), (_copy_in(win, src, step), reduce))
 
 
 def _reduce(work, win: Window, src, out, op, root) -> None:
@@ -563,20 +570,14 @@ def _reduce(work, win: Window, src, out, op, root) -> None:
     n, dtype = src.shape[0], src.dtype
     step = win.chunk // dtype.itemsize
 
-    def copy_in(i, s):
-        c0 = i * step
-        np.copyto(win.slot(dtype, s, r)[:min(n, c0 + step) - c0], src[c0:c0 + step])
-
     def reduce(i, s):
         c0 = i * step
         m = min(n, c0 + step) - c0
         parts = [src[c0:c0 + m] if j == r else win.slot(dtype, s, j)[:m] for j in range(k)]
         _combine(win, op, out[c0:c0 + m], parts, root)
 
-    if r == root:
-        _pipeline(work, win, -(-n // step), (lambda i, s: None, reduce))
-    else:
-        _pipeline(work, win, -(-n // step), (copy_in,))
+    phases = (lambda i, s: None, reduce) if r == root else (_copy_in(win, src, step),)
+    _pipeline(work, win, -(-n // step), phases)
 
 
 def _bounds(counts):
