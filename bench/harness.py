@@ -201,7 +201,7 @@ class Result:
 
     __slots__ = ("collective", "nbytes", "count", "dtype", "op", "root", "algorithm", "mode",
                  "rounds", "ranks_t", "drift", "iters", "wrong", "n", "factor", "picked",
-                 "round_ids", "extra_iters", "trial")
+                 "round_ids", "extra_iters", "trial", "then")
 
     def __init__(self, collective, nbytes, count, dtype, op, root, algorithm, mode, n, factor):
         self.collective, self.nbytes, self.count, self.dtype = collective, nbytes, count, dtype
@@ -216,6 +216,7 @@ class Result:
         self.wrong: int | None = None
         self.picked: str | None = None  # for "auto": the algorithm it ran
         self.trial: dict | None = None  # for "auto": what its trial measured (s per call)
+        self.then: str | None = None  # for "auto": its pick after the rounds, if it switched
 
     def ids(self) -> list[int]:
         """The sweep rounds this result took part in."""
@@ -272,7 +273,7 @@ class Result:
                 "lat_min_us": lat[0] * 1e6, "lat_avg_us": lat[1] * 1e6,
                 "lat_max_us": lat[2] * 1e6, "picked": self.picked,
                 "trial_us": None if self.trial is None else
-                {name: t * 1e6 for name, t in self.trial.items()}}
+                {name: t * 1e6 for name, t in self.trial.items()}, "then": self.then}
 
 
 def correct_drift(results: list[Result]) -> None:
@@ -575,6 +576,10 @@ class Sweep:
         order = random.Random(nbytes)  # the same on every rank
         self._phase(ours, results, cin, order, progress, size_col)
         self._settle(ours, results, order, cin * self.dtype.itemsize)
+        for key in ours:
+            if key[0] == "auto":  # its watch may have switched (collectives.api._Trial)
+                now = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
+                results[key].then = now if now != results[key].picked else None
         if late:
             # rounds of their own (ids past the others'), so that the drift correction of
             # gloo's rounds compares gloo's modes only
@@ -826,7 +831,8 @@ def footer(results: list[Result], modes) -> list[str]:
                          + (f"   #wrong {sum(wrong)}" if wrong else ""))
     said = None
     for mode in modes:
-        picks = [(r.nbytes, r.picked) for r in results if r.picked and r.mode == mode]
+        picks = [(r.nbytes, r.picked + (f", then {r.then}" if r.then else ""))
+                 for r in results if r.picked and r.mode == mode]
         if not picks or picks == said:
             continue
         spans: list[list] = []  # runs of consecutive sizes with the same pick
