@@ -424,14 +424,15 @@ class _Trial:
     NOISE = 3.0
     PRECISION = 0.015
     SWITCH = 1.03
-    # After the race, the watch (``_watched``): a round of one block of the pick and one of
-    # another algorithm, each algorithm in its turn when its blocks' cost over the pick's has
-    # come to at most WATCH_SHARE of the calls' time since its last round (every WATCH_MIN_S
-    # at least); a switch to one that beat the pick by more than SWITCH in WATCH_AGREE rounds
-    # in a row (and in the median of its last WATCH_WINDOW).
-    # COLLECTIVES_AUTO_WATCH=0: decide once.
+    # After the race, the watch (``_watched``): from time to time a round of one block of the
+    # pick and one of another algorithm, at most WATCH_SHARE of the calls' time in all (each
+    # round's cost: the other's block time over the pick's, and WATCH_OVERHEAD_S of barriers),
+    # WATCH_MIN_S of the pick's calls between rounds at least; a switch to one that beat the
+    # pick by more than SWITCH in its last WATCH_WINDOW rounds (their median) and in each of
+    # the last WATCH_AGREE. COLLECTIVES_AUTO_WATCH=0: decide once.
     WATCH_SHARE = float(getenv("COLLECTIVES_AUTO_WATCH") or 0.02)
-    WATCH_MIN_S = 5 * BLOCK_S
+    WATCH_MIN_S = 10 * BLOCK_S
+    WATCH_OVERHEAD_S = 50e-6
     WATCH_WINDOW = 5
     WATCH_AGREE = 3
 
@@ -593,17 +594,19 @@ class _Trial:
         return True
 
     def _gap(self, i: int) -> float:
-        """Seconds of the pick's calls before ``i``'s next watch round: its block's cost over
-        the pick's, divided by WATCH_SHARE (at least WATCH_MIN_S)."""
-        extra = self._lengths[i] * self._pace * max(self._ratio[i] - 1.0, 0.0)
-        return max(self.WATCH_MIN_S, extra / max(self.WATCH_SHARE, 1e-9))
+        """Seconds of the pick's calls from one of ``i``'s watch rounds to the next: the
+        others' rounds, each as often as its cost allows, take WATCH_SHARE of the time."""
+        cost = self._lengths[i] * self._pace * max(self._ratio[i] - 1.0, 0.0) + \
+            self.WATCH_OVERHEAD_S
+        return (len(self.names) - 1) * cost / max(self.WATCH_SHARE, 1e-9)
 
     def _schedule(self) -> None:
-        """The next watch round: the algorithm due first, after the pick's calls until then."""
+        """The next watch round: the algorithm due first, after the pick's calls until then
+        (WATCH_MIN_S at least)."""
         self._next = min(range(len(self.names)), key=self._due.__getitem__)
-        due = self._due[self._next]
-        self.left = int(min(1e12, math.ceil((due - self._clock) / self._pace)))
-        self._clock = max(self._clock, due)
+        wait = max(self._due[self._next] - self._clock, self.WATCH_MIN_S)
+        self.left = int(min(1e12, math.ceil(wait / self._pace)))
+        self._clock += wait
 
     def _watch_round(self) -> None:
         """Starts a watch round: a block of the pick and one of ``_next``, in turn first."""
@@ -630,12 +633,15 @@ class _Trial:
         throughout; at 3 ranks, 32 MiB, shm's reduce ran 11-14 ms a call in one stretch of a
         benchmark's rounds and 7-8 in the next, tree 10-12 in both. A race decides in one
         phase, and its pick may be wrong in the next: the watch keeps timing the others
-        against the pick, each as often as its cost allows (an algorithm about as fast as the
-        pick every WATCH_MIN_S of calls, one twice as slow every ~50 times its block), and
-        switches when one is faster by more than SWITCH in WATCH_AGREE rounds running (an
-        earlier race again after 1 s of calls, then 2, 4, .. 64 s, never before 20 times the
-        race's length: at 32 MiB never within a benchmark's size, where the benchmark gave
-        ``auto`` one call a round and the race had taken 2 s).
+        against the pick, each as often as its cost allows (WATCH_SHARE of the time in all),
+        and switches when one has been faster in its last rounds (an earlier version raced
+        again after 1 s of calls, then 2, 4, .. 64 s, never before 20 times the race's length:
+        at 32 MiB never within a benchmark's size, where the benchmark gave ``auto`` one call
+        a round and the race had taken 2 s). Each algorithm's own budget and a switch after
+        three rounds were too much: at 2 ranks, 512 KiB, four others about 1.2-1.4x the pick's
+        time had a round each every 10 ms, a third of the calls in watch rounds, ``auto``
+        0.89 of its own pick in the benchmark; and bimodal shm (32 MiB, 3 ranks) lost three
+        rounds running to tree and gave way to it, 0.8 of shm after.
         """
         self.watching = False
         p, c = self._pick, self._next
@@ -661,10 +667,10 @@ class _Trial:
         self._schedule()
 
     def _switches(self, c: int) -> bool:
-        """Whether ``c`` beat the pick in its last WATCH_AGREE watch rounds, each and in the
-        median of its last WATCH_WINDOW, by more than SWITCH."""
+        """Whether ``c`` beat the pick by more than SWITCH in the median of its last
+        WATCH_WINDOW watch rounds and in each of the last WATCH_AGREE."""
         seen, cut = self._seen[c], -math.log(self.SWITCH)
-        return len(seen) >= self.WATCH_AGREE and max(seen[-self.WATCH_AGREE:]) < cut and \
+        return len(seen) >= self.WATCH_WINDOW and max(seen[-self.WATCH_AGREE:]) < cut and \
             float(np.median(seen)) < cut
 
 
