@@ -216,7 +216,7 @@ class Result:
         self.wrong: int | None = None
         self.picked: str | None = None  # for "auto": the algorithm it ran
         self.trial: dict | None = None  # for "auto": what its trial measured (s per call)
-        self.then: str | None = None  # for "auto": its pick after the rounds, if it switched
+        self.then: str | None = None  # for "auto": its pick after the rounds, if another
 
     def ids(self) -> list[int]:
         """The sweep rounds this result took part in."""
@@ -577,7 +577,7 @@ class Sweep:
         self._phase(ours, results, cin, order, progress, size_col)
         self._settle(ours, results, order, cin * self.dtype.itemsize)
         for key in ours:
-            if key[0] == "auto":  # its watch may have switched (collectives.api._Trial)
+            if key[0] == "auto":  # a race again may have changed it (collectives.api._Trial)
                 now = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
                 results[key].then = now if now != results[key].picked else None
         if late:

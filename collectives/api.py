@@ -290,7 +290,7 @@ def _auto_plan(call: Call, blocking: bool):
     else:  # a rule of several algorithms, measured here
         exact = _exact(call)
         pick = hit.next(blocking, exact)
-        if hit.decided is None or hit.watching or not exact:
+        if hit.decided is None or not exact:
             return pick + (_runner(call, pick[1]), hit)
         # decided: the same path as a rule of one; a pick other than the rule's first, only for
         # the calls whose result every algorithm gives alike (2 us less at n = 2)
@@ -424,32 +424,38 @@ class _Trial:
     NOISE = 3.0
     PRECISION = 0.015
     SWITCH = 1.03
-    # After the race, the watch (``_watched``): from time to time a round of one block of the
-    # pick and one of another algorithm, at most WATCH_SHARE of the calls' time in all (each
-    # round's cost: the other's block time over the pick's, and WATCH_OVERHEAD_S of barriers),
-    # WATCH_MIN_S of the pick's calls between rounds at least; a switch to one that beat the
-    # pick by more than SWITCH in its last WATCH_WINDOW rounds (their median) and in each of
-    # the last WATCH_AGREE. COLLECTIVES_AUTO_WATCH=0: decide once.
-    WATCH_SHARE = float(getenv("COLLECTIVES_AUTO_WATCH") or 0.02)
-    WATCH_MIN_S = 10 * BLOCK_S
-    WATCH_OVERHEAD_S = 50e-6
-    WATCH_WINDOW = 5
-    WATCH_AGREE = 3
+    # Again after this many seconds of calls at the pick's measured pace, then after twice as
+    # many while the pick stays, up to RETRIAL_MAX (back to the first when it changes), and
+    # never before RETRIAL_SHARE times what the race itself took: see ``next``.
+    # COLLECTIVES_AUTO_RETRIAL=0: one race only.
+    RETRIAL_S = float(getenv("COLLECTIVES_AUTO_RETRIAL") or 1.0)
+    RETRIAL_MAX = 64.0
+    RETRIAL_SHARE = 20
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
-                 "_sync", "left", "watching", "switches", "_pick", "_pace", "_ratio", "_seen",
-                 "_due", "_clock", "_next")
+                 "_sync", "left", "every", "_last", "_spent")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
+        self.every, self._last = self.RETRIAL_S, None
+        self._reset()
+
+    def _reset(self) -> None:
+        """A race from the start (the first trial, and each one after)."""
+        names = self.names
+        if self.ctx.auto_last[7] is self:
+            # the plan kept for calls like the last would run the old pick after the race
+            # decides (on the ranks whose calls take that path: a reduce's root in place and
+            # the others not, and the two ranks ran tree and shm in one call, until the
+            # watchdog)
+            self.ctx.auto_last = (None,) * 8
         self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
         self.timing = False
         self.decided = None  # (name, builder) once measured
-        self.left = 0  # calls of the pick until the next watch round, once decided
-        self.watching = False  # a watch round runs
-        self.switches = 0  # picks changed by the watch
+        self.left = 0  # calls until the next trial, once decided
+        self._spent = 0.0  # seconds of timed blocks in this race (the slowest rank's)
         self.alive = list(range(len(names)))  # those still in the race
         # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
         self.plan = [(i, k == 1, k == 1) for i in self.alive for k in range(2)]
@@ -463,9 +469,10 @@ class _Trial:
         """``(name, builder)`` for this call; sets ``timing`` (record its time).
 
         A decided trial counts the calls that run its pick (``tick``: every rank makes the same
-        calls, so every rank counts alike) and, when they are used up, runs a watch round
-        (``_watched``). Non-blocking calls run the pick (the rule's first during the race) and
-        are not counted.
+        calls, so every rank counts alike) and races again when they are used up: the machine
+        changes under a process (here shm's reduce of 512 KiB at 2 ranks ran 260-300 us a call
+        for a minute, then 45-60, while binomial and tree ran 80-140 throughout), and a pick
+        made in one phase of it is wrong in the next.
         """
         self.timing = False
         if not exact:
@@ -473,11 +480,8 @@ class _Trial:
         if self.decided is not None:
             if self.tick():
                 return self.decided
-            if not self.watching:
-                self._watch_round()
-            if not blocking:
-                return self.decided
-        elif not blocking:
+            self._reset()
+        if not blocking:
             return self.names[0], self.builders[0]
         i, timed, _ = self.plan[self._step]
         self.timing = timed
@@ -486,12 +490,12 @@ class _Trial:
         return self.names[i], self.builders[i]
 
     def tick(self) -> bool:
-        """One call of the decided pick: False when a watch round is due or runs (or the race
+        """One call of the decided pick: False when it is time to measure again (or the race
         runs now)."""
-        if self.decided is None or self.watching:
+        if self.decided is None:
             return False
         self.left -= 1
-        return self.left >= 0 or not self.WATCH_SHARE
+        return self.left >= 0 or not self.RETRIAL_S
 
     def start(self) -> None:
         """Just before a timed call runs (after its checks): at a block's first, a barrier,
@@ -528,15 +532,13 @@ class _Trial:
         from mpi4py import MPI
         # every rank the slowest rank's block times (the same figures everywhere)
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
-        if self.watching:
-            self._watched()
-            return
         if self._first:  # block lengths from the single calls
             self._lengths = [self._length(t) for t in self._round]
             self._first = False
         else:
             for i in self.alive:
                 self.blocks[i].append(float(self._round[i]))
+                self._spent += float(self._round[i]) * self._lengths[i]
             if self._decide():
                 return
             # and again from each round's blocks: a size's first calls may pay what later ones
@@ -580,98 +582,18 @@ class _Trial:
         # kept binomial, 0.92 of tree in the benchmark after)
         pick = best if med[0] - med[best] > math.log(self.SWITCH) else 0
         self.decided = (self.names[pick], self.builders[pick])
+        # the next race: after ``every`` seconds at the pick's pace, and at least RETRIAL_SHARE
+        # times this one's length (at most 5% of the time in races), from figures every rank
+        # holds
+        spent = self._spent
+        self.every = self.every * 2 if pick == self._last else self.RETRIAL_S
+        self.every = min(self.every, self.RETRIAL_MAX)
+        self._last = pick
+        pace = max(math.exp(med[pick]), 1e-7)
+        self.left = int(min(1e12, max(self.every, self.RETRIAL_SHARE * spent) / pace))
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
-        # the watch: every algorithm's time as a ratio to the pick's, from the race's medians
-        # (those out of the race: over their rounds in it), the same figures on every rank
-        self._pick, self._pace = pick, max(math.exp(med[pick]), 1e-9)
-        medians = [float(np.median(np.log(np.maximum(b, 1e-12)))) for b in self.blocks]
-        self._ratio = [math.exp(m - medians[pick]) for m in medians]
-        self._seen = [[] for _ in self.names]
-        self._clock = 0.0
-        self._due = [math.inf if i == pick else self._gap(i) for i in range(len(self.names))]
-        self._schedule()
         return True
-
-    def _gap(self, i: int) -> float:
-        """Seconds of the pick's calls from one of ``i``'s watch rounds to the next: the
-        others' rounds, each as often as its cost allows, take WATCH_SHARE of the time."""
-        cost = self._lengths[i] * self._pace * max(self._ratio[i] - 1.0, 0.0) + \
-            self.WATCH_OVERHEAD_S
-        return (len(self.names) - 1) * cost / max(self.WATCH_SHARE, 1e-9)
-
-    def _schedule(self) -> None:
-        """The next watch round: the algorithm due first, after the pick's calls until then
-        (WATCH_MIN_S at least)."""
-        self._next = min(range(len(self.names)), key=self._due.__getitem__)
-        wait = max(self._due[self._next] - self._clock, self.WATCH_MIN_S)
-        self.left = int(min(1e12, math.ceil(wait / self._pace)))
-        self._clock += wait
-
-    def _watch_round(self) -> None:
-        """Starts a watch round: a block of the pick and one of ``_next``, in turn first."""
-        if self.ctx.auto_last[7] is self:
-            # the plan kept for calls like the last would run the pick during the round, and
-            # the old pick after a switch, on the ranks whose calls take that path only (a
-            # reduce's root in place and the others not ran tree and shm in one call, until
-            # the watchdog)
-            self.ctx.auto_last = (None,) * 8
-        pair = (self._pick, self._next)
-        if sum(map(len, self._seen)) % 2:
-            pair = pair[::-1]
-        self.plan = [(i, k > 0, k == self._lengths[i] - 1)
-                     for i in pair for k in range(self._lengths[i])]
-        self._step = 0
-        self._sync = True
-        self.watching = True
-
-    def _watched(self) -> None:
-        """After a watch round (every rank holds its two block times, the slowest rank's).
-
-        The machine changes under a process: shm's reduce of 512 KiB at 2 ranks ran
-        260-300 us a call for a minute, then 45-60, while binomial and tree ran 80-140
-        throughout; at 3 ranks, 32 MiB, shm's reduce ran 11-14 ms a call in one stretch of a
-        benchmark's rounds and 7-8 in the next, tree 10-12 in both. A race decides in one
-        phase, and its pick may be wrong in the next: the watch keeps timing the others
-        against the pick, each as often as its cost allows (WATCH_SHARE of the time in all),
-        and switches when one has been faster in its last rounds (an earlier version raced
-        again after 1 s of calls, then 2, 4, .. 64 s, never before 20 times the race's length:
-        at 32 MiB never within a benchmark's size, where the benchmark gave ``auto`` one call
-        a round and the race had taken 2 s). Each algorithm's own budget and a switch after
-        three rounds were too much: at 2 ranks, 512 KiB, four others about 1.2-1.4x the pick's
-        time had a round each every 10 ms, a third of the calls in watch rounds, ``auto``
-        0.89 of its own pick in the benchmark; and bimodal shm (32 MiB, 3 ranks) lost three
-        rounds running to tree and gave way to it, 0.8 of shm after.
-        """
-        self.watching = False
-        p, c = self._pick, self._next
-        tp, tc = max(float(self._round[p]), 1e-9), max(float(self._round[c]), 1e-9)
-        for i in (p, c):
-            self._lengths[i] = self._length(self._round[i])
-        self._pace = tp
-        seen = self._seen[c]
-        seen.append(math.log(tc / tp))
-        del seen[:-self.WATCH_WINDOW]
-        self._ratio[c] = math.exp(float(np.median(seen)))
-        if self._switches(c):
-            self.switches += 1
-            r = self._ratio[c]
-            self._ratio = [q / r for q in self._ratio]
-            self._pick, self._pace = c, tc
-            self.decided = (self.names[c], self.builders[c])
-            self._seen = [[] for _ in self.names]
-            self._due = [math.inf if i == c else self._clock + self._gap(i)
-                         for i in range(len(self.names))]
-        else:
-            self._due[c] = self._clock + self._gap(c)
-        self._schedule()
-
-    def _switches(self, c: int) -> bool:
-        """Whether ``c`` beat the pick by more than SWITCH in the median of its last
-        WATCH_WINDOW watch rounds and in each of the last WATCH_AGREE."""
-        seen, cut = self._seen[c], -math.log(self.SWITCH)
-        return len(seen) >= self.WATCH_WINDOW and max(seen[-self.WATCH_AGREE:]) < cut and \
-            float(np.median(seen)) < cut
 
 
 def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op=None,

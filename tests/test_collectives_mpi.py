@@ -454,96 +454,91 @@ def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path
     assert_all(not bad, str(bad[:4]))
 
 
-def test_auto_watches_the_others_after_its_race(monkeypatch, tmp_path):
-    """A decided trial keeps timing the rule's other algorithms against its pick (watch
-    rounds, each as often as its cost allows) and switches to one that is faster: every rank
-    at the same call, results right all along, the picks the same on every rank, no call
-    running a stale plan; COLLECTIVES_AUTO_WATCH=0 decides once."""
+def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
+    """A decided trial races again after its calls are used up (seconds at the pick's pace):
+    every rank at the same call, results right all along, the picks the same on every rank;
+    while the pick stays, the wait doubles; COLLECTIVES_AUTO_RETRIAL=0 races once."""
     import json
-
-    from mpi4py import MPI
 
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
-    table = tmp_path / f"watch-{rank}.json"
-    rule = [[None, "ring", "native", "recursive_doubling"]]
+    table = tmp_path / f"retrial-{rank}.json"
+    rule = [[None, "ring", "native"]]
     table.write_text(json.dumps({"version": 1, "tables": {
         "allgather": {"default": rule, str(size): rule},
         "reduce": {"default": [[None, "tree", "shm"]], str(size): [[None, "tree", "shm"]]}}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
     monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
-    monkeypatch.setattr(api._Trial, "WATCH_MIN_S", 1e-4)  # a watch round every few calls
+    monkeypatch.setattr(api._Trial, "RETRIAL_SHARE", 0)
+    monkeypatch.setattr(api._Trial, "RETRIAL_S", 2e-3)  # a few calls after each race
     x = np.full(100, rank + 1, np.float32)
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 100)
-    bad, rounds, hit, was = [], 0, None, False
-    for call in range(100000):
+    bad, races, waits, deciding = [], 0, [], True
+    for call in range(200000):  # a race takes 1000-6000 calls here
         if not np.array_equal(coll.allgather(x, comm=comm), want):
             bad.append(f"call {call}: wrong result")
-        hit = hit or api._context(comm).auto["allgather"].get(x.nbytes)
-        if hit is not None and hit.decided is not None:
-            rounds += hit.watching and not was
-            was = hit.watching
-        if rounds >= 20:
+        undecided = api.auto_pick("allgather", x.nbytes, comm) is None
+        if deciding and not undecided:
+            races += 1
+            hit = api._context(comm).auto["allgather"][x.nbytes]
+            waits.append((hit.decided[0], hit.every))
+        deciding = undecided
+        if races == 4:
             break
-    states = comm.allgather((call, rounds, hit.decided[0], hit.switches, hit.left,
-                             [round(r, 9) for r in hit._ratio]))
-    if rounds < 20 or any(st != states[0] for st in states):
-        bad.append(f"{rounds} watch rounds; states {states}")
+    seen = comm.allgather(waits)
+    if races < 4 or any(w != waits for w in seen):
+        bad.append(f"{races} races, waits {seen}")
+    for (p0, e0), (p1, e1) in zip(waits, waits[1:]):
+        if e1 != (2 * e0 if p1 == p0 else api._Trial.RETRIAL_S):
+            bad.append(f"waits {waits}")
+    from mpi4py import MPI
 
-    # Switches: every watch round changes the pick here. Every call after a switch runs the
-    # new pick, on every rank, whichever way its calls take (rank 0 alternates in place and
-    # not, which breaks the plan kept for calls like the last; the others repeat one kind).
-    monkeypatch.setattr(api._Trial, "_switches", lambda self, c: True)
+    # A race that picks another algorithm: every call after it runs the new pick, on every
+    # rank, whichever way its calls take (rank 0 alternates in place and not, which breaks
+    # the plan kept for calls like the last; the others repeat one kind of call).
+    decide, turns = api._Trial._decide, [0]
+
+    def alternate(self):
+        done = decide(self)
+        if done:
+            turns[0] += 1
+            i = turns[0] % len(self.names)
+            self.decided = (self.names[i], self.builders[i])
+        return done
+    monkeypatch.setattr(api._Trial, "_decide", alternate)
     z = np.full(300, rank + 1, np.float32)
-    hit, stale, switches, made = None, [], 0, []
-    real = api._new_call
-
-    def spy(*args, **kwargs):  # the calls made, whose ``algorithm`` says what each ran
-        made.append(real(*args, **kwargs))
-        return made[-1]
-    monkeypatch.setattr(api, "_new_call", spy)
-    for call in range(100000):
-        del made[:]
-        # the race's calls, and a watch round's, run either
-        before = hit is None or hit.decided is None or hit.watching
+    hit, races, stale = None, 0, []
+    for call in range(200000):
         if rank == 0 and call % 2:
             w = z.copy()
-            got = coll.reduce(w, out=w)
+            coll.reduce(w, out=w)
         else:
-            got = coll.reduce(z)
-        if rank == 0 and not (got == size * (size + 1) // 2).all():
-            bad.append(f"reduce call {call}: wrong result")
+            coll.reduce(z)
         hit = hit or api._context(comm).auto["reduce"].get(z.nbytes)
-        ran = made[-1].algorithm
-        if not before and not hit.watching and ran != hit.decided[0]:
-            stale.append((call, ran, hit.decided[0]))
-        switches = comm.allreduce(hit.switches if hit else 0, op=MPI.MIN) \
-            if call % 100 == 0 else switches
-        if switches >= 3:
+        last = api._context(comm).auto_last
+        if hit is not None and hit.decided and last[7] is hit and last[5][0] != hit.decided[0]:
+            stale.append((call, last[5][0], hit.decided[0]))
+        races = comm.allreduce(turns[0], op=MPI.MIN) if call % 100 == 0 else races
+        if races >= 3:
             break
-    monkeypatch.setattr(api, "_new_call", real)
-    if stale or switches < 3 or len({p for p in comm.allgather(hit.decided[0])}) > 1:
-        bad.append(f"after {switches} switches, calls ran a stale plan: {stale[:3]}")
-    monkeypatch.undo()
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
-    monkeypatch.setattr(api._Trial, "WATCH_SHARE", 0.0)
-    monkeypatch.setattr(api._Trial, "WATCH_MIN_S", 1e-4)
+    if stale or races < 3:
+        bad.append(f"after {races} races, calls ran a stale plan: {stale[:3]}")
+    monkeypatch.setattr(api._Trial, "_decide", decide)
+    monkeypatch.setattr(api._Trial, "RETRIAL_S", 0.0)
     y = np.full(50, rank + 1, np.float32)
     for call in range(20000):  # the race
         coll.allgather(y, comm=comm)
         if api.auto_pick("allgather", y.nbytes, comm) is not None:
             break
-    hit = api._context(comm).auto["allgather"][y.nbytes]
-    watched = 0
+    picked = 0
     for call in range(3000):
         coll.allgather(y, comm=comm)
-        watched += hit.watching
-    if watched:
-        bad.append(f"COLLECTIVES_AUTO_WATCH=0: {watched} calls of 3000 in watch rounds")
+        picked += api.auto_pick("allgather", y.nbytes, comm) is not None
+    if picked < 3000:
+        bad.append(f"COLLECTIVES_AUTO_RETRIAL=0: decided at {picked} calls of 3000 after")
     assert_all(not bad, str(bad[:4]))
 
 
