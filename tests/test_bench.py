@@ -191,6 +191,11 @@ def test_footer_says_what_auto_ran():
     for q, r in zip(same, res):
         q.nbytes, q.picked = r.nbytes, r.picked
     assert "in place" not in "\n".join(harness.footer(res + same, ["out", "in"]))
+    # a pick that a race again changed during a size's rounds: both, in order
+    res[3].then = "tree"
+    assert harness.footer(res, ["out"])[-1] == \
+        "# auto ran: native (8 - 64), ring (512), shm, then tree (4K)"
+    assert res[3].to_dict()["then"] == "tree" and res[0].to_dict()["then"] is None
 
 
 def test_json_and_csv(tmp_path):
