@@ -189,9 +189,11 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             last = ctx.auto_last
             if call.x.flat.nbytes == last[1] and collective is last[0] and \
                     call.inplace is last[2] and (call.counts is None or call.counts == last[3]) \
-                    and env_raw(b"COLLECTIVES_TUNING") is last[4] and (last[6] or _exact(call)) \
-                    and (last[7] is None or last[7].tick()):
-                name, builder, run = last[5]
+                    and env_raw(b"COLLECTIVES_TUNING") is last[4] and (last[6] or _exact(call)):
+                if last[7] is None or last[7].tick():
+                    name, builder, run = last[5]
+                else:  # counted: a probe's call, or a race again
+                    name, builder, run, trial = _auto_plan(call, blocking, ticked=True)
             else:
                 name, builder, run, trial = _auto_plan(call, blocking)
         else:
@@ -271,11 +273,11 @@ def _drain(ctx) -> None:
                 pass
 
 
-def _auto_plan(call: Call, blocking: bool):
+def _auto_plan(call: Call, blocking: bool, ticked: bool = False):
     """``(name, builder, run, trial)`` for an ``auto`` call unlike the last one (``_start``):
     from the memo (``_auto``), or the next step of a trial (``_Trial``, returned so that the
-    call is timed); a plan that every call like this one may repeat is kept in
-    ``ctx.auto_last``."""
+    call is timed: a race's, or a probe's); a plan that every call like this one may repeat is
+    kept in ``ctx.auto_last``. ``ticked``: the plan's trial has counted this call already."""
     ctx, collective = call.ctx, call.collective
     nbytes = own = call.x.flat.nbytes
     if call.counts is not None and collective == "allgather":
@@ -289,8 +291,8 @@ def _auto_plan(call: Call, blocking: bool):
         pick, anycall, hit = hit, True, None
     else:  # a rule of several algorithms, measured here
         exact = _exact(call)
-        pick = hit.next(blocking, exact)
-        if hit.decided is None or not exact:
+        pick = hit.next(blocking, exact, ticked)
+        if hit.decided is None or not exact or hit.timing:
             return pick + (_runner(call, pick[1]), hit)
         # decided: the same path as a rule of one; a pick other than the rule's first, only for
         # the calls whose result every algorithm gives alike (2 us less at n = 2)
@@ -416,6 +418,16 @@ class _Trial:
     the caller's); calls whose result could depend on the algorithm (``_exact``) always run the
     first. Once decided, the trial stays in the memo for those; the others repeat the plan kept
     in ``ctx.auto_last``, as the calls of a rule of one do (``_start``).
+
+    A decided trial races again after a while (``RETRIAL_S``, see ``next``), and sooner when
+    its pick slows down (``_probe``): every ``PROBE_S`` seconds of calls at the pick's raced
+    pace, the next block of blocking calls is timed, call by call (the time inside the calls,
+    not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives every rank the
+    slowest rank's mean; the first such probe after a race is the pick's reference, and
+    ``TRIP_PROBES`` probes running slower than ``TRIP`` times it start a race at the next
+    call. A probe costs its block's timing and one small allreduce (~0.2% of the calls' time
+    at 8 bytes, less above); a race it started that kept the same pick doubles the probes
+    needed for the next.
     """
 
     BLOCK_S = 2e-3
@@ -431,15 +443,28 @@ class _Trial:
     RETRIAL_S = float(getenv("COLLECTIVES_AUTO_RETRIAL") or 1.0)
     RETRIAL_MAX = 64.0
     RETRIAL_SHARE = 20
+    # The probes (``_probe``): one every PROBE_S seconds of calls at the pick's raced pace; a
+    # race after TRIP_PROBES of them running at more than TRIP times the first's time (the
+    # pick's slow modes here: shm's reduce of 512 KiB at 2 ranks went from 50 to 175 us a
+    # call after ten rounds of a benchmark and ran there for the next 380, tree at 85
+    # throughout; double binary tree's allreduce of 2 MiB from 460 to 980 us). No probes
+    # with COLLECTIVES_AUTO_RETRIAL=0.
+    PROBE_S = 0.05
+    TRIP = 1.3
+    TRIP_PROBES = 2
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
-                 "_sync", "left", "every", "_last", "_spent")
+                 "_sync", "left", "every", "_last", "_spent", "probe", "_probe_every",
+                 "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
+                 "_buf")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
         self.every, self._last = self.RETRIAL_S, None
+        self._need, self._tripped = self.TRIP_PROBES, False
+        self._buf = np.zeros(1)
         self._reset()
 
     def _reset(self) -> None:
@@ -455,6 +480,7 @@ class _Trial:
         self.timing = False
         self.decided = None  # (name, builder) once measured
         self.left = 0  # calls until the next trial, once decided
+        self.probe = 0  # calls until the next probe, once decided (<= 0: probing)
         self._spent = 0.0  # seconds of timed blocks in this race (the slowest rank's)
         self.alive = list(range(len(names)))  # those still in the race
         # the calls to come, as (algorithm, timed, block ends); then rounds of blocks
@@ -465,11 +491,13 @@ class _Trial:
         self._first = True  # still in the first round (single timed calls)
         self._round = np.zeros(len(names))  # this round's block times, agreed at its end
 
-    def next(self, blocking: bool, exact: bool = True):
-        """``(name, builder)`` for this call; sets ``timing`` (record its time).
+    def next(self, blocking: bool, exact: bool = True, ticked: bool = False):
+        """``(name, builder)`` for this call; sets ``timing`` (record its time). ``ticked``:
+        ``tick`` has counted this call already (and said no).
 
         A decided trial counts the calls that run its pick (``tick``: every rank makes the same
-        calls, so every rank counts alike) and races again when they are used up: the machine
+        calls, so every rank counts alike, whichever path a call takes) and races again when
+        they are used up, or when its probes found the pick slower (``_probe``): the machine
         changes under a process (here shm's reduce of 512 KiB at 2 ranks ran 260-300 us a call
         for a minute, then 45-60, while binomial and tree ran 80-140 throughout), and a pick
         made in one phase of it is wrong in the next.
@@ -478,7 +506,10 @@ class _Trial:
         if not exact:
             return self.names[0], self.builders[0]
         if self.decided is not None:
-            if self.tick():
+            if not ticked and self.tick():
+                return self.decided
+            if self.left >= 0 or not self.RETRIAL_S:  # a probe's call
+                self.timing = blocking
                 return self.decided
             self._reset()
         if not blocking:
@@ -495,7 +526,8 @@ class _Trial:
         if self.decided is None:
             return False
         self.left -= 1
-        return self.left >= 0 or not self.RETRIAL_S
+        self.probe -= 1
+        return self.probe > 0 and (self.left >= 0 or not self.RETRIAL_S)
 
     def start(self) -> None:
         """Just before a timed call runs (after its checks): at a block's first, a barrier,
@@ -505,8 +537,11 @@ class _Trial:
         without it a rooted collective's ranks ran their calls skewed by the block before, and
         broadcast at 3 ranks, 2 MiB, timed native at 660-760 us in the trial and 510-540 in the
         benchmark (binomial 470-510 against 600-630), and the trial picked binomial.
+        A probe's calls are timed alone, without barriers.
         """
-        if self._sync:
+        if self.decided is not None:
+            self._t0 = perf_counter()
+        elif self._sync:
             self._sync = False
             self.ctx.comm.Barrier()
             self._t0 = perf_counter()
@@ -519,8 +554,14 @@ class _Trial:
         after at 36-41, and it left out more of some algorithms than of others, those whose
         messages move between calls: it picked tree at 28.5 against shm's 31.0, where the
         blocks ran tree at 40.8 and shm at 36.0; run M); at a round's end, the next round or
-        the decision."""
+        the decision; at a probe's last call, its verdict (``_probe``)."""
         self.timing = False
+        if self.decided is not None:
+            self._probe_sum += perf_counter() - self._t0
+            self._probe_n += 1
+            if self._probe_n >= self._probe_len:
+                self._probe()
+            return
         i, _, ends = self.plan[self._step]
         self._step += 1
         if ends:
@@ -588,12 +629,38 @@ class _Trial:
         spent = self._spent
         self.every = self.every * 2 if pick == self._last else self.RETRIAL_S
         self.every = min(self.every, self.RETRIAL_MAX)
+        if self._tripped:  # a race the probes started: kept the pick, or followed the machine
+            self._need = self._need * 2 if pick == self._last else self.TRIP_PROBES
+            self._tripped = False
         self._last = pick
         pace = max(math.exp(med[pick]), 1e-7)
         self.left = int(min(1e12, max(self.every, self.RETRIAL_SHARE * spent) / pace))
+        # the probes: blocks as long as the race's, PROBE_S seconds of calls apart
+        self._probe_len = self._lengths[pick]
+        self._probe_every = self.probe = int(min(1e12, max(
+            2 * self._probe_len, self.PROBE_S / pace) if self.RETRIAL_S else 1e12))
+        self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, None, 0
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True
+
+
+    def _probe(self) -> None:
+        """A probe's verdict (see the class doc): every rank the slowest rank's mean time a
+        call, the same figures everywhere; the first after a race is the reference, and
+        ``_need`` probes in a row above ``TRIP`` times it end the calls left before a race."""
+        from mpi4py import MPI
+        self._buf[0] = self._probe_sum / self._probe_n
+        self.ctx.comm.Allreduce(MPI.IN_PLACE, self._buf, op=MPI.MAX)
+        now = float(self._buf[0])
+        self._probe_sum, self._probe_n = 0.0, 0
+        self.probe = self._probe_every
+        if self._ref is None:
+            self._ref = now
+            return
+        self._over = self._over + 1 if now > self.TRIP * self._ref else 0
+        if self._over >= self._need:
+            self.left, self._tripped = -1, True  # a race at the next call
 
 
 def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op=None,
