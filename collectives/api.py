@@ -420,14 +420,15 @@ class _Trial:
     in ``ctx.auto_last``, as the calls of a rule of one do (``_start``).
 
     A decided trial races again after a while (``RETRIAL_S``, see ``next``), and sooner when
-    its pick slows down (``_probe``): every ``PROBE_S`` seconds of calls at the pick's raced
-    pace, the next block of blocking calls is timed, call by call (the time inside the calls,
-    not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives every rank the
-    slowest rank's mean; the first such probe after a race is the pick's reference, and
-    ``TRIP_PROBES`` probes running slower than ``TRIP`` times it start a race at the next
-    call. A probe costs its block's timing and one small allreduce (~0.2% of the calls' time
-    at 8 bytes, less above); a race it started that kept the same pick doubles the probes
-    needed for the next.
+    its pick slows down (``_probe``): about every ``PROBE_S`` seconds (of the program's time,
+    between the calls too), the next block of blocking calls is timed, call by call (the time
+    inside the calls, not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives
+    every rank the slowest rank's mean and the longest time since the last probe (which sets
+    the calls until the next); the pick's reference is its race time, or the first probe after
+    the race where that ran faster (a probe times less than a race's block, whose barrier and
+    gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
+    times it start a race at the next call. A race the probes started that kept the same pick doubles the probes needed for the
+    next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``.
     """
 
     BLOCK_S = 2e-3
@@ -443,13 +444,15 @@ class _Trial:
     RETRIAL_S = float(getenv("COLLECTIVES_AUTO_RETRIAL") or 1.0)
     RETRIAL_MAX = 64.0
     RETRIAL_SHARE = 20
-    # The probes (``_probe``): one every PROBE_S seconds of calls at the pick's raced pace; a
-    # race after TRIP_PROBES of them running at more than TRIP times the first's time (the
-    # pick's slow modes here: shm's reduce of 512 KiB at 2 ranks went from 50 to 175 us a
-    # call after ten rounds of a benchmark and ran there for the next 380, tree at 85
-    # throughout; double binary tree's allreduce of 2 MiB from 460 to 980 us). No probes
-    # with COLLECTIVES_AUTO_RETRIAL=0.
-    PROBE_S = 0.05
+    # The probes (``_probe``): one about every PROBE_S seconds; a race after TRIP_PROBES of
+    # them running at more than TRIP times the first's time (the pick's slow modes here: shm's
+    # reduce of 512 KiB at 2 ranks went from 50 to 175 us a call after ten rounds of a
+    # benchmark and ran there for the next 380, tree at 85 throughout; double binary tree's
+    # allreduce of 2 MiB from 460 to 980 us). In seconds of the program's time, not of the
+    # calls at the raced pace: at 3 ranks on 2 cores the race timed broadcast's 512 B calls at
+    # 125 us where they ran at 19, a probe came every 8 ms, and its allreduces cost the calls
+    # 7% (the benchmark, two launches each way). No probes with COLLECTIVES_AUTO_RETRIAL=0.
+    PROBE_S = 0.25
     TRIP = 1.3
     TRIP_PROBES = 2
 
@@ -457,14 +460,14 @@ class _Trial:
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
-                 "_buf")
+                 "_buf", "_probe_wall", "_probed")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
         self.every, self._last = self.RETRIAL_S, None
         self._need, self._tripped = self.TRIP_PROBES, False
-        self._buf = np.zeros(1)
+        self._buf = np.zeros(2)
         self._reset()
 
     def _reset(self) -> None:
@@ -635,11 +638,13 @@ class _Trial:
         self._last = pick
         pace = max(math.exp(med[pick]), 1e-7)
         self.left = int(min(1e12, max(self.every, self.RETRIAL_SHARE * spent) / pace))
-        # the probes: blocks as long as the race's, PROBE_S seconds of calls apart
+        # the probes: blocks as long as the race's; the first after PROBE_S seconds of calls
+        # at the pick's pace, the others as their time apart says (``_probe``)
         self._probe_len = self._lengths[pick]
         self._probe_every = self.probe = int(min(1e12, max(
             2 * self._probe_len, self.PROBE_S / pace) if self.RETRIAL_S else 1e12))
-        self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, None, 0
+        self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
+        self._probe_wall, self._probed = perf_counter(), False
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True
@@ -647,18 +652,25 @@ class _Trial:
 
     def _probe(self) -> None:
         """A probe's verdict (see the class doc): every rank the slowest rank's mean time a
-        call, the same figures everywhere; the first after a race is the reference, and
-        ``_need`` probes in a row above ``TRIP`` times it end the calls left before a race."""
+        call, and the longest time since the last probe, the same figures everywhere;
+        ``_need`` probes in a row above ``TRIP`` times the reference (the race's time, or the
+        first probe's if lower) end the calls left before a race. The calls until the next probe: as many as
+        took ``PROBE_S`` seconds this time (a quarter to four times as many as before)."""
         from mpi4py import MPI
-        self._buf[0] = self._probe_sum / self._probe_n
-        self.ctx.comm.Allreduce(MPI.IN_PLACE, self._buf, op=MPI.MAX)
-        now = float(self._buf[0])
+        buf = self._buf
+        buf[0] = self._probe_sum / self._probe_n
+        buf[1] = perf_counter() - self._probe_wall
+        self.ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        self._probe_wall = perf_counter()
+        now, apart = float(buf[0]), float(buf[1])
         self._probe_sum, self._probe_n = 0.0, 0
-        self.probe = self._probe_every
-        if self._ref is None:
-            self._ref = now
-            return
+        calls = self._probe_every + self._probe_len
+        self._probe_every = self.probe = int(max(2 * self._probe_len, min(
+            4 * calls, max(calls / 4, calls * self.PROBE_S / max(apart, 1e-9))) -
+            self._probe_len))
         self._over = self._over + 1 if now > self.TRIP * self._ref else 0
+        if not self._probed:  # the first probe after the race
+            self._ref, self._probed = min(self._ref, now), True
         if self._over >= self._need:
             self.left, self._tripped = -1, True  # a race at the next call
 

@@ -542,12 +542,15 @@ def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     assert_all(not bad, str(bad[:4]))
 
 
-def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path):
+@pytest.mark.parametrize("when", ["later", "at once"])
+def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
-    slower than the first probe by more than TRIP, TRIP_PROBES times in a row, a race starts at
-    the next call, on every rank at the same call; a pick that holds its pace never races again
-    (regular races off here). A race the probes started that kept the same pick doubles the
-    probes needed for the next. The clock is the test's: each timed call takes ``dt``."""
+    slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
+    TRIP_PROBES times in a row, a race starts at the next call, on every rank at the same
+    call; a pick that holds its pace never races again (regular races off here). A race the
+    probes started that kept the same pick doubles the probes needed for the next. The clock
+    is the test's: every call of an algorithm takes ``dt``, in the race and after it; the pick
+    slows down 20000 calls in, or right after the race (before any probe)."""
     import json
 
     from collectives import api
@@ -556,25 +559,27 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path):
     if size == 1:
         pytest.skip("one rank has nothing to choose")
     table = tmp_path / f"probe-{rank}.json"
-    rule = [[None, "ring", "native"]]
+    rule = [[None, "ring", "recursive_doubling"]]
     table.write_text(json.dumps({"version": 1, "tables": {
         "allgather": {"default": rule, str(size): rule}}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
     monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
     monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)  # no races but the probes'
     monkeypatch.setattr(api._Trial, "PROBE_S", 0.0)  # a probe every 2 blocks' calls
-    clock, dt = [0.0], [1e-5]
+    clock, dt, real = [0.0], [1e-5], api._run_schedule
 
-    def tick():
+    def run(call, name, builder):
         clock[0] += dt[0]
-        return clock[0]
-    monkeypatch.setattr(api, "perf_counter", tick)
+        return real(call, name, builder)
+    monkeypatch.setattr(api, "_run_schedule", run)
+    monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
     x = np.full(10, rank + 1, np.float32)
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
-    bad, races, deciding = [], [], True
+    bad, races, deciding, slow = [], [], True, None
     for call in range(40000):
-        if call == 20000:
+        if slow is None and (call == 20000 or when == "at once" and not deciding):
             dt[0] *= api._Trial.TRIP * 1.5  # the pick slows down for good
+            slow = call
         if not np.array_equal(coll.allgather(x, comm=comm), want):
             bad.append(f"call {call}: wrong result")
         undecided = api.auto_pick("allgather", x.nbytes, comm) is None
@@ -582,11 +587,11 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path):
             races.append(call)
         deciding = undecided
     hit = api._context(comm).auto["allgather"][x.nbytes]
-    # one race (the first, at call 0, is not counted), soon after the slow-down: a probe
-    # sets the reference; TRIP_PROBES probes find it slower
-    soon = 20000 + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len)
-    if len(races) != 1 or not 20000 <= races[0] <= soon:
-        bad.append(f"races at calls {races}, expected one in 20000-{soon}")
+    # one race (the first, at call 0, is not counted), soon after the slow-down: TRIP_PROBES
+    # probes find it slower
+    soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len)
+    if len(races) != 1 or not slow <= races[0] <= soon:
+        bad.append(f"races at calls {races}, expected one in {slow}-{soon}")
     if hit.decided is None or hit._need != 2 * api._Trial.TRIP_PROBES:
         bad.append(f"after a race that kept the pick: {hit.decided}, {hit._need} probes needed")
     seen = comm.allgather(races)
