@@ -451,8 +451,9 @@ class _Trial:
     # allreduce of 2 MiB from 460 to 980 us). In seconds of the program's time, not of the
     # calls at the raced pace: at 3 ranks on 2 cores the race timed broadcast's 512 B calls at
     # 125 us where they ran at 19, a probe came every 8 ms, and its allreduces cost the calls
-    # 7% (the benchmark, two launches each way). No probes with COLLECTIVES_AUTO_RETRIAL=0.
-    PROBE_S = 0.25
+    # 7% (the benchmark, two launches each way). No probes with COLLECTIVES_AUTO_RETRIAL=0
+    # or COLLECTIVES_AUTO_PROBE=0 (seconds between probes, 0.25 by default).
+    PROBE_S = float(getenv("COLLECTIVES_AUTO_PROBE") or 0.25)
     TRIP = 1.3
     TRIP_PROBES = 2
 
@@ -642,7 +643,8 @@ class _Trial:
         # at the pick's pace, the others as their time apart says (``_probe``)
         self._probe_len = self._lengths[pick]
         self._probe_every = self.probe = int(min(1e12, max(
-            2 * self._probe_len, self.PROBE_S / pace) if self.RETRIAL_S else 1e12))
+            2 * self._probe_len, self.PROBE_S / pace) if self.RETRIAL_S and self.PROBE_S
+            else 1e12))
         self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
         self._probe_wall, self._probed = perf_counter(), False
         self.ctx.auto_trials[(self.collective, self.key)] = {

@@ -565,7 +565,7 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
     monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
     monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)  # no races but the probes'
-    monkeypatch.setattr(api._Trial, "PROBE_S", 0.0)  # a probe every 2 blocks' calls
+    monkeypatch.setattr(api._Trial, "PROBE_S", 1e-9)  # a probe every 2 blocks' calls
     clock, dt, real = [0.0], [1e-5], api._run_schedule
 
     def run(call, name, builder):
