@@ -427,7 +427,8 @@ class _Trial:
     the calls until the next); the pick's reference is its race time, or the first probe after
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
-    times it start a race at the next call. A race the probes started that kept the same pick doubles the probes needed for the
+    times it, and slower than the race timed the fastest of the others, start a race at the
+    next call. A race the probes started that kept the same pick doubles the probes needed for the
     next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``.
     """
 
@@ -454,14 +455,18 @@ class _Trial:
     # 7% (the benchmark, two launches each way). No probes with COLLECTIVES_AUTO_RETRIAL=0
     # or COLLECTIVES_AUTO_PROBE=0 (seconds between probes, 0.25 by default).
     PROBE_S = float(getenv("COLLECTIVES_AUTO_PROBE") or 0.25)
-    TRIP = 1.3
+    # 1.5, and past the others' race times: at 3 ranks on 2 cores a probe of 2 ms scatters
+    # (allgather of 32 KiB: native's 30-round medians 116-171 us), and with 1.3 alone a probe
+    # there started a race that put ring in (the benchmark's next rounds 0.65 of native), and
+    # at 8 MiB races that ran for a third of the benchmark's rounds.
+    TRIP = 1.5
     TRIP_PROBES = 2
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
-                 "_buf", "_probe_wall", "_probed")
+                 "_buf", "_probe_wall", "_probed", "_floor")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
@@ -647,6 +652,8 @@ class _Trial:
             else 1e12))
         self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
         self._probe_wall, self._probed = perf_counter(), False
+        self._floor = min((float(np.median(b)) for i, b in enumerate(self.blocks)
+                           if i != pick and b), default=math.inf)
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True
@@ -656,7 +663,9 @@ class _Trial:
         """A probe's verdict (see the class doc): every rank the slowest rank's mean time a
         call, and the longest time since the last probe, the same figures everywhere;
         ``_need`` probes in a row above ``TRIP`` times the reference (the race's time, or the
-        first probe's if lower) end the calls left before a race. The calls until the next probe: as many as
+        first probe's if lower) and above the others' race times (``_floor``: a pick slower
+        than before but still ahead of what the others ran) end the calls left before a
+        race. The calls until the next probe: as many as
         took ``PROBE_S`` seconds this time (a quarter to four times as many as before)."""
         from mpi4py import MPI
         buf = self._buf
@@ -670,7 +679,7 @@ class _Trial:
         self._probe_every = self.probe = int(max(2 * self._probe_len, min(
             4 * calls, max(calls / 4, calls * self.PROBE_S / max(apart, 1e-9))) -
             self._probe_len))
-        self._over = self._over + 1 if now > self.TRIP * self._ref else 0
+        self._over = self._over + 1 if now > max(self.TRIP * self._ref, self._floor) else 0
         if not self._probed:  # the first probe after the race
             self._ref, self._probed = min(self._ref, now), True
         if self._over >= self._need:
