@@ -542,7 +542,7 @@ def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     assert_all(not bad, str(bad[:4]))
 
 
-@pytest.mark.parametrize("when", ["later", "at once"])
+@pytest.mark.parametrize("when", ["later", "at once", "crowded"])
 def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
     slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
@@ -550,7 +550,9 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     call; a pick that holds its pace never races again (regular races off here). A race the
     probes started that kept the same pick doubles the probes needed for the next. The clock
     is the test's: every call of an algorithm takes ``dt``, in the race and after it; the pick
-    slows down 20000 calls in, or right after the race (before any probe)."""
+    slows down 20000 calls in, or right after the race (before any probe). Where a node runs
+    more ranks than it has cores ("crowded"), the first probe is the last, and nothing races
+    again."""
     import json
 
     from collectives import api
@@ -573,6 +575,8 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
         return real(call, name, builder)
     monkeypatch.setattr(api, "_run_schedule", run)
     monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
+    crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
+    monkeypatch.setattr(api._Trial, "_crowded", lambda self: crowded)
     x = np.full(10, rank + 1, np.float32)
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
     bad, races, deciding, slow = [], [], True, None
@@ -589,11 +593,16 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     hit = api._context(comm).auto["allgather"][x.nbytes]
     # one race (the first, at call 0, is not counted), soon after the slow-down: TRIP_PROBES
     # probes find it slower
-    soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len)
-    if len(races) != 1 or not slow <= races[0] <= soon:
-        bad.append(f"races at calls {races}, expected one in {slow}-{soon}")
-    if hit.decided is None or hit._need != 2 * api._Trial.TRIP_PROBES:
-        bad.append(f"after a race that kept the pick: {hit.decided}, {hit._need} probes needed")
+    if when == "crowded":
+        if races or hit.probe < 10 ** 11:
+            bad.append(f"crowded: races at calls {races}, next probe in {hit.probe} calls")
+    else:
+        soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len)
+        if len(races) != 1 or not slow <= races[0] <= soon:
+            bad.append(f"races at calls {races}, expected one in {slow}-{soon}")
+        if hit.decided is None or hit._need != 2 * api._Trial.TRIP_PROBES:
+            bad.append(f"after a race that kept the pick: {hit.decided}, {hit._need} probes "
+                       f"needed")
     seen = comm.allgather(races)
     if any(r != races for r in seen):
         bad.append(f"ranks raced at different calls: {seen}")
