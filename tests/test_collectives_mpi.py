@@ -14,6 +14,19 @@ from tests.mpiutil import assert_all, world, op_inputs
 
 pytestmark = pytest.mark.mpi
 
+
+def use_tuning(monkeypatch, tmp_path, name: str, rules: dict) -> None:
+    """``COLLECTIVES_TUNING`` names a table of ``rules`` ({collective: rules}) for this
+    communicator's size and every other, one file a rank, with trials on."""
+    import json
+    comm = world()
+    size = comm.Get_size()
+    table = tmp_path / f"{name}-{comm.Get_rank()}.json"
+    table.write_text(json.dumps({"version": 1, "tables": {
+        c: {"default": r, str(size): r} for c, r in rules.items()}}))
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+
 LENGTHS = (0, 1, 5, 97)
 
 
@@ -458,20 +471,13 @@ def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     """A decided trial races again after its calls are used up (seconds at the pick's pace):
     every rank at the same call, results right all along, the picks the same on every rank;
     while the pick stays, the wait doubles; COLLECTIVES_AUTO_RETRIAL=0 races once."""
-    import json
-
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
-    table = tmp_path / f"retrial-{rank}.json"
-    rule = [[None, "ring", "native"]]
-    table.write_text(json.dumps({"version": 1, "tables": {
-        "allgather": {"default": rule, str(size): rule},
-        "reduce": {"default": [[None, "tree", "shm"]], str(size): [[None, "tree", "shm"]]}}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    use_tuning(monkeypatch, tmp_path, "retrial", {"allgather": [[None, "ring", "native"]],
+                                                   "reduce": [[None, "tree", "shm"]]})
     monkeypatch.setattr(api._Trial, "RETRIAL_SHARE", 0)
     monkeypatch.setattr(api._Trial, "RETRIAL_S", 2e-3)  # a few calls after each race
     x = np.full(100, rank + 1, np.float32)
@@ -553,19 +559,13 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     slows down 20000 calls in, or right after the race (before any probe). Where a node runs
     more ranks than it has cores ("crowded"), the first probe is the last, and nothing races
     again."""
-    import json
-
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
-    table = tmp_path / f"probe-{rank}.json"
-    rule = [[None, "ring", "recursive_doubling"]]
-    table.write_text(json.dumps({"version": 1, "tables": {
-        "allgather": {"default": rule, str(size): rule}}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    use_tuning(monkeypatch, tmp_path, "probe",
+               {"allgather": [[None, "ring", "recursive_doubling"]]})
     monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)  # no races but the probes'
     monkeypatch.setattr(api._Trial, "PROBE_S", 1e-9)  # a probe every 2 blocks' calls
     clock, dt, real = [0.0], [1e-5], api._run_schedule
@@ -613,19 +613,13 @@ def test_a_mismatched_call_in_a_trial_raises_on_every_rank(monkeypatch, tmp_path
     """A call whose lengths differ across ranks, made at a trial's timed step with the check on:
     every rank raises MismatchError (the trial's barrier waits until after the check; before it
     did not, and one rank sat in the barrier while the other checked, until the watchdog)."""
-    import json
-
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("needs two ranks to disagree")
-    table = tmp_path / f"mismatch-{rank}.json"
-    rule = [[100, "native"], [None, "binomial", "native"]]
-    table.write_text(json.dumps({"version": 1, "tables": {
-        "broadcast": {"default": rule, str(size): rule}}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    use_tuning(monkeypatch, tmp_path, "mismatch",
+               {"broadcast": [[100, "native"], [None, "binomial", "native"]]})
     x = np.ones(1000, np.float32)
     for _ in range(3):  # binomial's call, timed; native's first: the next is timed, a barrier
         coll.broadcast(x, comm=comm)
