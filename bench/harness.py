@@ -631,9 +631,9 @@ class Sweep:
                         break
                     fn()
                     pick = self._auto_pick(*mine)
-                if len(set(self.comm.allgather(pick))) > 1:
-                    raise RuntimeError(f"auto's ranks picked differently: "
-                                       f"{self.comm.allgather(pick)}")
+                picks = self.comm.allgather(pick)
+                if len(set(picks)) > 1:
+                    raise RuntimeError(f"auto's ranks picked differently: {picks}")
                 results[key].picked = pick
                 results[key].trial = self._auto_trial(*mine)
             ests[key] = est

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from time import perf_counter
 
 import numpy as np
@@ -34,7 +33,7 @@ from .buffers import Buffer, wrap
 from .errors import OFF_WORDS, env_raw, getenv, network_error
 from .executor import Run, context, segment_elems
 from .ops import resolve
-from .progress import Done, Request
+from .progress import Done, Request, _cores
 from .select import REGISTRY as _REGISTRY
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
@@ -453,7 +452,7 @@ class _Trial:
     RETRIAL_MAX = 64.0
     RETRIAL_SHARE = 20
     # The probes (``_probe``): one about every PROBE_S seconds; a race after TRIP_PROBES of
-    # them running at more than TRIP times the first's time (the pick's slow modes here: shm's
+    # them running at more than TRIP times the pick's reference (its slow modes here: shm's
     # reduce of 512 KiB at 2 ranks went from 50 to 175 us a call after ten rounds of a
     # benchmark and ran there for the next 380, tree at 85 throughout; double binary tree's
     # allreduce of 2 MiB from 460 to 980 us). In seconds of the program's time, not of the
@@ -665,7 +664,6 @@ class _Trial:
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True
 
-
     def _probe(self) -> None:
         """A probe's verdict (see the class doc): every rank the slowest rank's mean time a
         call, and the longest time since the last probe, the same figures everywhere;
@@ -696,7 +694,6 @@ class _Trial:
         if self._over >= self._need:
             self.left, self._tripped = -1, True  # a race at the next call
 
-
     def _crowded(self) -> float:
         """1.0 where this rank's node runs more of the communicator's ranks than the cores
         this process may use, else 0.0 (asked once per communicator, at its first probe: a
@@ -707,9 +704,7 @@ class _Trial:
             from mpi4py import MPI
             node = self.ctx.comm.Split_type(MPI.COMM_TYPE_SHARED)
             try:
-                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-                    else os.cpu_count() or 1
-                crowded = stash["crowded"] = float(node.Get_size() > cores)
+                crowded = stash["crowded"] = float(node.Get_size() > _cores())
             finally:
                 node.Free()
         return crowded
