@@ -522,6 +522,28 @@ def test_tune_keeps_what_auto_runs_within_the_noise():
     assert tune.winner([modal, tree], None) is modal           # nothing to keep
 
 
+def test_tune_leads_a_reduction_with_an_algorithm_auto_can_race():
+    """At more than 2 ranks a reduction's rule whose first is not one of select.SAME_BITS
+    cannot race; the fastest of them leads instead when within 5% or the noise."""
+    steady = tuple(1.0 + 0.002 * (k % 3) for k in range(21))
+    noisy = tuple(1.0 + 0.2 * (k % 3 - 1) for k in range(21))
+    hier = _result("hierarchical", "out", 1.0e-3, rounds=steady)
+    shm = _result("shm", "out", 1.04e-3, rounds=steady)
+    tree = _result("tree", "out", 1.03e-3, rounds=steady)
+    ring = _result("ring", "out", 1.01e-3, rounds=steady)
+    row = [hier, shm, tree, ring]
+    assert tune.raceable(row, hier, "allreduce", 3) is tree       # the fastest of the two
+    assert tune.raceable(row, hier, "reduce", 3) is tree
+    assert tune.raceable(row, hier, "allreduce", 2) is hier       # 2 ranks: everything races
+    assert tune.raceable(row, hier, "allgather", 3) is hier       # data movement races too
+    assert tune.raceable(row, shm, "allreduce", 3) is shm         # already one of them
+    slow = _result("tree", "out", 1.08e-3, rounds=steady)
+    assert tune.raceable([hier, slow], hier, "allreduce", 3) is hier    # 8%: clearly slower
+    wobbly = _result("tree", "out", 1.08e-3, rounds=noisy)
+    assert tune.raceable([hier, wobbly], hier, "allreduce", 3) is wobbly  # within its noise
+    assert tune.raceable([hier, ring], hier, "allreduce", 3) is hier    # none to race
+
+
 def test_race_brings_back_the_fastest_of_the_row():
     """The row's fastest other than auto, out of the race (its median from a few rounds,
     drift-corrected since), runs again (``_rejoin``), so that the figure auto is compared with
