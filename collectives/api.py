@@ -435,7 +435,8 @@ class _Trial:
     scheduler's, and races as well time what it did (allreduce of 128 KiB at 3 ranks: the
     race timed shm at 249 us and tree at 244, the benchmark's rounds 165 and 228; probes
     started races there that put tree in for shm, 0.82 of it, and ring for native in
-    allgather, 0.65).
+    allgather, 0.65). There, too, calls under ``CROWDED_MIN`` bytes run the rule's first once
+    the race's first round has shown the node crowded, and never race.
     """
 
     BLOCK_S = 2e-3
@@ -467,6 +468,15 @@ class _Trial:
     # at 8 MiB races that ran for a third of the benchmark's rounds.
     TRIP = 1.5
     TRIP_PROBES = 2
+    # Where a node is crowded (``_crowded``), calls of fewer bytes than this run the rule's
+    # first after the race's first round, and never race: their blocks of 15-40 us calls time
+    # the scheduler. At 3 ranks on 2 cores, in the benchmark's runs with races below 32 KiB
+    # (55 cells, 14 launches), the race changed the pick twice, both broadcast of 512 B, and
+    # both times to 0.45-0.58 of native (it timed native at 37 us a call, the benchmark's
+    # rounds after at 14-16); the rule's first was within 5% of the best in 54 of the 55.
+    # From 32 KiB the race's changes of pick made 84 cells 0.97 of the best on average, where
+    # the rule's first ran 0.79.
+    CROWDED_MIN = 32 << 10
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
@@ -504,7 +514,9 @@ class _Trial:
         self._step = 0
         self._t0 = 0.0  # when the current block's timed calls began (after its barrier)
         self._first = True  # still in the first round (single timed calls)
-        self._round = np.zeros(len(names))  # this round's block times, agreed at its end
+        # this round's block times, agreed at its end; and after the first round, whether some
+        # node is crowded (``_crowded``)
+        self._round = np.zeros(len(names) + 1)
 
     def next(self, blocking: bool, exact: bool = True, ticked: bool = False):
         """``(name, builder)`` for this call; sets ``timing`` (record its time). ``ticked``:
@@ -587,9 +599,13 @@ class _Trial:
             return
         from mpi4py import MPI
         # every rank the slowest rank's block times (the same figures everywhere)
+        self._round[-1] = self._crowded() if self._first else 0.0
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
-            self._lengths = [self._length(t) for t in self._round]
+            if self._round[-1] and (self.key if self.key >= 0 else ~self.key) < self.CROWDED_MIN:
+                self._keep_first()
+                return
+            self._lengths = [self._length(t) for t in self._round[:-1]]
             self._first = False
         else:
             for i in self.alive:
@@ -610,6 +626,12 @@ class _Trial:
                      for i in (self.alive[(slot + rnd) % m] for slot in range(m))
                      for k in range(self._lengths[i])]
         self._step = 0
+
+    def _keep_first(self) -> None:
+        """Decided for the rule's first, with no race again (``CROWDED_MIN``)."""
+        self.decided = (self.names[0], self.builders[0])
+        self.left = self.probe = 10 ** 12
+        self.ctx.auto_trials[(self.collective, self.key)] = {}
 
     def _length(self, seconds: float) -> int:
         """Calls in a block of about ``BLOCK_S`` at ``seconds`` a call (3 to 100)."""
@@ -696,8 +718,8 @@ class _Trial:
 
     def _crowded(self) -> float:
         """1.0 where this rank's node runs more of the communicator's ranks than the cores
-        this process may use, else 0.0 (asked once per communicator, at its first probe: a
-        collective call, made by every rank at the same call)."""
+        this process may use, else 0.0 (asked once per communicator, at the end of its first
+        race's first round: a collective call, made by every rank at the same call)."""
         stash = self.ctx.stash
         crowded = stash.get("crowded")
         if crowded is None:

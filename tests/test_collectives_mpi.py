@@ -577,6 +577,7 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
     crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
     monkeypatch.setattr(api._Trial, "_crowded", lambda self: crowded)
+    monkeypatch.setattr(api._Trial, "CROWDED_MIN", 0)  # small calls race there too
     x = np.full(10, rank + 1, np.float32)
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
     bad, races, deciding, slow = [], [], True, None
@@ -606,6 +607,51 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     seen = comm.allgather(races)
     if any(r != races for r in seen):
         bad.append(f"ranks raced at different calls: {seen}")
+    assert_all(not bad, str(bad[:4]))
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_auto_keeps_the_rule_on_a_crowded_node_for_small_calls(monkeypatch, tmp_path, crowded):
+    """Where a node runs more ranks than it has cores, calls under CROWDED_MIN bytes run the
+    rule's first once the race's first round has shown it, and never race again; elsewhere the
+    race picks the faster. The clock is the test's: ring's calls take twice as long as
+    recursive doubling's."""
+    from collectives import api
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("one rank has nothing to choose")
+    use_tuning(monkeypatch, tmp_path, "crowded",
+               {"allgather": [[None, "ring", "recursive_doubling"]]})
+    monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)  # no races after the first
+    clock, real = [0.0], api._run_schedule
+
+    def run(call, name, builder):
+        clock[0] += 2e-5 if name == "ring" else 1e-5
+        return real(call, name, builder)
+    monkeypatch.setattr(api, "_run_schedule", run)
+    monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
+    flag = float(crowded and rank == 0)  # one crowded node is enough
+    monkeypatch.setattr(api._Trial, "_crowded", lambda self: flag)
+    x = np.full(10, rank + 1, np.float32)
+    want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
+    bad, picks, first = [], set(), None
+    for call in range(6000):
+        if not np.array_equal(coll.allgather(x, comm=comm), want):
+            bad.append(f"call {call}: wrong result")
+        pick = api.auto_pick("allgather", x.nbytes, comm)
+        if pick is not None:
+            first = call if first is None else first
+            picks.add(pick)
+    if crowded:
+        # the first round: two calls of each algorithm
+        if first != 3 or picks != {"ring"} or api.auto_trial("allgather", x.nbytes, comm):
+            bad.append(f"crowded: decided at call {first}, picks {picks}")
+    elif first is None or first <= 3 or picks != {"recursive_doubling"}:
+        bad.append(f"not crowded: decided at call {first}, picks {picks}")
+    seen = comm.allgather((first, sorted(picks)))
+    if any(s != seen[0] for s in seen):
+        bad.append(f"ranks decided differently: {seen}")
     assert_all(not bad, str(bad[:4]))
 
 
