@@ -548,6 +548,22 @@ def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     assert_all(not bad, str(bad[:4]))
 
 
+def race_on_a_test_clock(monkeypatch, tmp_path, name: str, seconds) -> None:
+    """allgather's rule races ring and recursive doubling, once (no races again but the
+    probes'), on the test's clock: every call of algorithm ``a`` takes ``seconds(a)``."""
+    from collectives import api
+    use_tuning(monkeypatch, tmp_path, name,
+               {"allgather": [[None, "ring", "recursive_doubling"]]})
+    monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)
+    clock, real = [0.0], api._run_schedule
+
+    def run(call, algorithm, builder):
+        clock[0] += seconds(algorithm)
+        return real(call, algorithm, builder)
+    monkeypatch.setattr(api, "_run_schedule", run)
+    monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
+
+
 @pytest.mark.parametrize("when", ["later", "at once", "crowded"])
 def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
@@ -564,17 +580,9 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
-    use_tuning(monkeypatch, tmp_path, "probe",
-               {"allgather": [[None, "ring", "recursive_doubling"]]})
-    monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)  # no races but the probes'
+    dt = [1e-5]
+    race_on_a_test_clock(monkeypatch, tmp_path, "probe", lambda name: dt[0])
     monkeypatch.setattr(api._Trial, "PROBE_S", 1e-9)  # a probe every 2 blocks' calls
-    clock, dt, real = [0.0], [1e-5], api._run_schedule
-
-    def run(call, name, builder):
-        clock[0] += dt[0]
-        return real(call, name, builder)
-    monkeypatch.setattr(api, "_run_schedule", run)
-    monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
     crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
     monkeypatch.setattr(api._Trial, "_crowded", lambda self: crowded)
     monkeypatch.setattr(api._Trial, "CROWDED_MIN", 0)  # small calls race there too
@@ -621,16 +629,8 @@ def test_auto_keeps_the_rule_on_a_crowded_node_for_small_calls(monkeypatch, tmp_
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
-    use_tuning(monkeypatch, tmp_path, "crowded",
-               {"allgather": [[None, "ring", "recursive_doubling"]]})
-    monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)  # no races after the first
-    clock, real = [0.0], api._run_schedule
-
-    def run(call, name, builder):
-        clock[0] += 2e-5 if name == "ring" else 1e-5
-        return real(call, name, builder)
-    monkeypatch.setattr(api, "_run_schedule", run)
-    monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
+    race_on_a_test_clock(monkeypatch, tmp_path, "crowded",
+                         lambda name: 2e-5 if name == "ring" else 1e-5)
     flag = float(crowded and rank == 0)  # one crowded node is enough
     monkeypatch.setattr(api._Trial, "_crowded", lambda self: flag)
     x = np.full(10, rank + 1, np.float32)
