@@ -471,9 +471,10 @@ class _Trial:
     # Where a node is crowded (``_crowded``), calls of fewer bytes than this run the rule's
     # first after the race's first round, and never race: their blocks of 15-40 us calls time
     # the scheduler. At 3 ranks on 2 cores, in the benchmark's runs with races below 32 KiB
-    # (55 cells, 14 launches), the race changed the pick twice, both broadcast of 512 B, and
-    # both times to 0.45-0.58 of native (it timed native at 37 us a call, the benchmark's
-    # rounds after at 14-16); the rule's first was within 5% of the best in 54 of the 55.
+    # (55 cells of allgather and broadcast, 39 launches), the race changed the pick twice, both
+    # broadcast of 512 B, both times to 0.45-0.58 of native (it timed native at 37 us a call,
+    # the benchmark's rounds after at 14-16); the rule's first was within 5% of the best in 54
+    # of the 55.
     # From 32 KiB the race's changes of pick made 84 cells 0.97 of the best on average, where
     # the rule's first ran 0.79.
     CROWDED_MIN = 32 << 10
@@ -752,7 +753,9 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False, op
 def auto_trial(collective: str, nbytes: int, comm=None, inplace: bool = False) -> dict | None:
     """What ``auto``'s trial (``_Trial``) measured on ``comm`` for ``nbytes`` of per-rank input
     (``inplace``: calls with ``out=x``) once it has decided: ``{algorithm: median seconds per
-    call}``, the slowest rank's, the same on every rank; None if it ran none (yet)."""
+    call}``, the slowest rank's, the same on every rank; ``{}`` where it kept the rule's first
+    without a race (small calls on a crowded node, ``_Trial.CROWDED_MIN``); None if it ran none
+    (yet)."""
     ctx = _context(comm)
     key = ~nbytes if inplace and collective in _IN_PLACE else nbytes
     return ctx.auto_trials.get((collective, key))
