@@ -483,14 +483,14 @@ class _Trial:
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
-                 "_buf", "_probe_wall", "_probed", "_floor")
+                 "_buf", "_probe_wall", "_probed", "_floor", "_crowd")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
         self.every, self._last = self.RETRIAL_S, None
         self._need, self._tripped = self.TRIP_PROBES, False
-        self._buf = np.zeros(3)
+        self._buf = np.zeros(2)
         self._reset()
 
     def _reset(self) -> None:
@@ -603,7 +603,8 @@ class _Trial:
         self._round[-1] = self._crowded() if self._first else 0.0
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
-            if self._round[-1] and (self.key if self.key >= 0 else ~self.key) < self.CROWDED_MIN:
+            self._crowd = bool(self._round[-1])  # some node crowded (every rank alike)
+            if self._crowd and (self.key if self.key >= 0 else ~self.key) < self.CROWDED_MIN:
                 self._keep_first()
                 return
             self._lengths = [self._length(t) for t in self._round[:-1]]
@@ -699,12 +700,11 @@ class _Trial:
         buf = self._buf
         buf[0] = self._probe_sum / self._probe_n
         buf[1] = perf_counter() - self._probe_wall
-        buf[2] = self._crowded()
         self.ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         self._probe_wall = perf_counter()
         now, apart = float(buf[0]), float(buf[1])
         self._probe_sum, self._probe_n = 0.0, 0
-        if buf[2]:  # some node crowded: no more probes (see the class doc)
+        if self._crowd:  # some node crowded: no more probes (see the class doc)
             self._probe_every = self.probe = 10 ** 12
             return
         calls = self._probe_every + self._probe_len
