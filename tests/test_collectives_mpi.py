@@ -280,16 +280,11 @@ def test_non_blocking_out_of_order():
 def test_auto_follows_the_table_in_force(monkeypatch, tmp_path):
     """auto runs what the tuning table says for the size, and a table named afterwards takes
     effect on the next call (auto's picks are memoized per communicator and table)."""
-    import json
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     ran = []
     for name in ("tree", "ring", "tree"):
-        table = tmp_path / f"{name}-{rank}.json"
-        rules = [[64, "native"], [None, name]]
-        table.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
-            "default": rules, str(size): rules}}}))
-        monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+        use_tuning(monkeypatch, tmp_path, name, {"allreduce": [[64, "native"], [None, name]]})
         small = coll.iallreduce(np.ones(4, np.float32))        # 16 bytes: native
         req = coll.iallreduce(np.full(100, rank + 1, np.int64))   # 800 bytes: the table's
         ran.append((small.description, req.description))
@@ -305,14 +300,9 @@ def test_auto_repeats_a_plan_only_for_a_call_like_it(monkeypatch, tmp_path):
     changed: an allgather whose rank 0 passes the same length again, while the others pass
     more, picks from the new mean (a plan keyed by rank 0's own bytes ran native there while
     the others ran ring: a hang), and the same with every length as before picks as before."""
-    import json
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    table = tmp_path / f"plan-{rank}.json"
-    rules = [[64, "native"], [None, "ring"]]
-    table.write_text(json.dumps({"version": 1, "tables": {"allgather": {
-        "default": rules, str(size): rules}}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    use_tuning(monkeypatch, tmp_path, "plan", {"allgather": [[64, "native"], [None, "ring"]]})
     ran, ok = [], True
     for others in (4, 100, 100, 4):  # float32 elements of ranks > 0; rank 0 passes 4
         n = 4 if rank == 0 else others
@@ -431,20 +421,14 @@ def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path
     """On 3 ranks and more a reduction's rule races only the algorithms that combine alike
     (select.SAME_BITS: tree and shm), when its first is one of them; a rule led by another runs
     its first. Every call gives the rule's first's bits, the same on every rank."""
-    import json
-
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size < 3:
         pytest.skip("at 2 ranks every algorithm gives the same bits")
-    table = tmp_path / f"same-{rank}.json"
     rules = {"allreduce": [[4000, "native", "shm", "tree"], [None, "shm", "ring", "tree"]],
              "reduce": [[4000, "native", "shm", "tree"], [None, "tree", "native", "shm"]]}
-    table.write_text(json.dumps({"version": 1, "tables": {
-        c: {"default": r, str(size): r} for c, r in rules.items()}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    use_tuning(monkeypatch, tmp_path, "same", rules)
     bad = []
     for n, raced in ((500, False), (5000, True)):
         x = (np.random.default_rng(rank).standard_normal(n) * 10.0 ** rank).astype(np.float32)
