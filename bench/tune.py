@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["main", "rules", "winner", "raceable", "races", "signature", "tuning_file", "merge"]
+__all__ = ["main", "rules", "winner", "raceable", "signature", "tuning_file", "merge"]
 
 _SPECS = {
     "allreduce": ("bench.allreduce", "Allreduce"),
@@ -129,23 +129,13 @@ def alternates(row: list, win, before=(), keep=()) -> tuple[str, ...]:
 # A new rule must beat what ``auto`` runs now by more than this, or by three standard errors of
 # the difference of the two medians, whichever is larger.
 KEEP = 0.03
-# ... by more than this where ``auto`` cannot race the two (``races``), so that the table's
-# pick is final. Over the 3-rank tunes on record (runs A-AA), the 9 final changes won by 3-5%
-# ran in the benchmark after at 0.87 of the pick they replaced (geometric mean), 6 of them
-# below 0.95 (allreduce of 32 KiB, shm for native by 3.1-4.9% in the tune, 0.86-0.87 in the
+# ... by more than this where ``auto`` cannot race the two (``select.races``), so that the
+# table's pick is final. Over the 3-rank tunes on record (runs A-AA), the 9 final changes won
+# by 3-5% ran in the benchmark after at 0.87 of the pick they replaced (geometric mean), 6 of
+# them below 0.95 (allreduce of 32 KiB, shm for native by 3.1-4.9% in the tune, 0.86-0.87 in the
 # benchmark in runs E, W, Y; reduce of 32 MiB, hierarchical for shm by 3.8%, 0.70-0.87), 2
 # faster; the 20 won by 5-10% ran at 1.08 of it, 14 faster.
 KEEP_FINAL = 0.05
-
-
-def races(collective: str, n: int, a: str, b: str) -> bool:
-    """Whether ``auto`` may race ``a`` and ``b`` at run time on ``n`` ranks
-    (``collectives.api._trials``): 2 ranks, data movement, or both of ``select.SAME_BITS``."""
-    from collectives import select
-    if n <= 2 or collective in ("allgather", "broadcast"):
-        return True
-    alike = select.SAME_BITS.get(collective, ())
-    return a in alike and b in alike
 
 
 def winner(row: list, incumbent: str | None, keep: float = KEEP):
@@ -307,7 +297,7 @@ def main(argv=None) -> int:
             row = [r for r in mine if r.nbytes == nbytes]
             now = before[key][nbytes][0]
             fastest = min(row, key=lambda r: r.time).algorithm
-            keep = KEEP if races(c, n, now, fastest) else KEEP_FINAL
+            keep = KEEP if select.races(c, n, now, fastest) else KEEP_FINAL
             win = raceable(row, winner(row, now, keep), c, n, now)
             best.append((_input_bytes(c, win), (win.algorithm,) + alternates(
                 row, win, before[key][nbytes], builtin(c, _input_bytes(c, row[0]), inplace))))

@@ -345,10 +345,6 @@ def _auto(ctx, collective: str, key: int, env):
     return hit
 
 
-# Collectives that move data without reducing it: every algorithm gives the same bytes.
-_MOVES = ("allgather", "broadcast")
-
-
 def _trials(ctx, collective: str, names: tuple) -> tuple:
     """The algorithms of a rule (``names``, its first first) that ``auto`` may choose among by
     measuring them here: only where the choice cannot change a result, so that results stay the
@@ -373,10 +369,9 @@ def _trials(ctx, collective: str, names: tuple) -> tuple:
     ask = (getenv("COLLECTIVES_AUTO_TRIAL") or "").strip().lower()
     if ask in OFF_WORDS:
         return names[:1]
-    if ctx.size == 2 or collective in _MOVES:
-        return names
-    alike = select.SAME_BITS.get(collective, ())
-    return tuple(n for n in names if n in alike) if names[0] in alike else names[:1]
+    first = names[0]
+    return names[:1] + tuple(m for m in names[1:]
+                             if select.races(collective, ctx.size, first, m))
 
 
 def _exact(call: Call) -> bool:

@@ -46,7 +46,8 @@ from pathlib import Path
 from .errors import getenv
 
 __all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "candidates",
-           "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path"]
+           "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path", "SAME_BITS", "MOVES",
+           "races"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 NATIVE = "native"
@@ -210,6 +211,18 @@ MULTI_NODE = {"shm": {"allreduce": "hierarchical_shm", "default": "hierarchical"
 # every element as tree does on its way to the root (shm._combine), so ``auto`` may race them
 # where the choice among others would change how a float sum rounds (api._trials).
 SAME_BITS = {"allreduce": frozenset({"tree", "shm"}), "reduce": frozenset({"tree", "shm"})}
+# Collectives that move data without reducing it: every algorithm gives the same bytes.
+MOVES = ("allgather", "broadcast")
+
+
+def races(collective: str, n: int, a: str, b: str) -> bool:
+    """Whether ``auto`` may race ``a`` and ``b`` on ``n`` ranks, the choice changing no result
+    (api._trials; the tuner's margins, bench.tune): 2 ranks (every algorithm reduces an
+    element once, and a + b = b + a), data movement, or both of ``SAME_BITS``."""
+    if n <= 2 or collective in MOVES:
+        return True
+    alike = SAME_BITS.get(collective, ())
+    return a in alike and b in alike
 
 
 def tuning_path() -> Path | None:

@@ -550,14 +550,15 @@ def test_tune_leads_a_reduction_with_an_algorithm_auto_can_race():
 def test_tune_wants_more_to_replace_a_pick_auto_cannot_race():
     """Where auto could not race the fastest against what it runs now (a reduction at more
     than 2 ranks, but for tree against shm), the fastest needs KEEP_FINAL (5%), not KEEP."""
+    from collectives import select
     steady = tuple(1.0 + 0.002 * (k % 3) for k in range(21))
     shm = _result("shm", "out", 1.0e-3, rounds=steady)
     native = _result("native", "out", 1.04e-3, rounds=steady)
-    assert tune.races("allreduce", 2, "native", "shm")
-    assert tune.races("broadcast", 3, "native", "shm")
-    assert tune.races("reduce", 3, "tree", "shm")
-    assert not tune.races("allreduce", 3, "native", "shm")
-    assert not tune.races("reduce_scatter", 3, "ring", "shm")
+    assert select.races("allreduce", 2, "native", "shm")
+    assert select.races("broadcast", 3, "native", "shm")
+    assert select.races("reduce", 3, "tree", "shm")
+    assert not select.races("allreduce", 3, "native", "shm")
+    assert not select.races("reduce_scatter", 3, "ring", "shm")
     assert tune.winner([shm, native], "native") is shm                     # 4% > KEEP
     assert tune.winner([shm, native], "native", tune.KEEP_FINAL) is native
     clear = _result("native", "out", 1.07e-3, rounds=steady)
