@@ -316,6 +316,11 @@ def _runner(call: Call, builder):
         _launch if hasattr(builder, "launch") else _scheduled
 
 
+def _key_bytes(key: int) -> int:
+    """The message bytes of an ``auto`` memo key (``~bytes`` for a call in place)."""
+    return key if key >= 0 else ~key
+
+
 def _auto(ctx, collective: str, key: int, env):
     """``(name, builder)`` that ``auto`` runs on ``ctx``'s communicator for ``key``: the
     message bytes, or ``~bytes`` (negative) for a call in place; ``env`` is the raw
@@ -332,7 +337,7 @@ def _auto(ctx, collective: str, key: int, env):
     memo = ctx.auto[collective]
     hit = memo.get(key)
     if hit is None:
-        names = select.candidates(collective, key if key >= 0 else ~key, ctx.size,
+        names = select.candidates(collective, _key_bytes(key), ctx.size,
                                   single_node=lambda: _single_node(ctx), inplace=key < 0)
         names = _trials(ctx, collective, names)
         if len(names) > 1:
@@ -599,7 +604,7 @@ class _Trial:
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
             self._crowd = bool(self._round[-1])  # some node crowded (every rank alike)
-            if self._crowd and (self.key if self.key >= 0 else ~self.key) < self.CROWDED_MIN:
+            if self._crowd and _key_bytes(self.key) < self.CROWDED_MIN:
                 self._keep_first()
                 return
             self._lengths = [self._length(t) for t in self._round[:-1]]
