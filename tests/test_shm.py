@@ -91,6 +91,40 @@ def form(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["root", "split"])
+def reduce_form(request, monkeypatch):
+    """Both forms of a shm reduce, at every size: the root combines every slot, or, from 3
+    ranks, its child in the tree combines the others' in place first (``_reduce_split``)."""
+    monkeypatch.setattr(shm, "SPLIT_MIN_BYTES", 0 if request.param == "split" else 1 << 62)
+    return request.param
+
+
+def test_reduce_split_combines_as_tree():
+    """The child's plan (``_subtree``) and the root's last step give ``_combine``'s
+    expression, operand for operand, for 3..33 ranks onto every root: the same bits as tree;
+    it writes only slots of ranks in the child's subtree, never the child's own input."""
+    from collectives.tree.pipelined import btree
+
+    def tree(v, k):  # _combine's order: first child's subtree, the node's own, second child's
+        _, first, second = btree(v, k)
+        e = f"x{v}"
+        if first is not None:
+            e = f"({tree(first, k)}+{e})"
+        if second is not None:
+            e = f"({e}+{tree(second, k)})"
+        return e
+
+    for k in range(3, 34):
+        c, ops, last = shm._subtree(k)
+        assert btree(0, k)[2] == c
+        val = {v: f"x{v}" for v in range(1, k)}
+        val["x"] = f"x{c}"
+        for dst, a, b in ops:
+            assert dst != "x" and dst != 0
+            val[dst] = f"({val[a]}+{val[b]})"
+        assert f"(x0+{val[last]})" == tree(0, k), k
+
+
 @pytest.fixture
 def chunk():
     """A small chunk so that short arrays take many rounds (STYLE 13)."""
@@ -144,7 +178,7 @@ def test_allreduce_lengths_and_chunks(nbytes, form):
 
 
 @pytest.mark.mpi
-def test_reduce_every_dtype_and_op_and_root(chunk):
+def test_reduce_every_dtype_and_op_and_root(chunk, reduce_form):
     """Onto every root, in place and not: the result there (the input untouched out of place),
     None elsewhere with the input untouched; many rounds, so that ranks run rounds ahead."""
     from tests.mpiutil import assert_all, world
@@ -169,8 +203,8 @@ def test_reduce_every_dtype_and_op_and_root(chunk):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nbytes", [64, 4096])
-def test_same_bits_as_tree(nbytes, form):
-    """shm's allreduce (both forms) and reduce (onto every root, in place and not) give
+def test_same_bits_as_tree(nbytes, form, reduce_form):
+    """shm's allreduce and reduce (both forms of each; onto every root, in place and not) give
     algorithm="tree"'s bits on any number of ranks, so auto may race the two
     (select.SAME_BITS): float sums of magnitudes 1 to 10^4, where the order of the additions
     shows in the last bits."""
