@@ -190,6 +190,26 @@ def raceable(row: list, win, collective: str, n: int, incumbent: str | None = No
     return mine if math.log(mine.time / win.time) <= max(RACEABLE, noise(mine, win)) else win
 
 
+def either_mode(row: list, other: list, win, keep: float = KEEP):
+    """``win``, or the result of ``row`` whose algorithm runs best in the worse of the two
+    modes, ``row``'s and ``other``'s (a reduce's in place), where that is better than ``win``'s
+    by more than ``keep``: one rule serves both. A reduce is in place on its root alone, so
+    ``auto`` cannot tell the two apart on every rank (``select.IN_PLACE_RULES``), and there they
+    rank the algorithms differently: shm's root combining in place ran 1.2-1.9x as fast as out
+    of place at 512 KiB - 32 MiB (runs AE, AF), tree's within 5%, and at 2 ranks where tree
+    led out of place by 4%, 8 MiB, it ran in place at 0.69 of shm."""
+    there = {r.algorithm: r.time for r in other}
+    if not there:
+        return win
+    here_best, there_best = min(r.time for r in row), min(there.values())
+
+    def worse(r):
+        return min(here_best / r.time, there_best / there.get(r.algorithm, math.inf))
+
+    best = max(row, key=worse)
+    return best if worse(best) > worse(win) * (1 + keep) else win
+
+
 def _upper(res) -> float:
     """The upper quartile of ``res``'s drift-corrected rounds."""
     return float(np.percentile(res.corrected(), 75))
@@ -268,7 +288,7 @@ def main(argv=None) -> int:
     if args.output:
         os.environ["COLLECTIVES_TUNING"] = str(path)  # so auto reads the table we write
     sig = signature(comm)
-    measured, new = {}, {}
+    measured, new, unruled = {}, {}, {}
     rule_now = _rules_now(n, path)
     builtin = _rules_now(n, path, builtin=True)
     for c in collectives:
@@ -288,6 +308,8 @@ def main(argv=None) -> int:
             if _ruled(c, mode, sweep.modes):
                 key = c if mode == sweep.modes[0] else f"{c} in-place"
                 measured[key] = [r for r in res if r.mode == mode]
+            elif mode != sweep.modes[0]:  # timed, no rules of its own: the first's rules serve it
+                unruled[c] = [r for r in res if r.mode == mode]
     before = {}  # the rule auto uses now, per measured size
     for key, mine in measured.items():
         c, inplace = _split(key)
@@ -299,6 +321,8 @@ def main(argv=None) -> int:
             fastest = min(row, key=lambda r: r.time).algorithm
             keep = KEEP if select.races(c, n, now, fastest) else KEEP_FINAL
             win = raceable(row, winner(row, now, keep), c, n, now)
+            if not inplace and c in unruled:
+                win = either_mode(row, [r for r in unruled[c] if r.nbytes == nbytes], win)
             best.append((_input_bytes(c, win), (win.algorithm,) + alternates(
                 row, win, before[key][nbytes], builtin(c, _input_bytes(c, row[0]), inplace))))
         new[key] = rules(best)

@@ -565,6 +565,28 @@ def test_tune_wants_more_to_replace_a_pick_auto_cannot_race():
     assert tune.winner([shm, clear], "native", tune.KEEP_FINAL) is shm     # 7%: replaced
 
 
+def test_tune_picks_a_reduce_for_both_modes():
+    """A reduce's rules serve its in-place calls too (only the root knows): where the modes
+    rank the algorithms differently, the rule takes the one best in the worse of the two."""
+    out = {a: _result(a, "out", t) for a, t in
+           (("tree", 1.0e-3), ("shm", 1.04e-3), ("binomial", 1.02e-3))}
+    inp = [_result(a, "in", t) for a, t in (("tree", 1.0e-3), ("shm", 0.7e-3),
+                                             ("binomial", 1.05e-3))]
+    row = list(out.values())
+    assert tune.either_mode(row, inp, out["tree"]) is out["shm"]     # 0.96 against 0.70
+    assert tune.either_mode(row, [], out["tree"]) is out["tree"]     # no in-place row
+    # both ways a miss: the less bad stays (tree 0.96 in place, shm 0.83 out of place)
+    conflict = [_result("tree", "out", 0.91e-3), _result("shm", "out", 1.10e-3)]
+    there = [_result("tree", "in", 0.90e-3), _result("shm", "in", 0.86e-3)]
+    assert tune.either_mode(conflict, there, conflict[0]) is conflict[0]
+    assert tune.either_mode(conflict, there, conflict[1]) is conflict[0]
+    # within KEEP of each other: what won stays
+    close = [_result("tree", "out", 1.0e-3), _result("shm", "out", 1.02e-3)]
+    near = [_result("tree", "in", 1.0e-3), _result("shm", "in", 0.99e-3)]
+    assert tune.either_mode(close, near, close[0]) is close[0]
+    assert tune.either_mode(close, near, close[1]) is close[1]
+
+
 def test_race_brings_back_the_fastest_of_the_row():
     """The row's fastest other than auto, out of the race (its median from a few rounds,
     drift-corrected since), runs again (``_rejoin``), so that the figure auto is compared with
