@@ -195,9 +195,9 @@ def either_mode(row: list, other: list, win, keep: float = KEEP):
     modes, ``row``'s and ``other``'s (a reduce's in place), where that is better than ``win``'s
     by more than ``keep``: one rule serves both. A reduce is in place on its root alone, so
     ``auto`` cannot tell the two apart on every rank (``select.IN_PLACE_RULES``), and there they
-    rank the algorithms differently: shm's root combining in place ran 1.2-1.9x as fast as out
-    of place at 512 KiB - 32 MiB (runs AE, AF), tree's within 5%, and at 2 ranks where tree
-    led out of place by 4%, 8 MiB, it ran in place at 0.69 of shm."""
+    rank the algorithms differently: shm's root combining in place ran 1.2-2.2x as fast as
+    out of place at 512 KiB - 32 MiB (runs AE-AI), tree's at 0.74-1.07x, and at 2 ranks,
+    8 MiB, where tree led out of place by 4%, it ran in place at 0.69 of shm (AF)."""
     there = {r.algorithm: r.time for r in other}
     if not there:
         return win
