@@ -43,9 +43,10 @@ and the one it had into a third array (``a op b`` into ``c``) ran at half the sp
 place on this machine, even in L2. Against the root alone (``mpiexec -n 3``, 2 cores, medians
 of 15 interleaved 10 ms blocks, one launch): out of place 0.75 at 512 KiB, 0.62 at 2 MiB, 0.71
 at 8 MiB, 0.86-1.03 at 32 MiB; in place 0.77, 0.59, 0.57, 0.59-0.66; at 4 ranks 0.58-0.78 from
-512 KiB; from 2 MiB now 1.3-1.6x tree's speed where it had been 0.8-1.0x out of place. Below
-512 KiB the extra meeting costs more than it saves (8-32 KiB 1.4-1.75x the time, 256 KiB in
-place 1.46x).
+512 KiB. In the benchmark's runs at 3 ranks, 512 KiB - 32 MiB, shm ran at 0.74-1.03x tree's
+speed out of place and 0.96-1.31x in place before (``docs/bench.md``, runs AE and AF), and at
+1.11-1.73x and 1.26-2.39x after (AG-AI). Below 512 KiB the extra meeting costs more than it
+saves (8-32 KiB 1.4-1.75x the time, 256 KiB in place 1.46x).
 
 Synchronization is by counters, not barriers: each rank owns three int64 counters in the
 window's header (rounds copied in, reduced, done reading; one cache line each) that it raises
@@ -596,6 +597,9 @@ def _reduce(work, win: Window, src, out, op, root) -> None:
     _pipeline(work, win, -(-n // step), phases)
 
 
+_SUBTREES: dict = {}  # k -> _subtree(k)
+
+
 def _subtree(k: int):
     """The root's child ``c`` in ``btree`` of ``k`` nodes and how it combines its subtree (every
     node but the root) in place: ``(c, ops, last)``, ops ``(dst, a, b)`` meaning ``dst = a op
@@ -626,17 +630,14 @@ def _subtree(k: int):
     return plan
 
 
-_SUBTREES: dict = {}
-
-
 def _reduce_split(work, win: Window, src, out, op, root) -> None:
     """Reduce in three steps a round: the ranks but the root and its child c copy their round
     into their slots; c combines them and its own input in place in those slots, as tree
     combines c's subtree (``_subtree``); the root combines its input and c's result into its
-    output, as tree's root does. The root then does one reduction a round instead of k - 1:
-    at 3 ranks on 2 cores, for the root's k - 1 passes over its chunk (one into a third
-    array, which runs at half the speed of one in place here), one; in all, k - 2 copies and
-    k - 1 reductions a round, against k - 1 copies and k - 1 reductions before."""
+    output, as tree's root does. The root, which everyone waits for, then makes one pass over
+    each round instead of k - 1 (the first of them into a third array, at half the speed of
+    one in place here); in all, k - 2 copies and k - 1 reductions a round, against k - 1
+    copies and k - 1 reductions before."""
     r, k = win.rank, win.size
     n, dtype = src.shape[0], src.dtype
     step = win.chunk // dtype.itemsize

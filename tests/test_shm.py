@@ -101,8 +101,9 @@ def reduce_form(request, monkeypatch):
 
 def test_reduce_split_combines_as_tree():
     """The child's plan (``_subtree``) and the root's last step give ``_combine``'s
-    expression, operand for operand, for 3..33 ranks onto every root: the same bits as tree;
-    it writes only slots of ranks in the child's subtree, never the child's own input."""
+    expression, operand for operand, for 3..33 ranks (in virtual ranks, so onto any root): the
+    same bits as tree; it writes only the others' slots, never the child's own input or the
+    root's slot."""
     from collectives.tree.pipelined import btree
 
     def tree(v, k):  # _combine's order: first child's subtree, the node's own, second child's
