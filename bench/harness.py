@@ -9,8 +9,8 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   per-rank buffer for allreduce/reduce/broadcast and the whole buffer for reduce-scatter and
   all-gather, as nccl-tests prints it; ``algbw = size / time`` and ``busbw = algbw x factor``
   with factor 2(n-1)/n for allreduce, (n-1)/n for reduce-scatter and all-gather, 1 otherwise.
-- for each size, every algorithm and mode (out-of-place, in-place) runs interleaved (gloo
-  right after the others, ``Sweep.run_size``): check
+- for each size, every algorithm and mode (out-of-place, in-place) runs interleaved
+  (``Sweep.run_size``; gloo after every size of the others, ``Sweep.run``): check
   (``-c``: exact rank-dependent data, wrong elements counted), warm-up (``-w``), then ``--rounds``
   rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
   random order every round, each block (below 1 ms a call) after one untimed call; then the
@@ -491,21 +491,25 @@ class Sweep:
         self.factor = busbw_factor(collective.name, self.n)
         self.out = out  # callback(results of one size) for streaming output
         self.notes: list[str] = []
-        self._gloo = None
+        self._gloo = None  # the process group, started after every other row (``run``)
         if "gloo" in self.algorithms:
+            import importlib.util
+
             from bench import gloo
             why = None
             if self.dtype.kind == "b":
                 why = "gloo has no bool"
             elif self.op is not None and self.op not in gloo.OPS:
                 why = f"gloo has no {self.op!r}"
-            self._gloo = None if why else gloo.init(comm)
-            if self._gloo is None:
-                self.notes.append(f"{why or 'gloo: torch is not importable'}, skipped")
+            elif importlib.util.find_spec("torch") is None:
+                why = "gloo: torch is not importable"
+            if why:
+                self.notes.append(f"{why}, skipped")
                 self.algorithms.remove("gloo")
 
-    def _callables(self, coll, count):
-        """{(algorithm, mode): (call, result array, reset)} for one size."""
+    def _callables(self, coll, count, algorithms=None):
+        """{(algorithm, mode): (call, result array, reset)} for one size, of ``algorithms``
+        (default: all but gloo)."""
         spec, dtype, n, rank = self.spec, self.dtype, self.n, self.rank
         cin, cout, _ = spec.counts(count, n)
         data = rank_data(rank, cin, dtype, self.op)
@@ -514,7 +518,7 @@ class Sweep:
         buf = data.copy()  # the in-place buffer
         root = max(self.root, 0)
         calls = {}
-        for alg in self.algorithms:
+        for alg in algorithms or [a for a in self.algorithms if a != "gloo"]:
             for mode in self.modes:
                 arr_x = buf if mode == "in" else x
 
@@ -552,40 +556,48 @@ class Sweep:
         from collectives.api import auto_pick
         return auto_pick(self.spec.name, nbytes, self.comm, inplace, self.op, self.dtype)
 
-    def run_size(self, nbytes: int, progress=None) -> list[Result]:
-        """Measure every algorithm and mode at one size (interleaved; gloo after the others).
-
-        gloo's blocks run in a phase of their own after the others' rounds and race
-        (``_phase``): its collectives go through the kernel's TCP loopback, and the blocks that
-        followed them ran disturbed. Measured (reduce-scatter, 2 ranks, four alternating
-        launches each): with gloo's blocks among the others', ring took 0.91-0.98x native's
-        time at 128 KiB (in its row's ratio column, 1.02-1.10 without gloo in the run), and
-        every row at 32 KiB ran 7-10% slower; a row's figures must not depend on which other
-        rows a run has. gloo, 20-30x slower there, is not what those rows are compared with.
-        """
-        import collectives as coll
+    def _results(self, count: int, calls) -> tuple[dict, int]:
+        """Empty results for ``calls`` at a size of ``count`` elements, and the size column
+        (bytes)."""
         spec, n = self.spec, self.n
-        count = max(1, nbytes // self.dtype.itemsize)
-        cin, cout, ccol = spec.counts(count, n)
+        ccol = spec.counts(count, n)[2]
         size_col = ccol * self.dtype.itemsize
+        return {key: Result(spec.name, size_col, ccol, self.dtype.name, self.op or "none",
+                            self.root, key[0], key[1], n, self.factor) for key in calls}, size_col
+
+    def run_size(self, nbytes: int, progress=None) -> list[Result]:
+        """Measure every algorithm and mode at one size, interleaved (gloo apart: ``run``)."""
+        import collectives as coll
+        count = max(1, nbytes // self.dtype.itemsize)
         calls, cin = self._callables(coll, count)
-        results = {key: Result(spec.name, size_col, ccol, self.dtype.name, self.op or "none",
-                               self.root, key[0], key[1], n, self.factor) for key in calls}
-        ours = {key: call for key, call in calls.items() if key[0] != "gloo"}
-        late = {key: call for key, call in calls.items() if key[0] == "gloo"}
+        results, size_col = self._results(count, calls)
         order = random.Random(nbytes)  # the same on every rank
-        self._phase(ours, results, cin, order, progress, size_col)
-        self._settle(ours, results, order, cin * self.dtype.itemsize)
-        for key in ours:
+        self._phase(calls, results, cin, order, progress, size_col)
+        self._settle(calls, results, order, cin * self.dtype.itemsize)
+        for key in calls:
             if key[0] == "auto":  # a race again may have changed it (collectives.api._Trial)
                 now = self._auto_pick(cin * self.dtype.itemsize, key[1] == "in")
                 results[key].then = now if now != results[key].picked else None
-        if late:
-            # rounds of their own (ids past the others'), so that the drift correction of
-            # gloo's rounds compares gloo's modes only
-            for key in late:
-                results[key].round_ids = []
-            self._phase(late, results, cin, order, None, size_col, first_id=self.max_rounds)
+        return list(results.values())
+
+    def _start_gloo(self):
+        """The gloo process group (``bench.gloo``), started on first use."""
+        if self._gloo is None:
+            from bench import gloo
+            self._gloo = gloo.init(self.comm)
+        return self._gloo
+
+    def gloo_size(self, nbytes: int) -> list[Result]:
+        """gloo's rows at one size: check, warm-up and ``rounds`` rounds of its own (ids past
+        the others', so that the drift correction compares gloo's modes only)."""
+        count = max(1, nbytes // self.dtype.itemsize)
+        self._start_gloo()
+        calls, cin = self._callables(None, count, ["gloo"])
+        results, size_col = self._results(count, calls)
+        for res in results.values():
+            res.round_ids = []
+        self._phase(calls, results, cin, random.Random(nbytes), None, size_col,
+                    first_id=self.max_rounds)
         return list(results.values())
 
     def _phase(self, calls, results, cin, order, progress, size_col, first_id=None) -> None:
@@ -745,17 +757,40 @@ class Sweep:
         return kept
 
     def run(self, sizes) -> list[Result]:
-        """Every size in turn; calls ``out(results)`` after each size."""
+        """Every size in turn, then gloo's rows at every size; calls ``out(results)`` after
+        each size, and ``out(results, late=True)`` with each size's gloo rows and the others'.
+
+        gloo runs after every other row of the sweep, and its process group starts only then:
+        a row's figures must not depend on which other rows a run has, and neither gloo's
+        collectives nor its process group left them alone. Its collectives go through the
+        kernel's TCP loopback, and blocks that followed them ran disturbed (reduce-scatter, 2
+        ranks, four alternating launches each: with gloo's blocks among the others', ring took
+        0.91-0.98x native's time at 128 KiB, 1.02-1.10 without; every row at 32 KiB 7-10%
+        slower). Its group, started, keeps threads that sleep between collectives, one of them
+        (``gloo_tcp_loop``) waking a hundred times a second; where a node runs more ranks than
+        cores they changed how the scheduler placed the ranks: 3 ranks, allreduce of 512 KiB
+        in place, three launches each way, double binary tree 411-419 us a call without the
+        group and 408-519 with it, tree 627-636 without and 421-551 with, Rabenseifner
+        427-458 and 445-650 (``docs/bench.md``, "A sixteenth session"). tune and ``auto``'s
+        races run no gloo: the benchmark's other rows now see the machine they saw.
+        """
         progress = _Progress(len(sizes) * self.rounds, self.rank == 0)
-        allres = []
+        allres, per_size = [], []
         try:
             for nbytes in sizes:
                 res = self.run_size(nbytes, progress)
                 allres.extend(res)
+                per_size.append((nbytes, res))
                 if self.out is not None:
                     self.out(res)
         finally:
             progress.close()
+        if "gloo" in self.algorithms:
+            for nbytes, res in per_size:
+                late = self.gloo_size(nbytes)
+                allres.extend(late)
+                if self.out is not None:
+                    self.out(res + late, late=True)
         return allres
 
     def close(self):
@@ -797,11 +832,13 @@ def header(spec: Collective, modes, *, latency=False, ratio=True, bound=False) -
     return ["#" + group[1:], "#" + (left + mid + tail)[1:], "#" + (units + mid_u + tail_u)[1:]]
 
 
-def rows(results: list[Result], modes, *, latency=False, ratio=True, membw_Bps=None) -> list[str]:
-    """Table lines for the results of one size: one per algorithm."""
+def rows(results: list[Result], modes, *, latency=False, ratio=True, membw_Bps=None,
+         only=None) -> list[str]:
+    """Table lines for the results of one size: one per algorithm (those in ``only``, if
+    given; the ratio column still divides by ``native``'s time among ``results``)."""
     by = {(r.algorithm, r.mode): r for r in results}
     lines = []
-    algs = list(dict.fromkeys(r.algorithm for r in results))
+    algs = [a for a in dict.fromkeys(r.algorithm for r in results) if only is None or a in only]
     for alg in algs:
         first = next(by[(alg, m)] for m in modes if (alg, m) in by)
         line = (f"{first.nbytes:>10} {first.count:>11} {first.dtype:>9} {first.op:>6} "
@@ -968,9 +1005,17 @@ def main(spec: Collective, argv=None) -> int:
     bw = membw(comm) if spec.name == "allreduce" else None
     lines_kw = dict(latency=args.latency, membw_Bps=bw)
 
-    def show(res):
-        if rank0:
-            print("\n".join(rows(res, sweep.modes, **lines_kw)), flush=True)
+    said_late = []
+
+    def show(res, late=False):
+        if not rank0:
+            return
+        if late and not said_late:
+            said_late.append(True)
+            print("# gloo, timed after every size above (Sweep.run); xnative against the "
+                  "native row of its size")
+        print("\n".join(rows(res, sweep.modes, only={"gloo"} if late else None, **lines_kw)),
+              flush=True)
 
     sweep = Sweep(spec, comm, dtype=args.datatype, op=getattr(args, "op", None),
                   root=getattr(args, "root", 0), algorithms=algorithms, iters=args.iters,

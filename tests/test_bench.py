@@ -1,4 +1,5 @@
 """The benchmark: harness pieces in process, and small real runs under mpiexec."""
+import importlib.util
 import json
 import math
 import os
@@ -633,32 +634,48 @@ def test_sweep_races_the_best_other_beside_an_auto_far_ahead(monkeypatch):
     assert res["native"].time == pytest.approx(res["auto"].time, rel=0.02)
 
 
-def test_gloo_runs_after_the_others(monkeypatch):
-    """On one rank (COMM_SELF), a stand-in for gloo's call: its blocks run after every other
-    block of the size, race included, in rounds of their own (ids past the others'), so that
-    its TCP traffic disturbs no other row's blocks."""
+def test_gloo_runs_after_every_other_row(monkeypatch):
+    """On one rank (COMM_SELF), a stand-in for gloo's call: its process group starts only
+    after every other block of every size, race included, and its blocks run then, in rounds
+    of their own (ids past the others'), so that neither its collectives nor its group's
+    threads disturb another row; the sweep's output gets each size's gloo rows after all the
+    others'."""
     from mpi4py import MPI
     spec = tune.spec("allreduce")
     real_calls, real_block = harness.Sweep._callables, harness.Sweep._block
-    seen = []
+    seen, shown = [], []
 
-    def callables(self, coll, count):
-        calls, cin = real_calls(self, coll, count)
-        fn, res, reset = calls[("native", "out")]
-        calls[("gloo", "out")] = (fn, res, reset)
-        return calls, cin
+    def callables(self, coll, count, algorithms=None):
+        if algorithms == ["gloo"]:  # native's calls, named gloo
+            import collectives
+            calls, cin = real_calls(self, collectives, count, ["native"])
+            return {("gloo", mode): call for (_, mode), call in calls.items()}, cin
+        return real_calls(self, coll, count, algorithms)
 
     def block(self, fn, iters, res, est, round_id=None):
         seen.append(res.algorithm)
         return real_block(self, fn, iters, res, est, round_id)
+
+    def start(self):
+        if self._gloo is None:
+            seen.append("start")
+            self._gloo = object()
+        return self._gloo
     monkeypatch.setattr(harness.Sweep, "_callables", callables)
     monkeypatch.setattr(harness.Sweep, "_block", block)
-    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "auto"], rounds=3,
+    monkeypatch.setattr(harness.Sweep, "_start_gloo", start)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "auto", "gloo"], rounds=3,
                           budget=0.0005, check=True, modes=["out"], max_rounds=9,
-                          target=0.0, settle=5.0)
-    res = {r.algorithm: r for r in sweep.run_size(1 << 12)}
-    first = seen.index("gloo")
-    assert seen[first:] == ["gloo"] * 3 and "gloo" not in seen[:first]
-    assert len(seen[:first]) == 2 * 9  # native and auto: 3 rounds, then the race to 9
-    assert res["gloo"].ids() == [9, 10, 11] and res["gloo"].wrong == 0
-    assert res["native"].ids() == list(range(9))
+                          target=0.0, settle=5.0,
+                          out=lambda res, late=False: shown.append(
+                              (late, sorted({r.algorithm for r in res}))))
+    res = sweep.run([1 << 10, 1 << 12])
+    first = seen.index("start")
+    assert seen[first + 1:] == ["gloo"] * 6 and "gloo" not in seen[:first]
+    assert len(seen[:first]) == 2 * 2 * 9  # native and auto, two sizes: 3 rounds, race to 9
+    gloo = [r for r in res if r.algorithm == "gloo"]
+    assert [r.nbytes for r in gloo] == [1 << 10, 1 << 12]
+    assert all(r.ids() == [9, 10, 11] and r.wrong == 0 for r in gloo)
+    assert all(r.ids() == list(range(9)) for r in res if r.algorithm == "native")
+    assert shown == [(False, ["auto", "native"])] * 2 + [(True, ["auto", "gloo", "native"])] * 2
