@@ -271,6 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print, do not write")
     p.add_argument("--verify", action="store_true",
                    help="benchmark auto again with the new table")
+    p.add_argument("--json", default=None,
+                   help="write every measured row as JSON (the benchmark's schema)")
     args = p.parse_args(argv)
     from mpi4py import MPI
 
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
     if args.output:
         os.environ["COLLECTIVES_TUNING"] = str(path)  # so auto reads the table we write
     sig = signature(comm)
-    measured, new, unruled = {}, {}, {}
+    measured, new, unruled, rows_all = {}, {}, {}, []
     rule_now = _rules_now(n, path)
     builtin = _rules_now(n, path, builtin=True)
     for c in collectives:
@@ -304,6 +306,7 @@ def main(argv=None) -> int:
                       settle=args.settle,
                       incumbent=lambda nbytes, mode, c=c: rule_now(c, nbytes, mode == "in")[0])
         res = sweep.run(sizes)
+        rows_all += res
         for mode in sweep.modes:
             if _ruled(c, mode, sweep.modes):
                 key = c if mode == sweep.modes[0] else f"{c} in-place"
@@ -338,6 +341,10 @@ def main(argv=None) -> int:
         select.load_table(reload=True)  # auto reads the table once per process: now the new one
     if rank0:
         _report(measured, before, new, n, path, sig, note, args.dry_run)
+        if args.json:
+            from bench.harness import write_json
+            write_json(args.json, rows_all, {"tune": True, "ranks": n, "signature": sig,
+                                             "collectives": collectives, "table": str(path)})
     if args.verify and not args.dry_run:
         _verify(comm, collectives, sizes, args)
     return 0

@@ -384,9 +384,19 @@ def test_allreduce_benchmark_under_mpiexec(tmp_path):
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
 def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
     path = tmp_path / "tuning.json"
+    rows = tmp_path / "rows.json"
     p = _run(["tune", "--collectives", "allreduce,broadcast", "-b", "8", "-e", "4K", "-f", "16",
-              "--rounds", "1", "--budget", "2", "-o", str(path)])
+              "--rounds", "1", "--budget", "2", "-o", str(path), "--json", str(rows)])
     assert p.returncode == 0, p.stdout + p.stderr
+    # --json: every measured row, every registered algorithm at every size and mode
+    got = json.loads(rows.read_text())
+    assert got["tune"] and got["ranks"] == 2
+    seen = {(r["collective"], r["algorithm"], r["size"], r["mode"]) for r in got["results"]}
+    import collectives
+    for c, modes in (("allreduce", ("out", "in")), ("broadcast", ("in",))):
+        assert {(c, a, s, m) for a in collectives.algorithms(c) for s in (8, 128, 2048)
+                for m in modes} <= seen
+    assert all(r["time_us"] > 0 and r["wrong"] == 0 for r in got["results"])
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["signature"]
     for table in (data["tables"]["allreduce"]["2"], data["tables"]["broadcast"]["2"],
