@@ -318,3 +318,31 @@ def test_every_rank_fails_its_own_check_gives_the_local_error():
     msgs = _all_raise(lambda: coll.allreduce(_x(), out=np.zeros(3, np.float32), check=True),
                       ValueError)
     assert_all(all("out has shape [3], expected [12]" in m for m in msgs), str(msgs))
+
+
+def test_trial_tick_counts_as_one_counter_per_call():
+    """A decided trial's ``tick`` lets the calls it knows will run the pick through with one
+    counter (``_Trial._arm``) and gives, call for call, what counting ``left`` and ``probe``
+    on every call gives: True while neither a probe (``probe`` reaching 0) nor a race again
+    (``left`` below 0, where races again are on) is due; the counters agree after."""
+    import types
+
+    from collectives import api
+    for retrial in (1.0, 0.0):
+        for left, probe in ((0, 1), (5, 3), (3, 5), (7, 7), (0, 0), (-1, 4), (10, 1), (2, 40)):
+            trial = object.__new__(type("Trial", (api._Trial,), {"RETRIAL_S": retrial}))
+            trial.ctx = types.SimpleNamespace(auto_last=(None,) * 8)
+            trial.names = ("a", "b")
+            trial._reset()
+            assert not trial.tick()  # not decided: no call of a pick to count
+            trial.decided = ("a", None)
+            trial.left, trial.probe = left, probe
+            trial._arm()
+            want_left, want_probe, got, want = left, probe, [], []
+            for _ in range(50):
+                want_left, want_probe = want_left - 1, want_probe - 1
+                want.append(want_probe > 0 and (want_left >= 0 or not retrial))
+                got.append(trial.tick())
+                if not got[-1]:  # counted exactly from here on
+                    assert (trial.left, trial.probe) == (want_left, want_probe)
+            assert got == want, (retrial, left, probe)
