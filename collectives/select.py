@@ -142,21 +142,22 @@ DEFAULT_TABLE = {
         "2": [[32 << 10, NATIVE], [128 << 10, "recursive_doubling", NATIVE],
               [512 << 10, "recursive_doubling", "rabenseifner"],
               [None, "ring", "double_binary_tree", "rabenseifner"]],
-        # n = 3 out of place: tree at 512 KiB and ring above 16 MiB, once the executor had been
-        # sped up (six full runs: tree the best at 512 KiB in all six, shm 0.87-0.99 of it;
-        # at 32 MiB ring 0.93-1.00 of the best, shm 0.81-1.00).
-        # From 128 KiB shm, since its allreduces up to 512 KiB meet once a round, not twice
-        # (2026-11-30, n = 3, one launch: 128 KiB 200-215 us against native's 244-275, 512 KiB
-        # 390-430 against tree's 440-500).
-        "3": [[32 << 10, NATIVE], [2 << 20, "shm", "tree"], [None, "ring"]],
+        # n = 3 out of place: tree or shm (raced) up to 512 KiB, ring above. Six full runs
+        # (2026-12-01, "A sixteenth session" in docs/bench.md; cells: the worst of the six,
+        # best / algorithm): 128 KiB tree 0.94 (native 0.89), 512 KiB tree 0.99, 2 MiB ring
+        # 0.995 where shm, this rule's first there before, ran at 0.80-0.93 and missed in two
+        # runs, 8 MiB ring 1.00, 32 MiB ring 0.98 (hierarchical 0.99).
+        "3": [[32 << 10, NATIVE], [512 << 10, "tree", "shm"], [None, "ring"]],
         # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
-        # wins there out of place, took 2.2x native's time in place); at n = 3 the rules out of
-        # place had before the six runs above, which kept shm at 512 KiB and above 16 MiB in
-        # place (the best or within 2% of it in all six at 512 KiB, and in five at 32 MiB).
+        # wins there out of place, took 2.2x native's time in place). At n = 3, the same six
+        # runs: native the best at 128 KiB in all six (shm, the rule's first before, 0.80);
+        # ring at 512 KiB (the best in four, 0.92 at worst; shm 0.88, tree 0.87, double
+        # binary tree 0.79: the tunes picked those, and four runs missed there), 2 MiB (0.93;
+        # the others 0.85 and below) and 8 MiB (0.99); hierarchical at 32 MiB (0.99; ring 0.96,
+        # shm, the rule's first before, 0.90).
         "in-place": {
             "2": [[512 << 10, NATIVE], [None, "ring", "double_binary_tree", "rabenseifner"]],
-            "3": [[32 << 10, NATIVE], [2 << 20, "shm", "tree"], [16 << 20, "ring"],
-                  [None, "shm", "tree"]],
+            "3": [[128 << 10, NATIVE], [8 << 20, "ring"], [None, "hierarchical"]],
         },
     },
     "reduce_scatter": {
