@@ -14,11 +14,17 @@ import warnings
 
 import numpy as np
 
-__all__ = ["init", "Gloo", "OPS"]
+__all__ = ["init", "Gloo", "OPS", "DTYPES"]
 
 # Our op names -> torch.distributed.ReduceOp names (gloo has no avg).
 OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
        "bor": "BOR", "bxor": "BXOR"}
+
+
+# The dtypes gloo reduces (torch 2.13, 2 ranks, one all_reduce of each): int16, uint16, uint32
+# and uint64 raise "Invalid scalar type" at the first call, on every rank.
+DTYPES = ("int8", "int32", "int64", "uint8", "float16", "bfloat16", "float32", "float64",
+          "complex64", "complex128")
 
 
 class Gloo:

@@ -691,30 +691,20 @@ def test_gloo_runs_after_every_other_row(monkeypatch):
     assert shown == [(False, ["auto", "native"])] * 2 + [(True, ["auto", "gloo", "native"])] * 2
 
 
-def test_gloo_that_cannot_run_a_dtype_is_skipped_with_a_note(monkeypatch):
-    """gloo refusing a dtype at its first call (uint32: "Invalid scalar type", on every rank)
-    leaves the sweep's other rows as they are: gloo is dropped, with a note, and not tried at
-    the next size."""
+def test_gloo_is_skipped_with_a_note_for_a_dtype_it_has_no_kernel_for(monkeypatch):
+    """gloo refuses some dtypes at its first call, on every rank (uint32: "Invalid scalar
+    type"): the sweep leaves it out before it starts, with a note, and the other rows run."""
     from mpi4py import MPI
-    spec = tune.spec("allreduce")
-    real_calls = harness.Sweep._callables
-    tried = []
-
-    def refuse():
-        tried.append(1)
-        raise RuntimeError("Invalid scalar type")
-
-    def callables(self, coll, count, algorithms=None):
-        if algorithms == ["gloo"]:
-            _, cin = real_calls(self, __import__("collectives"), count, ["native"])
-            return {("gloo", "out"): (refuse, np.zeros(1), lambda zero=False: None)}, cin
-        return real_calls(self, coll, count, algorithms)
-    monkeypatch.setattr(harness.Sweep, "_callables", callables)
-    monkeypatch.setattr(harness.Sweep, "_start_gloo", lambda self: None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    sweep = harness.Sweep(spec, MPI.COMM_SELF, algorithms=["native", "gloo"], rounds=2,
-                          budget=0.0005, modes=["out"], settle=0.0)
-    res = sweep.run([1 << 10, 1 << 12])
-    assert {r.algorithm for r in res} == {"native"} and len(res) == 2
-    assert tried == [1] and "gloo" not in sweep.algorithms
-    assert sweep.notes == ["gloo: Invalid scalar type (float32), skipped"]
+    started = []
+    monkeypatch.setattr(harness.Sweep, "_start_gloo", lambda self: started.append(1))
+    for dtype, note in (("uint32", "gloo has no uint32, skipped"),
+                        ("bool", "gloo has no bool, skipped")):
+        sweep = harness.Sweep(tune.spec("allreduce"), MPI.COMM_SELF, dtype=dtype,
+                              op="bor" if dtype == "bool" else "sum",
+                              algorithms=["native", "gloo"], rounds=2, budget=0.0005,
+                              modes=["out"], settle=0.0)
+        assert sweep.algorithms == ["native"] and sweep.notes == [note]
+        res = sweep.run([1 << 10])
+        assert [r.algorithm for r in res] == ["native"] and res[0].wrong == 0
+    assert not started
