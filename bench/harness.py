@@ -1007,13 +1007,14 @@ def main(spec: Collective, argv=None) -> int:
     bw = membw(comm) if spec.name == "allreduce" else None
     lines_kw = dict(latency=args.latency, membw_Bps=bw)
 
-    said_late = []
+    gloo_head = True  # the line before gloo's rows, once
 
     def show(res, late=False):
+        nonlocal gloo_head
         if not rank0:
             return
-        if late and not said_late:
-            said_late.append(True)
+        if late and gloo_head:
+            gloo_head = False
             print("# gloo, timed after every size above (Sweep.run); xnative against the "
                   "native row of its size")
         print("\n".join(rows(res, sweep.modes, only={"gloo"} if late else None, **lines_kw)),
