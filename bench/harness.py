@@ -536,6 +536,12 @@ class Sweep:
                 calls[(alg, mode)] = (fn, spec.result(arr_x, out, mode), reset)
         return calls, cin
 
+    def _one_pick(self, mode: str, other: str) -> bool:
+        """Whether ``auto`` makes one pick for the calls of both modes (``mode`` is
+        ``other``, or in place has no rules of its own: ``collectives.select.IN_PLACE_RULES``)."""
+        from collectives import select
+        return mode == other or self.spec.name not in select.IN_PLACE_RULES
+
     def _auto_trial(self, nbytes: int, inplace: bool = False) -> dict | None:
         """What ``auto``'s trial measured at this size, if it ran one
         (``collectives.api.auto_trial``)."""
@@ -638,12 +644,19 @@ class Sweep:
                 # 2 ranks, reduce of 32-128 KiB, the trial timed every algorithm 1.4-1.7x the
                 # benchmark's rounds after it, shm most (its ranks no longer ran ahead of each
                 # other), and picked tree or binomial, 0.73-0.93 of shm, in every run.
+                # Where the modes share one pick (a reduce: only its root knows it is in
+                # place), the race runs them in turn, as the rows will: on the first mode's
+                # calls alone it saw only what out of place ranks (2 ranks, 128 KiB: shm
+                # and binomial within 1%, picked binomial, and in place shm ran at 0.81 of
+                # it, the best of the row; run F0, docs/bench.md).
                 mine = (cin * self.dtype.itemsize, key[1] == "in")  # input bytes, in place
+                turns = [calls[k][0] for k in calls if k[0] == "auto" and
+                         self._one_pick(k[1], key[1])]
                 pick = self._auto_pick(*mine)
-                for _ in range(40000):  # a trial: at most 31 rounds of 100 calls of 5
+                for i in range(40000):  # a trial: at most 31 rounds of 100 calls of 5
                     if pick is not None:
                         break
-                    fn()
+                    turns[i % len(turns)]()
                     pick = self._auto_pick(*mine)
                 picks = self.comm.allgather(pick)
                 if len(set(picks)) > 1:
