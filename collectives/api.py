@@ -190,7 +190,15 @@ def _start(call: Call, algorithm: str, check, blocking: bool, result, finalize=N
             if call.x.flat.nbytes == last[1] and collective is last[0] and \
                     call.inplace is last[2] and (call.counts is None or call.counts == last[3]) \
                     and env_raw(b"COLLECTIVES_TUNING") is last[4] and (last[6] or _exact(call)):
-                if last[7] is None or last[7].tick():
+                if last[7] is None:
+                    name, builder, run = last[5]
+                elif last[5] is None:  # a race's calls: its next step while it runs
+                    if last[7].decided is None and blocking:
+                        name, builder, run = last[7].step(call)
+                        trial = last[7]
+                    else:
+                        name, builder, run, trial = _auto_plan(call, blocking)
+                elif last[7].tick():
                     name, builder, run = last[5]
                 else:  # counted: a probe's call, or a race again
                     name, builder, run, trial = _auto_plan(call, blocking, ticked=True)
@@ -293,6 +301,12 @@ def _auto_plan(call: Call, blocking: bool, ticked: bool = False):
         exact = _exact(call)
         pick = hit.next(blocking, exact, ticked)
         if hit.decided is None or not exact or hit.timing:
+            if hit.decided is None and blocking and exact:
+                # the race's next calls like this one go straight to its next step (``_start``:
+                # ``_Trial.step``); through here, a race's call cost ~1 us more than naming
+                # the algorithm it ran
+                ctx.auto_last = (collective, own, call.inplace, call.counts, env, None, False,
+                                 hit)
             return pick + (_runner(call, pick[1]), hit)
         # decided: the same path as a rule of one; a pick other than the rule's first, only for
         # the calls whose result every algorithm gives alike (2 us less at n = 2)
@@ -483,11 +497,13 @@ class _Trial:
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
-                 "_buf", "_probe_wall", "_probed", "_floor", "_crowd", "_fast", "_fast0")
+                 "_buf", "_probe_wall", "_probed", "_floor", "_crowd", "_fast", "_fast0",
+                 "runs")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
         self.builders = [select.get(collective, name) for name in names]
+        self.runs = [None] * len(names)  # how each runs (``_runner``), for ``step``
         self.every, self._last = self.RETRIAL_S, None
         self._need, self._tripped = self.TRIP_PROBES, False
         self._buf = np.zeros(2)
@@ -496,12 +512,10 @@ class _Trial:
     def _reset(self) -> None:
         """A race from the start (the first trial, and each one after)."""
         names = self.names
-        if self.ctx.auto_last[7] is self:
-            # the plan kept for calls like the last would run the old pick after the race
-            # decides (on the ranks whose calls take that path: a reduce's root in place and
-            # the others not, and the two ranks ran tree and shm in one call, until the
-            # watchdog)
-            self.ctx.auto_last = (None,) * 8
+        # the plan kept for calls like the last would run the old pick after the race
+        # decides (on the ranks whose calls take that path: a reduce's root in place and
+        # the others not, and the two ranks ran tree and shm in one call, until the watchdog)
+        self._forget_plan()
         self.blocks: list[list[float]] = [[] for _ in names]  # mean seconds per call
         self.timing = False
         self.decided = None  # (name, builder) once measured
@@ -519,6 +533,12 @@ class _Trial:
         # this round's block times, agreed at its end; and after the first round, whether some
         # node is crowded (``_crowded``)
         self._round = np.zeros(len(names) + 1)
+
+    def _forget_plan(self) -> None:
+        """Drop the plan kept for calls like the last (``ctx.auto_last``) if it is this
+        trial's: when a race starts (the old pick's) and when it ends (the race's steps)."""
+        if self.ctx.auto_last[7] is self:
+            self.ctx.auto_last = (None,) * 8
 
     def next(self, blocking: bool, exact: bool = True, ticked: bool = False):
         """``(name, builder)`` for this call; sets ``timing`` (record its time). ``ticked``:
@@ -548,6 +568,18 @@ class _Trial:
         if not timed:  # (a timed call's step is taken by ``record``)
             self._step += 1
         return self.names[i], self.builders[i]
+
+    def step(self, call):
+        """``next`` for a blocking, exact call while the race runs, as ``(name, builder,
+        run)`` (``_start``'s path for calls like the last): the same step, its runner kept."""
+        i, timed, _ = self.plan[self._step]
+        self.timing = timed
+        if not timed:
+            self._step += 1
+        run = self.runs[i]
+        if run is None:
+            run = self.runs[i] = _runner(call, self.builders[i])
+        return self.names[i], self.builders[i], run
 
     def tick(self) -> bool:
         """One call of the decided pick: False when it is time to measure again (or the race
@@ -660,6 +692,7 @@ class _Trial:
     def _keep_first(self) -> None:
         """Decided for the rule's first, with no race again (``CROWDED_MIN``)."""
         self.decided = (self.names[0], self.builders[0])
+        self._forget_plan()
         self.left = self.probe = 10 ** 12
         self._arm()
         self.ctx.auto_trials[(self.collective, self.key)] = {}
@@ -691,6 +724,7 @@ class _Trial:
         # kept binomial, 0.92 of tree in the benchmark after)
         pick = best if med[0] - med[best] > math.log(self.SWITCH) else 0
         self.decided = (self.names[pick], self.builders[pick])
+        self._forget_plan()
         # the next race: after ``every`` seconds at the pick's pace, and at least RETRIAL_SHARE
         # times this one's length (at most 5% of the time in races), from figures every rank
         # holds

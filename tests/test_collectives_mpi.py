@@ -451,6 +451,56 @@ def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path
     assert_all(not bad, str(bad[:4]))
 
 
+def test_a_race_steps_straight_through_calls_like_the_last(monkeypatch, tmp_path):
+    """While a race runs, a blocking call like the last goes straight to the race's next step
+    (``_Trial.step``), not through ``_auto_plan`` again; a call unlike it (another length, a
+    non-blocking one) takes the full path and runs what it would have; after the race, calls
+    like the last run the pick from the plan kept for them. Results right all along."""
+    from collectives import api
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size < 2:
+        pytest.skip("no race on one rank")
+    use_tuning(monkeypatch, tmp_path, "step", {"allgather": [[None, "ring", "native"]]})
+    planned, stepped = [], []
+    plan, step = api._auto_plan, api._Trial.step
+    monkeypatch.setattr(api, "_auto_plan",
+                        lambda call, *a, **k: (planned.append(call.x.count), plan(call, *a, **k))[1])
+    monkeypatch.setattr(api._Trial, "step",
+                        lambda self, call: (stepped.append(call.x.count), step(self, call))[1])
+    x, y = np.full(64, rank, np.int32), np.full(3, rank, np.int32)
+    want = np.repeat(np.arange(size, dtype=np.int32), 64)
+    bad, calls = [], 0
+    while api.auto_pick("allgather", x.nbytes, comm) is None and calls < 20000:
+        if not np.array_equal(coll.allgather(x, comm=comm), want):
+            bad.append(f"call {calls}: wrong")
+        calls += 1
+        if calls == 7:  # unlike the last: a non-blocking call, another length, then back
+            other = planned[:]
+            req = coll.iallgather(x, comm=comm)
+            if "(ring, " not in req.description or not np.array_equal(req.wait(), want):
+                bad.append(f"non-blocking in the race: {req.description}")
+            if not np.array_equal(coll.allgather(y, comm=comm),
+                                  np.repeat(np.arange(size, dtype=np.int32), 3)):
+                bad.append("another length: wrong")
+            if len(planned) != len(other) + 2:
+                bad.append(f"unlike calls planned {len(planned) - len(other)}, not 2")
+    races = [n for n in planned if n == 64]
+    # the first call and the one after the two unlike it; and once more where the race's
+    # ending call is the last one in the loop (the next call would take the plan's pick)
+    if calls < 20 or len(races) > 3 or len(stepped) < calls - 3 or set(stepped) != {64}:
+        bad.append(f"{calls} calls: {len(races)} planned, {len(stepped)} stepped")
+    before = len(stepped)
+    for _ in range(50):
+        if not np.array_equal(coll.allgather(x, comm=comm), want):
+            bad.append("after the race: wrong")
+    last = api._context(comm).auto_last
+    pick = api.auto_pick("allgather", x.nbytes, comm)
+    if len(stepped) != before or last[5] is None or last[5][0] != pick:
+        bad.append(f"after the race: stepped {len(stepped) - before}, plan {last[5]}")
+    assert_all(not bad, str(bad[:4]))
+
+
 def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
     """A decided trial races again after its calls are used up (seconds at the pick's pace):
     every rank at the same call, results right all along, the picks the same on every rank;
