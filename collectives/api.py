@@ -563,23 +563,25 @@ class _Trial:
             self._reset()
         if not blocking:
             return self.names[0], self.builders[0]
-        i, timed, _ = self.plan[self._step]
-        self.timing = timed
-        if not timed:  # (a timed call's step is taken by ``record``)
-            self._step += 1
+        i = self._race_step()
         return self.names[i], self.builders[i]
 
     def step(self, call):
         """``next`` for a blocking, exact call while the race runs, as ``(name, builder,
         run)`` (``_start``'s path for calls like the last): the same step, its runner kept."""
-        i, timed, _ = self.plan[self._step]
-        self.timing = timed
-        if not timed:
-            self._step += 1
+        i = self._race_step()
         run = self.runs[i]
         if run is None:
             run = self.runs[i] = _runner(call, self.builders[i])
         return self.names[i], self.builders[i], run
+
+    def _race_step(self) -> int:
+        """The algorithm of the race's next call (an index); sets ``timing``."""
+        i, timed, _ = self.plan[self._step]
+        self.timing = timed
+        if not timed:  # (a timed call's step is taken by ``record``)
+            self._step += 1
+        return i
 
     def tick(self) -> bool:
         """One call of the decided pick: False when it is time to measure again (or the race
