@@ -14,7 +14,8 @@ of ``collectives.select``::
 
 (allreduce is measured in place too, and its in-place winners become the ``"in-place"`` rules).
 A rule also names the algorithms within 1.5x of the fastest and those the rule in force named
-(four at most), then the built-in rule's, ``[max_bytes, winner, alternate, ...]`` (``alternates``):
+(four at most), then the built-in rule's and the other mode's fastest at that size,
+``[max_bytes, winner, alternate, ...]`` (``alternates``):
 ``auto`` measures them at run time
 where that cannot change a result (``collectives.select``), since which of two close
 algorithms is faster changes from one process launch to the next on a shared machine.
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["main", "rules", "winner", "raceable", "signature", "tuning_file", "merge"]
+__all__ = ["main", "rules", "winner", "raceable", "choice", "signature", "tuning_file", "merge"]
 
 _SPECS = {
     "allreduce": ("bench.allreduce", "Allreduce"),
@@ -108,6 +109,10 @@ def rules(best: list[tuple]) -> list[list]:
 # many runs, and some algorithms run in two modes minutes apart on a shared machine (broadcast,
 # 2 ranks, 2 MiB: shm 0.52-0.6x native's time in one benchmark and 3.5x in the tune just
 # before it, the same code); dropped from the table, the trial could not find the fast mode.
+# So does the other mode's fastest at the size (allreduce's in place, a reduce's root in place):
+# at 2 ranks, 512 KiB and 2 MiB, a tune timed shm out of place at 1.6x and 1.4x recursive
+# doubling, fifth and sixth, and left it out, while in place it led; the benchmark after ran it
+# the fastest out of place too, 0.80 and 0.70 of the time of the rule's pick (run F2).
 ALTERNATE = 1.5
 ALTERNATES = 4
 
@@ -115,7 +120,7 @@ ALTERNATES = 4
 def alternates(row: list, win, before=(), keep=()) -> tuple[str, ...]:
     """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest or named in
     ``before`` (the rule in force), fastest first, ``ALTERNATES`` at most; then those of
-    ``keep`` (the built-in rule) not among them."""
+    ``keep`` (the built-in rule's, and the other mode's fastest) not among them."""
     fastest = min(r.time for r in row)
     close = sorted((r for r in row if r is not win and
                     (r.time <= ALTERNATE * fastest or r.algorithm in before)),
@@ -208,6 +213,23 @@ def either_mode(row: list, other: list, win, keep: float = KEEP):
 
     best = max(row, key=worse)
     return best if worse(best) > worse(win) * (1 + keep) else win
+
+
+def choice(collective: str, n: int, row: list, other: list, before=(), built=(),
+           shared: bool = False):
+    """The winner of ``row`` (one size of one mode, on ``n`` ranks) and the names of its rule:
+    the winner, then its alternates (``alternates``: ``before``, the rule in force; ``built``,
+    the built-in rule's names; and ``other``'s fastest, the other mode's rows at this size).
+    ``shared``: the two modes share this rule (a reduce), so it serves both (``either_mode``)."""
+    from collectives import select
+    now = before[0] if before else None
+    fastest = min(row, key=lambda r: r.time).algorithm
+    keep = KEEP if select.races(collective, n, now, fastest) else KEEP_FINAL
+    win = raceable(row, winner(row, now, keep), collective, n, now)
+    if shared:
+        win = either_mode(row, other, win)
+    there = (min(other, key=lambda r: r.time).algorithm,) if other else ()
+    return win, (win.algorithm,) + alternates(row, win, before, tuple(built) + there)
 
 
 def _upper(res) -> float:
@@ -317,17 +339,15 @@ def main(argv=None) -> int:
     for key, mine in measured.items():
         c, inplace = _split(key)
         before[key] = {r.nbytes: rule_now(c, _input_bytes(c, r), inplace) for r in mine}
+        # the other mode's rows at each size: its fastest is kept among the alternates
+        twin = unruled.get(c) or measured.get(c if inplace else f"{c} in-place") or []
         best = []
         for nbytes in dict.fromkeys(r.nbytes for r in mine):
             row = [r for r in mine if r.nbytes == nbytes]
-            now = before[key][nbytes][0]
-            fastest = min(row, key=lambda r: r.time).algorithm
-            keep = KEEP if select.races(c, n, now, fastest) else KEEP_FINAL
-            win = raceable(row, winner(row, now, keep), c, n, now)
-            if not inplace and c in unruled:
-                win = either_mode(row, [r for r in unruled[c] if r.nbytes == nbytes], win)
-            best.append((_input_bytes(c, win), (win.algorithm,) + alternates(
-                row, win, before[key][nbytes], builtin(c, _input_bytes(c, row[0]), inplace))))
+            win, names = choice(c, n, row, [r for r in twin if r.nbytes == nbytes],
+                                before[key][nbytes], builtin(c, _input_bytes(c, row[0]), inplace),
+                                shared=not inplace and c in unruled)
+            best.append((_input_bytes(c, win), names))
         new[key] = rules(best)
     note = None
     if rank0 and not args.dry_run:
