@@ -111,8 +111,8 @@ def rules(best: list[tuple]) -> list[list]:
 # before it, the same code); dropped from the table, the trial could not find the fast mode.
 # So does the other mode's fastest at the size (allreduce's in place, a reduce's root in place):
 # at 2 ranks, 512 KiB and 2 MiB, a tune timed shm out of place at 1.6x and 1.4x recursive
-# doubling, fifth and sixth, and left it out, while in place it led; the benchmark after ran it
-# the fastest out of place too, 0.80 and 0.70 of the time of the rule's pick (run F2).
+# doubling, seventh at both, and left it out, while in place it led; the benchmark after ran it
+# the fastest out of place too, and ``auto`` at 0.79 and 0.70 of it (run F2).
 ALTERNATE = 1.5
 ALTERNATES = 4
 

@@ -713,7 +713,7 @@ def test_gloo_is_skipped_with_a_note_for_a_dtype_it_has_no_kernel_for(monkeypatc
 def test_a_rule_keeps_the_other_modes_fastest():
     """tune: the other mode's fastest at a size stays among a rule's alternates, however slow
     this mode measured it (a tune at 2 ranks timed shm out of place at 1.6x recursive
-    doubling, sixth, where in place it led, and the benchmark after ran it the fastest out of
+    doubling, seventh, where in place it led, and the benchmark after ran it the fastest out of
     place too); a reduce's rule serves both modes (``shared``: ``either_mode``)."""
     out = [_result(a, "out", t * 1e-6) for a, t in (
         ("recursive_doubling", 80), ("rabenseifner", 95), ("double_binary_tree", 97),
