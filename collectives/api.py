@@ -465,6 +465,13 @@ class _Trial:
     # four runs, broadcast of 8 MiB at 3), faster in 2. Of the 13 switches for 6-10%, 8 were
     # right and 2 wrong.
     SWITCH = 1.06
+    # A block's calls are timed from its barrier to its last call's end, the time between them
+    # too (``record``), but not a gap of more than GAP_S between two of them: that is the
+    # caller's own work. A race again during the benchmark's rows ran its blocks across the
+    # rows' blocks of the other algorithms (at 8 MiB a row's block is one or two calls, a
+    # race's three), timed those as its own, and took tree for shm at 8 and 32 MiB (reduce, 2
+    # and 3 ranks: `auto` 0.82-0.93 of shm's row, four misses of six in run F7).
+    GAP_S = 5e-4
     # Again after this many seconds of calls at the pick's measured pace, then after twice as
     # many while the pick stays, up to RETRIAL_MAX (back to the first when it changes), and
     # never before RETRIAL_SHARE times what the race itself took: see ``next``.
@@ -501,7 +508,7 @@ class _Trial:
 
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
-                 "_sync", "left", "every", "_last", "_spent", "probe", "_probe_every",
+                 "_sync", "_end", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
                  "_buf", "_probe_wall", "_probed", "_floor", "_crowd", "_fast", "_fast0",
                  "runs")
@@ -535,6 +542,7 @@ class _Trial:
         self._sync = True  # the next timed call starts a block's timing: a barrier first
         self._step = 0
         self._t0 = 0.0  # when the current block's timed calls began (after its barrier)
+        self._end = 0.0  # when the race's last timed call ended
         self._first = True  # still in the first round (single timed calls)
         # this round's block times, agreed at its end; and after the first round, whether some
         # node is crowded (``_crowded``)
@@ -633,7 +641,8 @@ class _Trial:
         without it a rooted collective's ranks ran their calls skewed by the block before, and
         broadcast at 3 ranks, 2 MiB, timed native at 660-760 us in the trial and 510-540 in the
         benchmark (binomial 470-510 against 600-630), and the trial picked binomial.
-        A probe's calls are timed alone, without barriers.
+        A probe's calls are timed alone, without barriers. Within a block, a gap of more
+        than ``GAP_S`` since the last timed call ended is left out of the block's time.
         """
         if self.decided is not None:
             self._t0 = perf_counter()
@@ -641,10 +650,15 @@ class _Trial:
             self._sync = False
             self.ctx.comm.Barrier()
             self._t0 = perf_counter()
+        else:
+            gap = perf_counter() - self._end
+            if gap > self.GAP_S:  # the caller's own time between two calls: left out
+                self._t0 += gap
 
     def record(self) -> None:
         """A timed call that ``next`` chose has returned; at a block's end, the block's time a
-        call, from its barrier to now (the time between its calls too, allgather's count
+        call, from its barrier to now (the time between its calls too, but a gap of more than
+        ``GAP_S``, which is the caller's: see ``start``; allgather's count
         exchanges among them, as the benchmark's blocks: timing the calls alone, the trial
         measured every reduce at 2 ranks, 128 KiB, at 28-31 us, the benchmark's blocks right
         after at 36-41, and it left out more of some algorithms than of others, those whose
@@ -660,9 +674,9 @@ class _Trial:
             return
         i, _, ends = self.plan[self._step]
         self._step += 1
+        self._end = end = perf_counter()
         if ends:
-            self._round[i] = (perf_counter() - self._t0) / \
-                (1 if self._first else self._lengths[i] - 1)
+            self._round[i] = (end - self._t0) / (1 if self._first else self._lengths[i] - 1)
             self._sync = True
         if self._step < len(self.plan):
             return

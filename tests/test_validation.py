@@ -375,3 +375,35 @@ def test_a_race_leaves_the_first_only_for_a_clear_gap():
     assert race(1.40e-3, 1.29e-3) == "native"        # 8% ahead: it wins
     assert race(1.5e-3, 1.3e-3, 0.10) == "native"
     assert race(1.29e-3, 1.34e-3) == "binomial"      # the first the faster
+
+
+def test_a_race_block_leaves_out_the_callers_gaps():
+    """A race's block is timed from its barrier to its last call's end, the short time between
+    its calls included; a gap of more than ``GAP_S`` between two of its calls (the caller did
+    other work: the benchmark's rows of other algorithms, a training step) is left out."""
+    import time
+    import types
+
+    from collectives import api
+    trial = object.__new__(api._Trial)
+    trial.ctx = types.SimpleNamespace(auto_last=(None,) * 8, auto_trials={},
+                                      comm=types.SimpleNamespace(Barrier=lambda: None))
+    trial.names, trial.builders, trial.runs = ("a", "b"), [None, None], [None, None]
+    trial._reset()
+    trial._first, trial._lengths = False, [4, 4]
+    block = [(i, k > 0, k == 3) for i in (0, 1) for k in range(4)]
+    trial.plan, trial._step = block + block, 0  # a round not over after these two blocks
+    call, gap = 2e-3, 60e-3
+    for i, pause in ((0, gap), (1, 0.0)):
+        trial.next(True)                      # the block's first call: untimed
+        for k in range(1, 4):
+            trial.next(True)
+            assert trial.timing
+            trial.start()
+            time.sleep(call)
+            trial.record()
+            if k == 1:
+                time.sleep(pause)             # block 0: the caller away between two calls
+    got = trial._round[:2]
+    assert all(call <= t < call + gap / 6 for t in got), got    # with the gap: call + gap / 3
+    assert abs(got[0] - got[1]) < gap / 6
