@@ -13,7 +13,7 @@ what the exact result is. ``main(collective, argv)`` does the rest:
   (``Sweep.run_size``; gloo after every size of the others, ``Sweep.run``): check
   (``-c``: exact rank-dependent data, wrong elements counted), warm-up (``-w``), then ``--rounds``
   rounds of ``-n`` back-to-back calls each (auto: enough calls for ``--budget`` ms), in a new
-  random order every round, each block (below 1 ms a call) after one untimed call; then the
+  random order every round, each block after one untimed call; then the
   algorithms within 1.5x of the fastest, and auto, race on: more rounds, the slower dropping out
   (the fastest of the row other than auto always among them: it rejoins if it left),
   until each median, and auto's gap to the best, is known to ``--target`` (1%),
@@ -688,20 +688,24 @@ class Sweep:
     def _block(self, fn, iters: int, res: Result, est: float, round_id=None) -> float:
         """One timed block of ``iters`` calls into ``res``; returns the seconds it took.
 
-        Below a millisecond per call, one untimed call first, so that the block starts in the
-        algorithm's own steady state, not in what the one before left (measured: an algorithm
-        timed right after itself ran 4-6% faster at small sizes); a longer call sweeps the
-        caches by itself, and the extra call would double the cost of a one-call block.
+        One untimed call first, so that the block starts in the algorithm's own steady state,
+        not in what the one before left. Measured: an algorithm timed right after itself ran
+        4-6% faster at small sizes. At 8 MiB, 3 ranks, native's broadcast, timed in one- and
+        two-call blocks right after another algorithm's, took 1423-1780 us, and binomial's
+        1119-1160. With the untimed call first they took 935-1222 and 933-1225, even. Without
+        it, a row at that size timed MPI's switch, where a program calling one algorithm again
+        and again pays it once; `auto`'s race, which leaves each block's first call out, picked
+        native there in run after run, and the rows put it at 0.83-0.90 of binomial
+        (docs/bench.md, "A seventeenth session"). Until then only calls under a millisecond had
+        it: the extra call doubles the cost of a one-call block.
         """
-        warm = est < 1e-3
-        if warm:
-            fn()
+        fn()
         ranks_t = _gather(self.comm, self._measure(fn, iters))
         res.rounds.append(max(ranks_t))
         res.ranks_t.append(ranks_t)
         if round_id is not None:
             res.round_ids.append(round_id)
-        return max(ranks_t) * iters + (est if warm else 0.0)
+        return max(ranks_t) * iters + est
 
     def _settle(self, calls, results, order, nbytes: int = 0) -> None:
         """Extra rounds for the algorithms that could be the fastest at this size (a race).

@@ -734,3 +734,26 @@ def test_a_rule_keeps_the_other_modes_fastest():
     there = [_result("tree", "in", 1.0e-3), _result("shm", "in", 0.7e-3)]
     assert tune.choice("reduce", 2, [tree, shm], there, ("tree",), shared=True)[0] is shm
     assert tune.choice("reduce", 2, [tree, shm], there, ("tree",))[0] is tree
+
+
+def test_every_block_starts_with_an_untimed_call():
+    """A timed block of ``iters`` calls runs one untimed call first, whatever the call's length:
+    the row times the algorithm's steady state, not the switch from the block before (at
+    8 MiB, 3 ranks, native's broadcast right after another algorithm took 1.5x its time)."""
+    class Comm:
+        def Get_size(self):
+            return 1
+
+        def Barrier(self):
+            pass
+
+        def Allgather(self, send, recv):
+            recv[:] = send
+
+    sweep = object.__new__(harness.Sweep)
+    sweep.comm = Comm()
+    for est in (1e-6, 5e-3, 2.0):
+        calls, res = [], _result("native", "in", 1e-3, rounds=())
+        res.ranks_t = []
+        spent = sweep._block(lambda: calls.append(1), 3, res, est, round_id=None)
+        assert len(calls) == 4 and len(res.rounds) == 1 and spent >= est, (est, len(calls))
