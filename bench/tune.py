@@ -167,28 +167,36 @@ def winner(row: list, incumbent: str | None, keep: float = KEEP):
     return win if _upper(win) < _upper(mine) else mine
 
 
-# At more than 2 ranks ``auto`` races a reduction's algorithms only where the rule's first
-# combines as the others it races (``select.SAME_BITS``: tree and shm), so that results do not
-# change from run to run; a rule led by another algorithm runs that one, whatever the machine
-# does next. Such a new winner gives the lead to the fastest of SAME_BITS within RACEABLE of it
-# (or within the noise): at 3 ranks, reduce of 32 MiB, the tuner measured hierarchical at
-# 11.8 ms and shm at 12.3, the benchmark after ran shm at 8.5-11.0 and hierarchical at
-# 13.6-15.1, and hierarchical's rule could not race (0.66-0.83 of shm); tree ran within 2% of
-# hierarchical there in four runs. Not a winner that ``auto`` runs now (``incumbent``): the
-# built-in rules are the evidence of many runs, and in runs Y, Z and AA shm took the lead
-# from native (allreduce, 32 KiB) and from ring (in place, 8 MiB) that way, and ran at
-# 0.85-0.99 of them.
+# At more than 2 ranks ``auto`` races a reduction's algorithms only where they combine in the
+# rule's first's order (``select.bits``: tree's, or ring's), so that results do not change
+# from run to run; a rule led by an algorithm of an order of its own runs that one, whatever
+# the machine does next. Such a new winner gives the lead to the fastest algorithm that can
+# race another of the row, when within RACEABLE of it (or within the noise): at 3 ranks,
+# reduce of 32 MiB, the tuner measured hierarchical at 11.8 ms and shm at 12.3, the benchmark
+# after ran shm at 8.5-11.0 and hierarchical at 13.6-15.1, and hierarchical's rule could not
+# race (0.66-0.83 of shm); tree ran within 2% of hierarchical there in four runs. Not a winner
+# that ``auto`` runs now (``incumbent``): the built-in rules are the evidence of many runs,
+# and in runs Y, Z and AA shm took the lead from native (allreduce, 32 KiB) and from ring (in
+# place, 8 MiB) that way, and ran at 0.85-0.99 of them.
 RACEABLE = 0.05
 
 
-def raceable(row: list, win, collective: str, n: int, incumbent: str | None = None):
-    """``win``, or the result that leads its rule in its place (see ``RACEABLE``)."""
+def raceable(row: list, win, collective: str, n: int, incumbent: str | None = None,
+             nbytes: int = 0, where=None):
+    """``win``, or the result that leads its rule in its place (see ``RACEABLE``): ``row`` is
+    one size (``nbytes`` as ``auto`` sees it); ``where``, ``select.bits``' topology keywords."""
     from bench.harness import noise
     from collectives import select
-    alike = select.SAME_BITS.get(collective, ())
-    if n <= 2 or not alike or win.algorithm in alike or win.algorithm == incumbent:
+    if n <= 2 or collective in select.MOVES or win.algorithm == incumbent:
         return win
-    them = [r for r in row if r.algorithm in alike]
+
+    def partnered(r):  # r's rule could race another of the row
+        return any(q is not r and select.races(collective, n, r.algorithm, q.algorithm,
+                                               nbytes, **(where or {})) for q in row)
+
+    if partnered(win):
+        return win
+    them = [r for r in row if partnered(r)]
     if not them:
         return win
     mine = min(them, key=lambda r: r.time)
@@ -216,16 +224,19 @@ def either_mode(row: list, other: list, win, keep: float = KEEP):
 
 
 def choice(collective: str, n: int, row: list, other: list, before=(), built=(),
-           shared: bool = False):
+           shared: bool = False, where=None):
     """The winner of ``row`` (one size of one mode, on ``n`` ranks) and the names of its rule:
     the winner, then its alternates (``alternates``: ``before``, the rule in force; ``built``,
     the built-in rule's names; and ``other``'s fastest, the other mode's rows at this size).
-    ``shared``: the two modes share this rule (a reduce), so it serves both (``either_mode``)."""
+    ``shared``: the two modes share this rule (a reduce), so it serves both (``either_mode``).
+    ``where``: the topology keywords of ``select.bits``."""
     from collectives import select
     now = before[0] if before else None
     fastest = min(row, key=lambda r: r.time).algorithm
-    keep = KEEP if select.races(collective, n, now, fastest) else KEEP_FINAL
-    win = raceable(row, winner(row, now, keep), collective, n, now)
+    nbytes = _input_bytes(collective, row[0])
+    keep = KEEP if select.races(collective, n, now, fastest, nbytes, **(where or {})) \
+        else KEEP_FINAL
+    win = raceable(row, winner(row, now, keep), collective, n, now, nbytes, where)
     if shared:
         win = either_mode(row, other, win)
     there = (min(other, key=lambda r: r.time).algorithm,) if other else ()
@@ -260,6 +271,14 @@ def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]
             tables = tables.setdefault("in-place", {})
         tables[str(size)] = table
     return data, note
+
+
+def _where(comm) -> dict:
+    """``select.bits``' topology keywords for ``comm`` (collective)."""
+    from collectives.api import _context
+    from collectives.topology import topology
+    topo = topology(_context(comm))
+    return {"single_node": topo.single_node, "numa": topo.has_numa}
 
 
 def _input_bytes(collective, result) -> int:
@@ -312,6 +331,7 @@ def main(argv=None) -> int:
     if args.output:
         os.environ["COLLECTIVES_TUNING"] = str(path)  # so auto reads the table we write
     sig = signature(comm)
+    where = _where(comm)
     measured, new, unruled, rows_all = {}, {}, {}, []
     rule_now = _rules_now(n, path)
     builtin = _rules_now(n, path, builtin=True)
@@ -346,7 +366,7 @@ def main(argv=None) -> int:
             row = [r for r in mine if r.nbytes == nbytes]
             win, names = choice(c, n, row, [r for r in twin if r.nbytes == nbytes],
                                 before[key][nbytes], builtin(c, _input_bytes(c, row[0]), inplace),
-                                shared=not inplace and c in unruled)
+                                shared=not inplace and c in unruled, where=where)
             best.append((_input_bytes(c, win), names))
         new[key] = rules(best)
     note = None

@@ -353,7 +353,7 @@ def _auto(ctx, collective: str, key: int, env):
     if hit is None:
         names = select.candidates(collective, _key_bytes(key), ctx.size,
                                   single_node=lambda: _single_node(ctx), inplace=key < 0)
-        names = _trials(ctx, collective, names)
+        names = _trials(ctx, collective, names, _key_bytes(key))
         if len(names) > 1:
             hit = _Trial(ctx, collective, key, names)
         else:
@@ -364,14 +364,15 @@ def _auto(ctx, collective: str, key: int, env):
     return hit
 
 
-def _trials(ctx, collective: str, names: tuple) -> tuple:
-    """The algorithms of a rule (``names``, its first first) that ``auto`` may choose among by
-    measuring them here: only where the choice cannot change a result, so that results stay the
-    same from run to run (DESIGN): data movement; or 2 ranks, where every algorithm reduces an
-    element once and a + b = b + a (``_exact`` says which calls); on more ranks the association
-    order differs, and float sums round differently, except among the algorithms that combine
-    alike (``select.SAME_BITS``: tree and shm), when the rule's first is one of them. One name:
-    no trial. ``COLLECTIVES_AUTO_TRIAL=0`` turns trials off.
+def _trials(ctx, collective: str, names: tuple, nbytes: int) -> tuple:
+    """The algorithms of a rule for ``nbytes`` (``names``, its first first) that ``auto`` may
+    choose among by measuring them here: only where the choice cannot change a result, so that
+    results stay the same from run to run (DESIGN): data movement; or 2 ranks, where every
+    algorithm reduces an element once and a + b = b + a (``_exact`` says which calls); on more
+    ranks the association order differs, and float sums round differently, except among the
+    algorithms that combine in the rule's first's order (``select.bits``: tree's, or ring's,
+    shared by shm at some sizes and hierarchical on one node). One name: no trial.
+    ``COLLECTIVES_AUTO_TRIAL=0`` turns trials off.
 
     Also where a node runs more of the ranks than it has cores (3 ranks on 2 here), since the
     benchmark and the tuner time 2 ms blocks, as the trial does (when they timed 10 ms blocks
@@ -388,9 +389,14 @@ def _trials(ctx, collective: str, names: tuple) -> tuple:
     ask = (getenv("COLLECTIVES_AUTO_TRIAL") or "").strip().lower()
     if ask in OFF_WORDS:
         return names[:1]
-    first = names[0]
+    first, where = names[0], {}
+    if ctx.size > 2 and collective not in select.MOVES and \
+            any(m.startswith("hierarchical") for m in names):
+        from .topology import topology
+        topo = topology(ctx)  # every rank asks at the same call: collective the first time
+        where = {"single_node": topo.single_node, "numa": topo.has_numa}
     return names[:1] + tuple(m for m in names[1:]
-                             if select.races(collective, ctx.size, first, m))
+                             if select.races(collective, ctx.size, first, m, nbytes, **where))
 
 
 def _exact(call: Call) -> bool:

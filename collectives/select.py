@@ -46,7 +46,7 @@ from pathlib import Path
 from .errors import getenv
 
 __all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "candidates",
-           "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path", "SAME_BITS", "MOVES",
+           "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path", "MOVES", "bits",
            "races"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
@@ -135,7 +135,8 @@ DEFAULT_TABLE = {
     # traded places with the first from one benchmark run to the next (four runs, 2026-11-30;
     # the n = 2 reductions from 128 KiB measured again after the executor's speed-up).
     # They are measured at run time only where the choice cannot change a result (2 ranks,
-    # data movement, or among SAME_BITS: tree and shm), so the 3-rank reductions name no other.
+    # data movement, or among algorithms of one order, ``bits``), so the 3-rank reductions name
+    # no other.
     "allreduce": {
         # Since the executor's per-message Python was cut (~30% of a small schedule call),
         # recursive doubling passes MPICH's own at 128 KiB (0.84x its time; two tunes agreed).
@@ -208,22 +209,50 @@ for _rules in DEFAULT_TABLE.values():
 # What a single-node algorithm becomes when the communicator spans several nodes.
 MULTI_NODE = {"shm": {"allreduce": "hierarchical_shm", "default": "hierarchical"}}
 
-# Reductions whose algorithms here give the same bits on any number of ranks: shm combines
-# every element as tree does on its way to the root (shm._combine), so ``auto`` may race them
-# where the choice among others would change how a float sum rounds (api._trials).
-SAME_BITS = {"allreduce": frozenset({"tree", "shm"}), "reduce": frozenset({"tree", "shm"})}
 # Collectives that move data without reducing it: every algorithm gives the same bytes.
 MOVES = ("allgather", "broadcast")
 
 
-def races(collective: str, n: int, a: str, b: str) -> bool:
-    """Whether ``auto`` may race ``a`` and ``b`` on ``n`` ranks, the choice changing no result
-    (api._trials; the tuner's margins, bench.tune): 2 ranks (every algorithm reduces an
-    element once, and a + b = b + a), data movement, or both of ``SAME_BITS``."""
-    if n <= 2 or collective in MOVES:
+def bits(collective: str, n: int, name: str, nbytes: int, single_node: bool = True,
+         numa: bool = False) -> str:
+    """Which combining order the reduction ``collective`` of ``nbytes`` on ``n`` ranks takes
+    with algorithm ``name``: two algorithms of the same order give the same bits, whatever
+    the data, dtype and op. The orders shared by more than one algorithm here:
+
+    - ``"tree"``: each element combined as tree does on its way to the root, at each node of
+      its in-order binary tree (``tree.pipelined``): tree's allreduce and reduce, and shm's
+      (``shm._combine``), but for shm's allreduce above ``shm.WHOLE_MAX_BYTES``;
+    - ``"ring"``: block k of ``split(count, n)`` (of the ``counts`` for a reduce-scatter)
+      combined from rank k + 1 around to rank k (``ring.reduce_scatter``): ring's
+      allreduce and reduce-scatter; shm's reduce-scatter, and its allreduce above
+      ``shm.WHOLE_MAX_BYTES`` (``shm._fold``); hierarchical's, when its only level is the
+      world (one node, ``single_node``, with no NUMA groups, ``numa``).
+
+    ``hierarchical_shm`` on one node is shm. Any other algorithm's order is its own (MPI's
+    own depends on the library). A test runs every pair of one order at n = 3, 4, 5."""
+    from collectives import shm
+    if name == "hierarchical_shm" and single_node:
+        name = "shm"
+    if name == "shm" and collective in ("allreduce", "reduce_scatter", "reduce"):
+        return shm.bits(collective, nbytes, n)
+    if name == "tree" and collective in ("allreduce", "reduce"):
+        return "tree"
+    if collective in ("allreduce", "reduce_scatter") and \
+            (name == "ring" or (name == "hierarchical" and single_node and not numa)):
+        return "ring"
+    return name
+
+
+def races(collective: str, n: int, a: str, b: str, nbytes: int, single_node: bool = True,
+          numa: bool = False) -> bool:
+    """Whether ``auto`` may race ``a`` and ``b`` on ``n`` ranks for ``nbytes``, the choice
+    changing no result (api._trials; the tuner's margins, bench.tune): 2 ranks (every
+    algorithm reduces an element once, and a + b = b + a), data movement, or the same order
+    (``bits``)."""
+    if n <= 2 or collective in MOVES or a == b:
         return True
-    alike = SAME_BITS.get(collective, ())
-    return a in alike and b in alike
+    return bits(collective, n, a, nbytes, single_node, numa) == \
+        bits(collective, n, b, nbytes, single_node, numa)
 
 
 def tuning_path() -> Path | None:

@@ -11,15 +11,18 @@ read it). Allreduce, round by round, for rank r of k, the round's chunk cut into
 1. *copy in*: r copies the slices of its input that other ranks reduce into its *slot* of the
    window (its own slice stays where it is: only r reads it);
 2. *reduce*: once every rank has copied in, r reduces slice r straight from its own input and
-   the k - 1 slots into its slot, combining as ``algorithm="tree"`` does (``_combine``);
+   the k - 1 slots into its slot, combining as ``algorithm="ring"`` does (``_fold``);
 3. *copy out*: once every rank has reduced, each rank copies all k reduced slices to its output.
 
 Per rank that is one read of the input and one write of the output from memory; everything in
 between touches the window, which stays in cache while its round is in flight. One rank
-computes each element, so the result is bitwise identical everywhere; and every reduction
-here combines as tree does on its way to the root (at each node of its in-order binary tree:
-first child's subtree, the node's own, second child's), so shm's bits are tree's on any number
-of ranks and ``auto`` may race the two (``select.SAME_BITS``).
+computes each element, so the result is bitwise identical everywhere. Each reduction here
+combines in the order of one message-based algorithm, so that ``auto`` may race the two
+(``select.bits``): this allreduce and the reduce-scatter as ring does (an element of ring's
+block j from rank j + 1 around to rank j), the whole rounds below and the reduce as tree does
+on its way to the root (at each node of its in-order binary tree: first child's subtree, the
+node's own, second child's), on any number of ranks. Whichever order costs the same here: k - 1
+combining passes over each element.
 
 *Whole rounds* (allreduces up to ``WHOLE_MAX_BYTES``: 128 KiB at 2 ranks, 512 KiB at more):
 every rank copies its whole round into its slot, and once every rank has, each reduces every
@@ -489,8 +492,8 @@ def _pipeline(work, win: Window, rounds: int, phases) -> None:
 def _combine(win: Window, op, dst, parts, root: int = 0) -> None:
     """``dst`` = ``parts`` (one array a rank) combined as ``algorithm="tree"`` combines them
     on its way to ``root`` (``tree.pipelined``: at each node of its in-order binary tree,
-    first child's subtree, then the node's own, then second child's), so that shm's reductions
-    and tree's give the same bits and ``auto`` may race them (``select.SAME_BITS``).
+    first child's subtree, then the node's own, then second child's), so that shm's whole
+    rounds and reduce give tree's bits and ``auto`` may race them (``select.bits``).
     ``dst`` may be ``parts[root]`` (the tree's root reads its own first); partial results of
     the subtrees live in the window's scratch, one chunk per tree level."""
     k = len(parts)
@@ -514,12 +517,53 @@ def _combine(win: Window, op, dst, parts, root: int = 0) -> None:
         node(0, 0)
 
 
+def _fold(op, dst, parts, start: int) -> None:
+    """``dst`` = ``parts`` (one array a rank) combined as ``algorithm="ring"`` combines a block
+    on its way around the ring (``ring.reduce_scatter``): ``parts[start]``, then the next rank's,
+    and so on, ``parts[start - 1]`` last; the block that ends on rank j starts at j + 1. So
+    shm's reduce-scatters give ring's bits (``bits``). ``dst`` is none of ``parts``."""
+    k = len(parts)
+    if k == 1:
+        np.copyto(dst, parts[0])
+        return
+    op.reduce(dst, parts[start % k], parts[(start + 1) % k])
+    for t in range(2, k):
+        op.reduce(dst, dst, parts[(start + t) % k])
+
+
+def _fold_ring(op, dst, parts, at: int, blocks) -> None:
+    """``_fold`` for the elements ``at:at + len(dst)`` of a buffer whose ring blocks start at
+    ``blocks`` (``split(count, k)``): each piece of one block folds from that block's start."""
+    end = at + dst.shape[0]
+    for j in range(len(blocks) - 1):
+        lo, hi = max(blocks[j], at), min(blocks[j + 1], end)
+        if hi > lo:
+            _fold(op, dst[lo - at:hi - at], [p[lo - at:hi - at] for p in parts], j + 1)
+
+
+def bits(collective: str, nbytes: int, k: int) -> str:
+    """Which algorithm's bits shm's ``collective`` of ``nbytes`` gives on one node of ``k``
+    ranks: ``"tree"`` (``_combine``) or ``"ring"`` (``_fold``); see ``select.bits``."""
+    if collective == "reduce_scatter":
+        return "ring"
+    return "ring" if collective == "allreduce" and not _whole(nbytes, k) else "tree"
+
+
+def _whole(nbytes: int, k: int) -> bool:
+    """Whether an allreduce of ``nbytes`` on ``k`` ranks meets once a round
+    (``_allreduce_whole``)."""
+    return nbytes <= WHOLE_MAX_BYTES.get(k, WHOLE_MAX_BYTES[None])
+
+
 def _allreduce(work, win: Window, src, out, op) -> None:
+    """Allreduce in two meetings a round (above ``WHOLE_MAX_BYTES``): rank r reduces slice r
+    of each round, combining each element as ring does (``_fold_ring``)."""
     r, k = win.rank, win.size
     n, dtype = out.shape[0], out.dtype
     step = win.chunk // dtype.itemsize  # at least k: see window()
     rounds = -(-n // step)
     full = split(step, k)
+    blocks = split(n, k)  # ring's blocks, whose order each element takes
 
     def cut(i):  # every round but the last has the same slices
         return full if (i + 1) * step <= n else split(n - i * step, k)
@@ -538,7 +582,7 @@ def _allreduce(work, win: Window, src, out, op) -> None:
         if b > a:
             parts = [src[c0 + a:c0 + b] if j == r else win.slot(dtype, s, j)[a:b]
                      for j in range(k)]
-            _combine(win, op, win.slot(dtype, s, r)[a:b], parts)
+            _fold_ring(op, win.slot(dtype, s, r)[a:b], parts, c0 + a, blocks)
 
     def copy_out(i, s):
         c0, c = i * step, cut(i)
@@ -699,7 +743,7 @@ def _reduce_scatter(work, win: Window, src, out, op, counts) -> None:
         if m > 0:
             parts = [src[bounds[r] + lo:bounds[r] + lo + m] if j == r else
                      win.slot(dtype, s, j)[r * piece:r * piece + m] for j in range(k)]
-            _combine(win, op, out[lo:lo + m], parts)
+            _fold(op, out[lo:lo + m], parts, r + 1)
 
     _pipeline(work, win, rounds, (copy_in, reduce))
 
@@ -780,8 +824,7 @@ def launch(call) -> ShmWork:
     x, out = call.x.flat, call.out.flat if call.out is not None else None
     if call.collective == "allreduce":
         src = out if call.inplace else x
-        whole = out.nbytes <= WHOLE_MAX_BYTES.get(win.size, WHOLE_MAX_BYTES[None])
-        fn = _allreduce_whole if whole else _allreduce
+        fn = _allreduce_whole if _whole(out.nbytes, win.size) else _allreduce
         return ShmWork(win, fn, (win, src, out, call.op), call)
     if call.collective == "reduce":
         src = out if call.inplace else x

@@ -534,28 +534,41 @@ def test_tune_keeps_what_auto_runs_within_the_noise():
 
 
 def test_tune_leads_a_reduction_with_an_algorithm_auto_can_race():
-    """At more than 2 ranks a reduction's rule whose first is not one of select.SAME_BITS
-    cannot race; the fastest of them leads instead when within 5% or the noise."""
+    """At more than 2 ranks a reduction's rule whose first combines in an order of its own
+    (select.bits) cannot race; the fastest of those that can race another of the row leads
+    instead when within 5% or the noise: tree or shm where shm combines as tree does, ring or
+    shm (or hierarchical, on one node) where shm combines as ring does."""
     steady = tuple(1.0 + 0.002 * (k % 3) for k in range(21))
     noisy = tuple(1.0 + 0.2 * (k % 3 - 1) for k in range(21))
-    hier = _result("hierarchical", "out", 1.0e-3, rounds=steady)
+    native = _result("native", "out", 1.0e-3, rounds=steady)
     shm = _result("shm", "out", 1.04e-3, rounds=steady)
     tree = _result("tree", "out", 1.03e-3, rounds=steady)
     ring = _result("ring", "out", 1.01e-3, rounds=steady)
-    row = [hier, shm, tree, ring]
-    assert tune.raceable(row, hier, "allreduce", 3) is tree       # the fastest of the two
-    assert tune.raceable(row, hier, "reduce", 3) is tree
-    assert tune.raceable(row, hier, "allreduce", 2) is hier       # 2 ranks: everything races
-    assert tune.raceable(row, hier, "allgather", 3) is hier       # data movement races too
-    assert tune.raceable(row, shm, "allreduce", 3) is shm         # already one of them
-    slow = _result("tree", "out", 1.08e-3, rounds=steady)
-    assert tune.raceable([hier, slow], hier, "allreduce", 3) is hier    # 8%: clearly slower
+    hier = _result("hierarchical", "out", 1.02e-3, rounds=steady)
+    row = [native, shm, tree, ring]
+    big = 1 << 20  # shm's allreduce combines as ring above 512 KiB
+    assert tune.raceable(row, native, "allreduce", 3) is tree       # the fastest of the two
+    assert tune.raceable(row, native, "allreduce", 3, nbytes=big) is ring
+    assert tune.raceable(row, native, "reduce", 3, nbytes=big) is tree
+    assert tune.raceable(row, native, "reduce_scatter", 3) is ring
+    assert tune.raceable(row, native, "allreduce", 2) is native     # 2 ranks: everything races
+    assert tune.raceable(row, native, "allgather", 3) is native     # data movement races too
+    assert tune.raceable(row, shm, "allreduce", 3) is shm           # already raceable
+    assert tune.raceable([native, hier, ring], hier, "allreduce", 3) is hier
+    assert tune.raceable([hier, ring, shm], hier, "reduce_scatter", 3) is hier
+    # on several nodes (or NUMA groups) hierarchical combines in an order of its own
+    for where in ({"single_node": False}, {"numa": True}):
+        assert tune.raceable([hier, ring, shm], hier, "reduce_scatter", 3, where=where) is ring
+    slow = [_result("tree", "out", 1.08e-3, rounds=steady),
+            _result("shm", "out", 1.09e-3, rounds=steady)]
+    assert tune.raceable([native] + slow, native, "allreduce", 3) is native  # 8%: clearly slower
+    assert tune.raceable([native, slow[0]], native, "allreduce", 3) is native  # none to race
     wobbly = _result("tree", "out", 1.08e-3, rounds=noisy)
-    assert tune.raceable([hier, wobbly], hier, "allreduce", 3) is wobbly  # within its noise
-    assert tune.raceable([hier, ring], hier, "allreduce", 3) is hier    # none to race
+    assert tune.raceable([native, wobbly, slow[1]], native, "allreduce", 3) is wobbly  # noise
+    assert tune.raceable([native, ring], native, "allreduce", 3) is native   # none to race
     # what auto runs now keeps its lead: the built-in rule is the evidence of many runs
-    assert tune.raceable(row, hier, "allreduce", 3, "hierarchical") is hier
-    assert tune.raceable(row, hier, "allreduce", 3, "ring") is tree
+    assert tune.raceable(row, native, "allreduce", 3, "native") is native
+    assert tune.raceable(row, native, "allreduce", 3, "ring") is tree
 
 
 def test_tune_wants_more_to_replace_a_pick_auto_cannot_race():
@@ -565,11 +578,17 @@ def test_tune_wants_more_to_replace_a_pick_auto_cannot_race():
     steady = tuple(1.0 + 0.002 * (k % 3) for k in range(21))
     shm = _result("shm", "out", 1.0e-3, rounds=steady)
     native = _result("native", "out", 1.04e-3, rounds=steady)
-    assert select.races("allreduce", 2, "native", "shm")
-    assert select.races("broadcast", 3, "native", "shm")
-    assert select.races("reduce", 3, "tree", "shm")
-    assert not select.races("allreduce", 3, "native", "shm")
-    assert not select.races("reduce_scatter", 3, "ring", "shm")
+    for nbytes in (64, 1 << 20):
+        assert select.races("allreduce", 2, "native", "shm", nbytes)
+        assert select.races("broadcast", 3, "native", "shm", nbytes)
+        assert select.races("reduce", 3, "tree", "shm", nbytes)
+        assert select.races("reduce_scatter", 3, "ring", "shm", nbytes)
+        assert not select.races("allreduce", 3, "native", "shm", nbytes)
+        assert not select.races("reduce_scatter", 3, "native", "shm", nbytes)
+    assert select.races("allreduce", 3, "tree", "shm", 64)
+    assert not select.races("allreduce", 3, "ring", "shm", 64)
+    assert select.races("allreduce", 3, "ring", "shm", 1 << 20)
+    assert not select.races("allreduce", 3, "tree", "shm", 1 << 20)
     assert tune.winner([shm, native], "native") is shm                     # 4% > KEEP
     assert tune.winner([shm, native], "native", tune.KEEP_FINAL) is native
     clear = _result("native", "out", 1.07e-3, rounds=steady)

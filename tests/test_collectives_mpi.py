@@ -417,34 +417,43 @@ def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
     assert_all(not bad, f"trials {trials}: {bad[:4]}")
 
 
-def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path):
-    """On 3 ranks and more a reduction's rule races only the algorithms that combine alike
-    (select.SAME_BITS: tree and shm), when its first is one of them; a rule led by another runs
-    its first. Every call gives the rule's first's bits, the same on every rank."""
-    from collectives import api
+@pytest.mark.parametrize("order", ["tree", "ring"])
+def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path, order):
+    """On 3 ranks and more a reduction's rule races only the algorithms that combine in its
+    first's order (select.bits): tree and shm (its allreduce up to shm.WHOLE_MAX_BYTES, and
+    its reduce); ring and shm (its allreduce above that bound, lowered here, and its
+    reduce-scatter); a rule led by another runs its first. Every call gives the rule's
+    first's bits, the same on every rank."""
+    from collectives import api, shm
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size < 3:
         pytest.skip("at 2 ranks every algorithm gives the same bits")
+    if order == "ring":
+        monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: 1024})
     rules = {"allreduce": [[4000, "native", "shm", "tree"], [None, "shm", "ring", "tree"]],
-             "reduce": [[4000, "native", "shm", "tree"], [None, "tree", "native", "shm"]]}
-    use_tuning(monkeypatch, tmp_path, "same", rules)
+             "reduce": [[4000, "native", "shm", "tree"], [None, "tree", "native", "shm"]],
+             "reduce_scatter": [[4000, "native", "shm", "ring"],
+                                [None, "ring", "tree", "shm", "native"]]}
+    use_tuning(monkeypatch, tmp_path, "same" + order, rules)
+    raced_by = {"allreduce": {"tree", "shm"} if order == "tree" else {"ring", "shm"},
+                "reduce": {"tree", "shm"}, "reduce_scatter": {"ring", "shm"}}
     bad = []
-    for n, raced in ((500, False), (5000, True)):
+    for n, raced in ((501, False), (5001, True)):
+        n -= n % size  # a reduce-scatter's blocks alike
         x = (np.random.default_rng(rank).standard_normal(n) * 10.0 ** rank).astype(np.float32)
-        for c, fn in (("allreduce", lambda: coll.allreduce(x, comm=comm)),
-                      ("reduce", lambda: coll.reduce(x, comm=comm))):
-            first = rules[c][raced][1]  # its bits, and when raced tree's and shm's alike
+        for c in rules:
+            first = rules[c][raced][1]  # its bits, and when raced its partners' alike
             want = getattr(coll, c)(x, comm=comm, algorithm=first)
             for call in range(20000):
-                got = fn()
-                if rank == 0 and got.tobytes() != want.tobytes():
+                got = getattr(coll, c)(x, comm=comm)
+                if (rank == 0 or c != "reduce") and got.tobytes() != want.tobytes():
                     bad.append(f"{c} {n}: call {call} not {first}'s bits")
                     break
                 if api.auto_pick(c, x.nbytes, comm) is not None:
                     break
             trial = api.auto_trial(c, x.nbytes, comm)
-            if (sorted(trial or ()) != ["shm", "tree"]) if raced else trial is not None:
+            if (set(trial or ()) != raced_by[c]) if raced else trial is not None:
                 bad.append(f"{c} {n}: measured {trial}")
             if c == "allreduce" and len({bytes(b) for b in comm.allgather(got.tobytes())}) > 1:
                 bad.append(f"{c} {n}: ranks differ")

@@ -204,11 +204,12 @@ def test_reduce_every_dtype_and_op_and_root(chunk, reduce_form):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nbytes", [64, 4096])
-def test_same_bits_as_tree(nbytes, form, reduce_form):
+def test_same_bits_as_tree_or_ring(nbytes, form, reduce_form):
     """shm's allreduce and reduce (both forms of each; onto every root, in place and not) give
-    algorithm="tree"'s bits on any number of ranks, so auto may race the two
-    (select.SAME_BITS): float sums of magnitudes 1 to 10^4, where the order of the additions
-    shows in the last bits."""
+    algorithm="tree"'s bits on any number of ranks, but for the allreduce in two meetings a
+    round (above WHOLE_MAX_BYTES), which gives ring's, so auto may race them (select.bits):
+    float sums of magnitudes 1 to 10^4, where the order of the additions shows in the last
+    bits."""
     from collectives import select
     from tests.mpiutil import assert_all, world
     comm = world()
@@ -220,10 +221,11 @@ def test_same_bits_as_tree(nbytes, form, reduce_form):
             for dtype in (np.float32, np.float64):
                 rng = np.random.default_rng(1000 * rank + n)
                 x = (rng.standard_normal(n) * 10.0 ** rank).astype(dtype)
-                for name in ("allreduce", "reduce"):
-                    assert {"tree", "shm"} <= select.SAME_BITS[name]
+                like = select.bits("allreduce", size, "shm", x.nbytes)
+                assert like == ("tree" if form == "whole" else "ring")
+                assert select.bits("reduce", size, "shm", x.nbytes) == "tree"
                 a = coll.allreduce(x, algorithm="shm")
-                if a.tobytes() != coll.allreduce(x, algorithm="tree").tobytes():
+                if a.tobytes() != coll.allreduce(x, algorithm=like).tobytes():
                     bad.append(("allreduce", n, dtype.__name__))
                 for root in range(size):
                     want = coll.reduce(x, root=root, algorithm="tree")
@@ -234,6 +236,65 @@ def test_same_bits_as_tree(nbytes, form, reduce_form):
                         bad.append(("reduce", n, dtype.__name__, root))
     finally:
         shm.set_chunk_bytes(old)
+    assert_all(not bad, str(bad[:5]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("whole", [None, 0])
+def test_algorithms_of_one_order_give_the_same_bits(monkeypatch, whole):
+    """Every two algorithms that select.bits puts in one order give the same bits: allreduce
+    (in place and not; shm's both paths, ``whole`` its bound), reduce-scatter (balanced and
+    uneven counts) and reduce onto every root, float32 and float64 sums and products of
+    magnitudes 1 to 10^rank, over lengths and rounds whose slices cross ring's blocks. The
+    orders are not all one: at 3 ranks and more ring's and tree's differ here."""
+    from collectives import select
+    from collectives.topology import topology
+    from collectives.executor import context
+    from tests.mpiutil import assert_all, world
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    topo = topology(context(comm))
+    where = {"single_node": topo.single_node, "numa": topo.has_numa}
+    if whole is not None:
+        monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: whole})
+    old = shm.set_chunk_bytes(256)
+    bad, orders = [], set()
+    try:
+        for n in (1, 7, 97, 1009):
+            for dtype, op in ((np.float32, "sum"), (np.float64, "sum"), (np.float32, "prod")):
+                rng = np.random.default_rng(1000 * rank + n)
+                x = (rng.standard_normal(n) * 10.0 ** rank).astype(dtype)
+                if op == "prod":
+                    x = (1.0 + rng.random(n) / 8).astype(dtype)
+                uneven = [0] * size  # all but two on the last rank, one each on 0 and 1
+                uneven[-1] = n
+                for r in range(min(2, size - 1, n)):
+                    uneven[r], uneven[-1] = 1, uneven[-1] - 1
+                cases = [("allreduce", {}), ("allreduce", {"inplace": True}),
+                         ("reduce_scatter", {}), ("reduce_scatter", {"counts": uneven})]
+                cases += [("reduce", {"root": root}) for root in range(size)]
+                for c, kw in cases:
+                    groups = {}
+                    for a in select.algorithms(c):
+                        groups.setdefault(select.bits(c, size, a, x.nbytes, **where),
+                                          []).append(a)
+                    orders.add((c, len(groups)))
+                    for group in groups.values():
+                        got = set()
+                        for a in group:
+                            if kw.get("inplace"):
+                                y = x.copy()
+                                coll.allreduce(y, op, out=y, algorithm=a)
+                            else:
+                                y = getattr(coll, c)(x, op, algorithm=a, **kw)
+                            if c != "reduce" or rank == kw["root"]:
+                                got.add(y.tobytes())
+                        if len(got) > 1:
+                            bad.append((c, kw, n, dtype.__name__, op, group))
+    finally:
+        shm.set_chunk_bytes(old)
+    if size >= 3:
+        assert ("allreduce", 1) not in orders and ("reduce_scatter", 1) not in orders
     assert_all(not bad, str(bad[:5]))
 
 
