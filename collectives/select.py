@@ -148,7 +148,12 @@ DEFAULT_TABLE = {
         # best / algorithm): 128 KiB tree 0.94 (native 0.89), 512 KiB tree 0.99, 2 MiB ring
         # 0.995 where shm, this rule's first there before, ran at 0.80-0.93 and missed in two
         # runs, 8 MiB ring 1.00, 32 MiB ring 0.98 (hierarchical 0.99).
-        "3": [[32 << 10, NATIVE], [512 << 10, "tree", "shm"], [None, "ring"]],
+        # Above 512 KiB shm combines as ring does (``bits``), and so does hierarchical on one
+        # node, so the three race: they traded places from launch to launch (runs F6-G0,
+        # 2026-12-02, docs/bench.md: at 8 MiB ring, the pick, ran at 0.85-0.93 of shm in three
+        # runs; at 32 MiB in place shm, the tune's pick, at 0.76 of ring in one).
+        "3": [[32 << 10, NATIVE], [512 << 10, "tree", "shm"],
+              [None, "ring", "shm", "hierarchical"]],
         # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
         # wins there out of place, took 2.2x native's time in place). At n = 3, the same six
         # runs: native the best at 128 KiB in all six (shm, the rule's first before, 0.80);
@@ -158,7 +163,9 @@ DEFAULT_TABLE = {
         # shm, the rule's first before, 0.90).
         "in-place": {
             "2": [[512 << 10, NATIVE], [None, "ring", "double_binary_tree", "rabenseifner"]],
-            "3": [[128 << 10, NATIVE], [8 << 20, "ring"], [None, "hierarchical"]],
+            "3": [[128 << 10, NATIVE], [512 << 10, "ring"],
+                  [8 << 20, "ring", "shm", "hierarchical"],
+                  [None, "hierarchical", "ring", "shm"]],
         },
     },
     "reduce_scatter": {
@@ -167,7 +174,9 @@ DEFAULT_TABLE = {
         # had put first there.
         "2": [[128 << 10, NATIVE], [512 << 10, "recursive_halving", "ring", "shm"],
               [None, "ring", "recursive_halving", "shm"]],
-        "3": [[128 << 10, NATIVE], [256 << 10, "shm"], [None, "ring"]],
+        # At 3 ranks ring, shm and hierarchical combine alike (select.bits) and race.
+        "3": [[128 << 10, NATIVE], [256 << 10, "shm", "ring"],
+              [None, "ring", "shm", "hierarchical"]],
     },
     "allgather": {
         # MPI's own is MPI_Allgather for equal lengths (native.allgather; it was Allgatherv,
