@@ -117,17 +117,31 @@ ALTERNATE = 1.5
 ALTERNATES = 4
 
 
-def alternates(row: list, win, before=(), keep=()) -> tuple[str, ...]:
+def alternates(row: list, win, before=(), keep=(), single_node: bool = True) -> tuple[str, ...]:
     """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest or named in
     ``before`` (the rule in force), fastest first, ``ALTERNATES`` at most; then those of
-    ``keep`` (the built-in rule's, and the other mode's fastest) not among them."""
+    ``keep`` (the built-in rule's, and the other mode's fastest) not among them. One name of
+    two for the same code (``select.runs``: on one node, hierarchical_shm is shm): ``auto``
+    would race one of them."""
+    from collectives import select
     fastest = min(r.time for r in row)
     close = sorted((r for r in row if r is not win and
                     (r.time <= ALTERNATE * fastest or r.algorithm in before)),
                    key=lambda r: r.time)
-    names = [r.algorithm for r in close[:ALTERNATES]]
+    names, ran = [], {select.runs(win.algorithm, single_node)}
+
+    def add(name):
+        if select.runs(name, single_node) not in ran:
+            names.append(name)
+            ran.add(select.runs(name, single_node))
+
+    for r in close:
+        if len(names) < ALTERNATES:
+            add(r.algorithm)
     measured = {r.algorithm for r in row} - {win.algorithm}
-    names += [name for name in keep if name in measured and name not in names]
+    for name in keep:
+        if name in measured:
+            add(name)
     return tuple(names)
 
 
@@ -240,7 +254,8 @@ def choice(collective: str, n: int, row: list, other: list, before=(), built=(),
     if shared:
         win = either_mode(row, other, win)
     there = (min(other, key=lambda r: r.time).algorithm,) if other else ()
-    return win, (win.algorithm,) + alternates(row, win, before, tuple(built) + there)
+    return win, (win.algorithm,) + alternates(row, win, before, tuple(built) + there,
+                                              (where or {}).get("single_node", True))
 
 
 def _upper(res) -> float:

@@ -390,13 +390,18 @@ def _trials(ctx, collective: str, names: tuple, nbytes: int) -> tuple:
     if ask in OFF_WORDS:
         return names[:1]
     first, where = names[0], {}
-    if ctx.size > 2 and collective not in select.MOVES and \
-            any(m.startswith("hierarchical") for m in names):
+    if any(m.startswith("hierarchical") for m in names):
         from .topology import topology
         topo = topology(ctx)  # every rank asks at the same call: collective the first time
         where = {"single_node": topo.single_node, "numa": topo.has_numa}
-    return names[:1] + tuple(m for m in names[1:]
-                             if select.races(collective, ctx.size, first, m, nbytes, **where))
+    single = where.get("single_node", True)
+    kept, ran = [first], {select.runs(first, single)}
+    for m in names[1:]:  # one of two names for the same code (on one node: a race's block less)
+        if select.runs(m, single) not in ran and \
+                select.races(collective, ctx.size, first, m, nbytes, **where):
+            kept.append(m)
+            ran.add(select.runs(m, single))
+    return tuple(kept)
 
 
 def _exact(call: Call) -> bool:

@@ -47,7 +47,7 @@ from .errors import getenv
 
 __all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "candidates",
            "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path", "MOVES", "bits",
-           "races"]
+           "races", "runs"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 NATIVE = "native"
@@ -238,10 +238,10 @@ def bits(collective: str, n: int, name: str, nbytes: int, single_node: bool = Tr
       world (one node, ``single_node``, with no NUMA groups, ``numa``).
 
     ``hierarchical_shm`` on one node is shm. Any other algorithm's order is its own (MPI's
-    own depends on the library). A test runs every pair of one order at n = 3, 4, 5."""
+    own depends on the library). A test runs every pair of one order at n = 1..5 (the MPI
+    tiers: tests/test_shm.py)."""
     from collectives import shm
-    if name == "hierarchical_shm" and single_node:
-        name = "shm"
+    name = runs(name, single_node)
     if name == "shm" and collective in ("allreduce", "reduce_scatter", "reduce"):
         return shm.bits(collective, nbytes, n)
     if name == "tree" and collective in ("allreduce", "reduce"):
@@ -250,6 +250,13 @@ def bits(collective: str, n: int, name: str, nbytes: int, single_node: bool = Tr
             (name == "ring" or (name == "hierarchical" and single_node and not numa)):
         return "ring"
     return name
+
+
+def runs(name: str, single_node: bool = True) -> str:
+    """The algorithm that a call of ``name`` runs on host buffers: ``hierarchical_shm`` on one
+    node is ``shm`` (``hierarchical.ShmNodes.launch``), so a race or a rule needs one of the
+    two; any other, itself."""
+    return "shm" if name == "hierarchical_shm" and single_node else name
 
 
 def races(collective: str, n: int, a: str, b: str, nbytes: int, single_node: bool = True,

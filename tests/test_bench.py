@@ -264,6 +264,16 @@ def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
     assert tune.alternates(many, row[1], (), ("shm", "gone", "ring")) == \
         ("native", "rabenseifner", "tree", "binomial", "shm")
     assert tune.alternates(few, row[1], ("tree",), ("shm",)) == ("native", "tree", "shm")
+    # on one node hierarchical_shm is shm: one of the two, and the cap leaves room for another
+    twins = [_result("shm", "out", 1.0e-3), _result("hierarchical_shm", "out", 1.01e-3),
+             _result("ring", "out", 1.02e-3), _result("tree", "out", 1.03e-3),
+             _result("native", "out", 1.04e-3), _result("binomial", "out", 1.05e-3),
+             _result("rabenseifner", "out", 1.06e-3)]
+    assert tune.alternates(twins, twins[0]) == ("ring", "tree", "native", "binomial")
+    assert tune.alternates(twins, twins[2], (), ("hierarchical_shm",)) == \
+        ("shm", "tree", "native", "binomial")
+    assert tune.alternates(twins, twins[0], single_node=False) == \
+        ("hierarchical_shm", "ring", "tree", "native")
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
         "2": [[100, "native"], [None, "shm", "ring", "nope"]]}}}))

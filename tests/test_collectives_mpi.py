@@ -422,8 +422,9 @@ def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path
     """On 3 ranks and more a reduction's rule races only the algorithms that combine in its
     first's order (select.bits): tree and shm (its allreduce up to shm.WHOLE_MAX_BYTES, and
     its reduce); ring and shm (its allreduce above that bound, lowered here, and its
-    reduce-scatter); a rule led by another runs its first. Every call gives the rule's
-    first's bits, the same on every rank."""
+    reduce-scatter); a rule led by another runs its first; hierarchical_shm, shm itself on
+    one node, does not race shm. Every call gives the rule's first's bits, the same on every
+    rank."""
     from collectives import api, shm
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -431,7 +432,8 @@ def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path
         pytest.skip("at 2 ranks every algorithm gives the same bits")
     if order == "ring":
         monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: 1024})
-    rules = {"allreduce": [[4000, "native", "shm", "tree"], [None, "shm", "ring", "tree"]],
+    rules = {"allreduce": [[4000, "native", "shm", "tree"],
+                           [None, "shm", "hierarchical_shm", "ring", "tree"]],
              "reduce": [[4000, "native", "shm", "tree"], [None, "tree", "native", "shm"]],
              "reduce_scatter": [[4000, "native", "shm", "ring"],
                                 [None, "ring", "tree", "shm", "native"]]}
