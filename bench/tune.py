@@ -288,14 +288,6 @@ def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]
     return data, note
 
 
-def _where(comm) -> dict:
-    """``select.bits``' topology keywords for ``comm`` (collective)."""
-    from collectives.api import _context
-    from collectives.topology import topology
-    topo = topology(_context(comm))
-    return {"single_node": topo.single_node, "numa": topo.has_numa}
-
-
 def _input_bytes(collective, result) -> int:
     """The per-rank input bytes ``auto`` sees for a benchmark size."""
     if collective == "allgather":
@@ -333,7 +325,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from bench.harness import Sweep, _abort_on_error, byte_sizes, parse_size
-    from collectives import select
+    from collectives import api, select
     comm = MPI.COMM_WORLD
     _abort_on_error(comm)
     n, rank0 = comm.Get_size(), comm.Get_rank() == 0
@@ -346,7 +338,7 @@ def main(argv=None) -> int:
     if args.output:
         os.environ["COLLECTIVES_TUNING"] = str(path)  # so auto reads the table we write
     sig = signature(comm)
-    where = _where(comm)
+    where = api._placement(api._context(comm))
     measured, new, unruled, rows_all = {}, {}, {}, []
     rule_now = _rules_now(n, path)
     builtin = _rules_now(n, path, builtin=True)

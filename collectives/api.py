@@ -389,11 +389,9 @@ def _trials(ctx, collective: str, names: tuple, nbytes: int) -> tuple:
     ask = (getenv("COLLECTIVES_AUTO_TRIAL") or "").strip().lower()
     if ask in OFF_WORDS:
         return names[:1]
-    first, where = names[0], {}
-    if any(m.startswith("hierarchical") for m in names):
-        from .topology import topology
-        topo = topology(ctx)  # every rank asks at the same call: collective the first time
-        where = {"single_node": topo.single_node, "numa": topo.has_numa}
+    first = names[0]
+    # every rank asks at the same call: collective the first time
+    where = _placement(ctx) if any(m.startswith("hierarchical") for m in names) else {}
     single = where.get("single_node", True)
     kept, ran = [first], {select.runs(first, single)}
     for m in names[1:]:  # one of two names for the same code (on one node: a race's block less)
@@ -402,6 +400,14 @@ def _trials(ctx, collective: str, names: tuple, nbytes: int) -> tuple:
             kept.append(m)
             ran.add(select.runs(m, single))
     return tuple(kept)
+
+
+def _placement(ctx) -> dict:
+    """``select.bits``' topology keywords for ``ctx``'s communicator (collective on first
+    use, as ``topology``)."""
+    from .topology import topology
+    topo = topology(ctx)
+    return {"single_node": topo.single_node, "numa": topo.has_numa}
 
 
 def _exact(call: Call) -> bool:

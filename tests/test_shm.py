@@ -247,14 +247,11 @@ def test_algorithms_of_one_order_give_the_same_bits(monkeypatch, whole):
     uneven counts) and reduce onto every root, float32 and float64 sums and products of
     magnitudes 1 to 10^rank, over lengths and rounds whose slices cross ring's blocks. The
     orders are not all one: at 3 ranks and more ring's and tree's differ here."""
-    from collectives import select
-    from collectives.topology import topology
-    from collectives.executor import context
+    from collectives import api, select
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    topo = topology(context(comm))
-    where = {"single_node": topo.single_node, "numa": topo.has_numa}
+    where = api._placement(api._context(comm))
     if whole is not None:
         monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: whole})
     old = shm.set_chunk_bytes(256)
