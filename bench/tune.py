@@ -128,21 +128,10 @@ def alternates(row: list, win, before=(), keep=(), single_node: bool = True) -> 
     close = sorted((r for r in row if r is not win and
                     (r.time <= ALTERNATE * fastest or r.algorithm in before)),
                    key=lambda r: r.time)
-    names, ran = [], {select.runs(win.algorithm, single_node)}
-
-    def add(name):
-        if select.runs(name, single_node) not in ran:
-            names.append(name)
-            ran.add(select.runs(name, single_node))
-
-    for r in close:
-        if len(names) < ALTERNATES:
-            add(r.algorithm)
+    names = select.distinct((win.algorithm,) + tuple(r.algorithm for r in close), single_node)
     measured = {r.algorithm for r in row} - {win.algorithm}
-    for name in keep:
-        if name in measured:
-            add(name)
-    return tuple(names)
+    return select.distinct(names[:1 + ALTERNATES] + tuple(n for n in keep if n in measured),
+                           single_node)[1:]
 
 
 # A new rule must beat what ``auto`` runs now by more than this, or by three standard errors of

@@ -392,14 +392,10 @@ def _trials(ctx, collective: str, names: tuple, nbytes: int) -> tuple:
     first = names[0]
     # every rank asks at the same call: collective the first time
     where = _placement(ctx) if any(m.startswith("hierarchical") for m in names) else {}
-    single = where.get("single_node", True)
-    kept, ran = [first], {select.runs(first, single)}
-    for m in names[1:]:  # one of two names for the same code (on one node: a race's block less)
-        if select.runs(m, single) not in ran and \
-                select.races(collective, ctx.size, first, m, nbytes, **where):
-            kept.append(m)
-            ran.add(select.runs(m, single))
-    return tuple(kept)
+    # one of two names for the same code (on one node: a race's block less)
+    return select.distinct((first,) + tuple(
+        m for m in names[1:] if select.races(collective, ctx.size, first, m, nbytes, **where)),
+        where.get("single_node", True))
 
 
 def _placement(ctx) -> dict:

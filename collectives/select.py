@@ -47,7 +47,7 @@ from .errors import getenv
 
 __all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "candidates",
            "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path", "MOVES", "bits",
-           "races", "runs"]
+           "races", "runs", "distinct"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 NATIVE = "native"
@@ -257,6 +257,15 @@ def runs(name: str, single_node: bool = True) -> str:
     node is ``shm`` (``hierarchical.ShmNodes.launch``), so a race or a rule needs one of the
     two; any other, itself."""
     return "shm" if name == "hierarchical_shm" and single_node else name
+
+
+def distinct(names, single_node: bool = True) -> tuple[str, ...]:
+    """``names`` in order, each but the first of two for the same code (``runs``) left out:
+    what a race runs, or a rule lists, once."""
+    seen = {}
+    for name in names:
+        seen.setdefault(runs(name, single_node), name)
+    return tuple(seen.values())
 
 
 def races(collective: str, n: int, a: str, b: str, nbytes: int, single_node: bool = True,
