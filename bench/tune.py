@@ -113,14 +113,30 @@ def rules(best: list[tuple]) -> list[list]:
 # at 2 ranks, 512 KiB and 2 MiB, a tune timed shm out of place at 1.6x and 1.4x recursive
 # doubling, seventh at both, and left it out, while in place it led; the benchmark after ran it
 # the fastest out of place too, and ``auto`` at 0.79 and 0.70 of it (run F2).
+# Past the cap, the fastest close one of each way of moving the data (``_transport``) that the
+# first ALTERNATES leave out: a machine's slow phases do not slow them alike. At 2 ranks, a
+# tune timed shm's allreduce in place at 1.20x and 1.18x the fastest at 512 KiB and 2 MiB
+# (sixth of nine at 2 MiB, behind four point-to-point schedules within 6%), and the cap left
+# it out; in the benchmark after, every algorithm there ran 2.3-2.7x slower, shm least, and
+# it led both sizes, `auto` at 0.91 and 0.79 of it (run I0, docs/bench.md).
 ALTERNATE = 1.5
 ALTERNATES = 4
 
 
+def _transport(name: str) -> str:
+    """How ``name`` moves the data: the MPI library's own collective, the shared-memory
+    window (``shm``, and ``hierarchical_shm`` within a node), or our schedules of
+    point-to-point messages (every other)."""
+    if name in ("native", "shm"):
+        return name
+    return "shm" if name == "hierarchical_shm" else "p2p"
+
+
 def alternates(row: list, win, before=(), keep=(), single_node: bool = True) -> tuple[str, ...]:
     """The other algorithms of ``row`` within ``ALTERNATE`` of its fastest or named in
-    ``before`` (the rule in force), fastest first, ``ALTERNATES`` at most; then those of
-    ``keep`` (the built-in rule's, and the other mode's fastest) not among them. One name of
+    ``before`` (the rule in force), fastest first, ``ALTERNATES`` at most, and the fastest
+    of them of each ``_transport`` those leave out; then those of ``keep`` (the built-in
+    rule's, and the other mode's fastest) not among them. One name of
     two for the same code (``select.runs``: on one node, hierarchical_shm is shm): ``auto``
     would race one of them."""
     from collectives import select
@@ -129,8 +145,14 @@ def alternates(row: list, win, before=(), keep=(), single_node: bool = True) -> 
                     (r.time <= ALTERNATE * fastest or r.algorithm in before)),
                    key=lambda r: r.time)
     names = select.distinct((win.algorithm,) + tuple(r.algorithm for r in close), single_node)
+    names, rest = list(names[:1 + ALTERNATES]), names[1 + ALTERNATES:]
+    ways = {_transport(n) for n in names}
+    for name in rest:  # fastest first: the first of each way left out
+        if _transport(name) not in ways:
+            ways.add(_transport(name))
+            names.append(name)
     measured = {r.algorithm for r in row} - {win.algorithm}
-    return select.distinct(names[:1 + ALTERNATES] + tuple(n for n in keep if n in measured),
+    return select.distinct(tuple(names) + tuple(n for n in keep if n in measured),
                            single_node)[1:]
 
 

@@ -274,6 +274,22 @@ def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
         ("shm", "tree", "native", "binomial")
     assert tune.alternates(twins, twins[0], single_node=False) == \
         ("hierarchical_shm", "ring", "tree", "native")
+    # past the cap, the fastest close one of each way of moving data left out (shm, then
+    # native); not one past 1.5x (bruck's second point-to-point schedule stays out)
+    ways = [_result("rabenseifner", "out", 1.00e-3), _result("ring", "out", 1.01e-3),
+            _result("tree", "out", 1.02e-3), _result("binomial", "out", 1.03e-3),
+            _result("bruck", "out", 1.04e-3), _result("hierarchical_shm", "out", 1.10e-3),
+            _result("shm", "out", 1.18e-3), _result("native", "out", 1.2e-3),
+            _result("recursive_doubling", "out", 1.3e-3)]
+    assert tune.alternates(ways, ways[0]) == \
+        ("ring", "tree", "binomial", "bruck", "hierarchical_shm", "native")
+    assert tune.alternates(ways[:5] + ways[6:8], ways[0]) == \
+        ("ring", "tree", "binomial", "bruck", "shm", "native")
+    assert tune.alternates(ways[:5] + [_result("shm", "out", 1.6e-3)], ways[0]) == \
+        ("ring", "tree", "binomial", "bruck")
+    # within the cap already: nothing more
+    assert tune.alternates(ways[:3] + ways[6:], ways[0]) == \
+        ("ring", "tree", "shm", "native")
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
         "2": [[100, "native"], [None, "shm", "ring", "nope"]]}}}))
