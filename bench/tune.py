@@ -117,8 +117,8 @@ def rules(best: list[tuple]) -> list[list]:
 # first ALTERNATES leave out: a machine's slow phases do not slow them alike. At 2 ranks, a
 # tune timed shm's allreduce in place at 1.20x and 1.18x the fastest at 512 KiB and 2 MiB
 # (sixth of nine at 2 MiB, behind four point-to-point schedules within 6%), and the cap left
-# it out; in the benchmark after, every algorithm there ran 2.3-2.7x slower, shm least, and
-# it led both sizes, `auto` at 0.91 and 0.79 of it (run I0, docs/bench.md).
+# it out; in the benchmark after, every other algorithm at 2 MiB ran 2.3-3.1x its tune time,
+# shm 1.9x, and it led both sizes, `auto` at 0.91 and 0.79 of it (run I0, docs/bench.md).
 ALTERNATE = 1.5
 ALTERNATES = 4
 

@@ -275,7 +275,8 @@ def test_rules_name_the_close_algorithms_as_alternates(tmp_path, monkeypatch):
     assert tune.alternates(twins, twins[0], single_node=False) == \
         ("hierarchical_shm", "ring", "tree", "native")
     # past the cap, the fastest close one of each way of moving data left out (shm, then
-    # native); not one past 1.5x (bruck's second point-to-point schedule stays out)
+    # native; recursive doubling, another point-to-point schedule, stays out), but not one
+    # past 1.5x
     ways = [_result("rabenseifner", "out", 1.00e-3), _result("ring", "out", 1.01e-3),
             _result("tree", "out", 1.02e-3), _result("binomial", "out", 1.03e-3),
             _result("bruck", "out", 1.04e-3), _result("hierarchical_shm", "out", 1.10e-3),
