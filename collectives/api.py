@@ -455,7 +455,9 @@ class _Trial:
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
     times it, and slower than the race timed the fastest of the others, start a race at the
-    next call. A race the probes started that kept the same pick doubles the probes needed for the
+    next call; the probe's time is divided first by how much slower a local copy runs than it
+    did in the race's rounds (``MACHINE_BYTES``), so that the whole machine slowing down does
+    not count as the pick slowing down. A race the probes started that kept the same pick doubles the probes needed for the
     next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``.
     No probes after the first where a node runs more of the ranks than the cores it gives a
     process (``_crowded``, 3 ranks on this machine's 2): a 2 ms block there is the
@@ -508,6 +510,15 @@ class _Trial:
     # at 8 MiB races that ran for a third of the benchmark's rounds.
     TRIP = 1.5
     TRIP_PROBES = 2
+    # The machine's pace (``_machine``): a local copy of MACHINE_BYTES, timed at each race
+    # round's end and at each probe. A probe compares the pick's slowdown with the copy's: on
+    # 2 cores, allreduce of 2 MiB at 2 ranks (recursive doubling, 42680 blocks of five calls
+    # over 60 s), 189 stretches of ten blocks ran past 1.3x the median, and the copy ran a
+    # median 1.39x its own in them; divided by the copy's slowdown, 6 were left. At 2 MiB
+    # every algorithm runs in two modes about 2x apart here, the probes took the machine's
+    # slow phases for the pick's, and the races they started ran the others inside the
+    # benchmark's blocks of ``auto`` (0.85-0.95 of its own pick's row, runs I0-I2).
+    MACHINE_BYTES = 1 << 20
     # Where a node is crowded (``_crowded``), calls of fewer bytes than this run the rule's
     # first after the race's first round, and never race: their blocks of 15-40 us calls time
     # the scheduler. At 3 ranks on 2 cores, in the benchmark's runs with races below 32 KiB
@@ -524,7 +535,7 @@ class _Trial:
                  "_sync", "_end", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
                  "_buf", "_probe_wall", "_probed", "_floor", "_crowd", "_fast", "_fast0",
-                 "runs")
+                 "_machines", "_mref", "runs")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
@@ -532,7 +543,7 @@ class _Trial:
         self.runs = [None] * len(names)  # how each runs (``_runner``), for ``step``
         self.every, self._last = self.RETRIAL_S, None
         self._need, self._tripped = self.TRIP_PROBES, False
-        self._buf = np.zeros(2)
+        self._buf = np.zeros(3)
         self._reset()
 
     def _reset(self) -> None:
@@ -557,9 +568,11 @@ class _Trial:
         self._t0 = 0.0  # when the current block's timed calls began (after its barrier)
         self._end = 0.0  # when the race's last timed call ended
         self._first = True  # still in the first round (single timed calls)
-        # this round's block times, agreed at its end; and after the first round, whether some
-        # node is crowded (``_crowded``)
-        self._round = np.zeros(len(names) + 1)
+        # this round's block times, agreed at its end; after the first round, whether some
+        # node is crowded (``_crowded``); and the machine's pace then (``_machine``), the
+        # slowest rank's, one figure a round
+        self._round = np.zeros(len(names) + 2)
+        self._machines: list[float] = []
 
     def _forget_plan(self) -> None:
         """Drop the plan kept for calls like the last (``ctx.auto_last``) if it is this
@@ -695,16 +708,19 @@ class _Trial:
             return
         from mpi4py import MPI
         # every rank the slowest rank's block times (the same figures everywhere)
-        self._round[-1] = self._crowded() if self._first else 0.0
+        last = len(self.names)
+        self._round[last] = self._crowded() if self._first else 0.0
+        self._round[last + 1] = self._machine() if self._probing() else 0.0
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
-            self._crowd = bool(self._round[-1])  # some node crowded (every rank alike)
+            self._crowd = bool(self._round[last])  # some node crowded (every rank alike)
             if self._crowd and _key_bytes(self.key) < self.CROWDED_MIN:
                 self._keep_first()
                 return
-            self._lengths = [self._length(t) for t in self._round[:-1]]
+            self._lengths = [self._length(t) for t in self._round[:last]]
             self._first = False
         else:
+            self._machines.append(float(self._round[last + 1]))
             for i in self.alive:
                 self.blocks[i].append(float(self._round[i]))
                 self._spent += float(self._round[i]) * self._lengths[i]
@@ -772,14 +788,19 @@ class _Trial:
         self._last = pick
         pace = max(math.exp(med[pick]), 1e-7)
         self.left = int(min(1e12, max(self.every, self.RETRIAL_SHARE * spent) / pace))
-        # the probes: blocks as long as the race's; the first after PROBE_S seconds of calls
-        # at the pick's pace, the others as their time apart says (``_probe``)
+        # the probes: blocks as long as the race's; the first after a quarter of PROBE_S
+        # seconds of calls at the pick's pace, the others as their time apart says
+        # (``_probe``). A quarter: where the program makes other calls between these, the
+        # calls at the pick's pace come slower than that, and PROBE_S of them was more than
+        # the benchmark's rows made (allreduce of 128 KiB in place at 2 ranks: 36 calls a
+        # block, 69 blocks; native went from 38 to 83 us a call in the ninth and stayed there,
+        # shm at 50, no probe came, and `auto` ran native at 0.61 of shm, run J0)
         self._probe_len = self._lengths[pick]
         self._probe_every = self.probe = int(min(1e12, max(
-            2 * self._probe_len, self.PROBE_S / pace) if self.RETRIAL_S and self.PROBE_S
-            else 1e12))
+            2 * self._probe_len, self.PROBE_S / (4 * pace)) if self._probing() else 1e12))
         self._arm()
         self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
+        self._mref = float(np.median(self._machines)) if self._machines else 0.0
         self._probe_wall, self._probed = perf_counter(), False
         self._floor = min((float(np.median(b)) for i, b in enumerate(self.blocks)
                            if i != pick and b), default=math.inf)
@@ -799,9 +820,12 @@ class _Trial:
         buf = self._buf
         buf[0] = self._probe_sum / self._probe_n
         buf[1] = perf_counter() - self._probe_wall
+        buf[2] = self._machine()
         self.ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         self._probe_wall = perf_counter()
-        now, apart = float(buf[0]), float(buf[1])
+        # the pick's time, less what the whole machine slowed since the race (MACHINE_BYTES)
+        slower = float(buf[2]) / self._mref if self._mref > 0 else 1.0
+        now, apart = float(buf[0]) / max(1.0, slower), float(buf[1])
         self._probe_sum, self._probe_n = 0.0, 0
         if self._crowd:  # some node crowded: no more probes (see the class doc)
             self._probe_every = self.probe = 10 ** 12
@@ -817,6 +841,26 @@ class _Trial:
         if self._over >= self._need:
             self.left, self._tripped = -1, True  # a race at the next call
         self._arm()
+
+    def _probing(self) -> bool:
+        """Whether a decided trial probes its pick (``PROBE_S``)."""
+        return bool(self.RETRIAL_S and self.PROBE_S)
+
+    def _machine(self) -> float:
+        """Seconds of a local copy of ``MACHINE_BYTES`` (the median of three), this process's
+        pace whatever the algorithms do; the buffers are the communicator's, kept."""
+        stash = self.ctx.stash
+        pair = stash.get("machine")
+        if pair is None:
+            pair = stash["machine"] = (np.ones(self.MACHINE_BYTES, np.uint8),
+                                       np.empty(self.MACHINE_BYTES, np.uint8))
+        src, dst = pair
+        times = []
+        for _ in range(3):
+            t0 = perf_counter()
+            np.copyto(dst, src)
+            times.append(perf_counter() - t0)
+        return sorted(times)[1]
 
     def _crowded(self) -> float:
         """1.0 where this rank's node runs more of the communicator's ranks than the cores

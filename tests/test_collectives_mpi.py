@@ -609,7 +609,7 @@ def race_on_a_test_clock(monkeypatch, tmp_path, name: str, seconds) -> None:
     monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
 
 
-@pytest.mark.parametrize("when", ["later", "at once", "crowded"])
+@pytest.mark.parametrize("when", ["later", "at once", "crowded", "machine-wide"])
 def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
     slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
@@ -619,7 +619,8 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     is the test's: every call of an algorithm takes ``dt``, in the race and after it; the pick
     slows down 20000 calls in, or right after the race (before any probe). Where a node runs
     more ranks than it has cores ("crowded"), the first probe is the last, and nothing races
-    again."""
+    again. Where a local copy slows down as much as the pick ("machine-wide": one rank's copy
+    is enough), the probes see the machine, not the pick, and nothing races again either."""
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -631,12 +632,16 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
     monkeypatch.setattr(api._Trial, "_crowded", lambda self: crowded)
     monkeypatch.setattr(api._Trial, "CROWDED_MIN", 0)  # small calls race there too
+    copy = [1e-4]  # the machine's pace (``_machine``)
+    monkeypatch.setattr(api._Trial, "_machine", lambda self: copy[0])
     x = np.full(10, rank + 1, np.float32)
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
     bad, races, deciding, slow = [], [], True, None
     for call in range(40000):
         if slow is None and (call == 20000 or when == "at once" and not deciding):
             dt[0] *= api._Trial.TRIP * 1.5  # the pick slows down for good
+            if when == "machine-wide" and rank == 0:
+                copy[0] *= api._Trial.TRIP * 1.5  # and so does the whole machine
             slow = call
         if not np.array_equal(coll.allgather(x, comm=comm), want):
             bad.append(f"call {call}: wrong result")
@@ -650,6 +655,10 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     if when == "crowded":
         if races or hit.probe < 10 ** 11:
             bad.append(f"crowded: races at calls {races}, next probe in {hit.probe} calls")
+    elif when == "machine-wide":
+        if races or hit._over or hit.probe > 10 ** 11:
+            bad.append(f"machine-wide: races at calls {races}, {hit._over} probes over, next "
+                       f"probe in {hit.probe} calls")
     else:
         soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len)
         if len(races) != 1 or not slow <= races[0] <= soon:
