@@ -457,8 +457,9 @@ class _Trial:
     times it, and slower than the race timed the fastest of the others, start a race at the
     next call; the probe's time is divided first by how much slower a local copy runs than it
     did in the race's rounds (``MACHINE_BYTES``), so that the whole machine slowing down does
-    not count as the pick slowing down. A race the probes started that kept the same pick doubles the probes needed for the
-    next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``.
+    not count as the pick slowing down. A race the probes started that kept the same pick
+    doubles the probes needed for the next. A probe costs its block's timing, three copies of
+    ``MACHINE_BYTES`` and one small allreduce, once in ``PROBE_S``; a race round, the copies.
     No probes after the first where a node runs more of the ranks than the cores it gives a
     process (``_crowded``, 3 ranks on this machine's 2): a 2 ms block there is the
     scheduler's, and races as well time what it did (allreduce of 128 KiB at 3 ranks: the
