@@ -711,7 +711,9 @@ class _Trial:
         # every rank the slowest rank's block times (the same figures everywhere)
         last = len(self.names)
         self._round[last] = self._crowded() if self._first else 0.0
-        self._round[last + 1] = self._machine() if self._probing() else 0.0
+        # (the first round's would go unused: its single calls are no block times)
+        self._round[last + 1] = (self._machine() if self._probing() and not self._first
+                                 else 0.0)
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
             self._crowd = bool(self._round[last])  # some node crowded (every rank alike)
