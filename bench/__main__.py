@@ -22,6 +22,7 @@ COMMANDS = {
     "calibrate": "measure alpha, beta, gamma of this machine for the cost model",
     "model": "predict every algorithm's time at any scale (--validate: against measurement)",
     "plot": "draw busbw vs size from JSON results",
+    "verdict": "auto against the best algorithm of each row, from JSON results",
 }
 
 

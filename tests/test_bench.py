@@ -209,6 +209,26 @@ def test_json_and_csv(tmp_path):
     assert lines[0].startswith("collective,size,count") and len(lines) == 3
 
 
+def test_verdict_counts_autos_misses(tmp_path, capsys):
+    from bench import verdict
+    res = [_result("native", "out", 2e-3), _result("ring", "out", 1e-3),
+           _result("auto", "out", 1.06e-3),  # ring's code, 6% slower: a miss
+           _result("native", "in", 2e-3), _result("ring", "in", 1e-3),
+           _result("auto", "in", 0.98e-3), _result("gloo", "in", 0.5e-3)]  # gloo: not a row
+    res[2].picked, res[5].picked = "ring", "native"
+    harness.write_json(tmp_path / "r.json", res, {"ranks": 2})
+    found = verdict.cells(json.loads((tmp_path / "r.json").read_text())["results"])
+    assert [(c["mode"], c["best"], c["miss"]) for c in found] == \
+        [("in", "ring", False), ("out", "ring", True)]
+    assert found[1]["ratio"] == pytest.approx(1 / 1.06) and \
+        found[1]["own"] == pytest.approx(1 / 1.06)
+    assert found[0]["own"] == pytest.approx(2 / 0.98)  # auto ran native, the slower one
+    assert verdict.main([str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "MISS" in out and "1 of 2 cells below 0.95 (n = 2: 1 of 2)" in out
+    assert "own pick's row: 1" in out
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import plot
