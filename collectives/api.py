@@ -454,12 +454,15 @@ class _Trial:
     the calls until the next); the pick's reference is its race time, or the first probe after
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
-    times it, and slower than the race timed the fastest of the others, start a race at the
-    next call; the probe's time is divided first by how much slower a local copy runs than it
-    did in the race's rounds (``MACHINE_BYTES``), so that the whole machine slowing down does
-    not count as the pick slowing down. A race the probes started that kept the same pick
-    doubles the probes needed for the next. A probe costs its block's timing, three copies of
-    ``MACHINE_BYTES`` and one small allreduce, once in ``PROBE_S``; a race round, the copies.
+    times it, and slower than the race timed the fastest of the others, start a *duel*
+    (``_duel_block``): blocks of the race's runner-up and of the pick in turn, ``DUEL_BLOCKS``
+    pairs; only where the runner-up now runs faster against the pick than it did in the race,
+    by more than ``DUEL`` (the median pair), does a race start at the next call. Else the
+    whole machine slowed down, not the pick alone, and the pick's reference becomes its pace
+    now (it comes back down, to the race's, as later probes run faster). A race the probes
+    started that kept the same pick doubles the probes needed for the next. A probe costs its
+    block's timing and one small allreduce, once in ``PROBE_S``; a duel, its blocks and one
+    small allreduce.
     No probes after the first where a node runs more of the ranks than the cores it gives a
     process (``_crowded``, 3 ranks on this machine's 2): a 2 ms block there is the
     scheduler's, and races as well time what it did (allreduce of 128 KiB at 3 ranks: the
@@ -511,15 +514,24 @@ class _Trial:
     # at 8 MiB races that ran for a third of the benchmark's rounds.
     TRIP = 1.5
     TRIP_PROBES = 2
-    # The machine's pace (``_machine``): a local copy of MACHINE_BYTES, timed at each race
-    # round's end and at each probe. A probe compares the pick's slowdown with the copy's: on
-    # 2 cores, allreduce of 2 MiB at 2 ranks (recursive doubling, 42680 blocks of five calls
-    # over 60 s), 189 stretches of ten blocks ran past 1.3x the median, and the copy ran a
-    # median 1.39x its own in them; divided by the copy's slowdown, 6 were left. At 2 MiB
-    # every algorithm runs in two modes about 2x apart here, the probes took the machine's
-    # slow phases for the pick's, and the races they started ran the others inside the
-    # benchmark's blocks of ``auto`` (0.85-0.95 of its own pick's row, runs I0-I2).
-    MACHINE_BYTES = 1 << 20
+    # The duel (``_duel_block``) before a race the probes would start: DUEL_BLOCKS pairs of
+    # blocks, the race's runner-up's then the pick's, and a race only where the median pair's
+    # ratio has fallen below the race's by more than DUEL. DUEL: halfway, in log, between
+    # both slowed alike (the ratio stays) and the pick alone slowed by TRIP (it falls by 1.5).
+    # Why: at 2 MiB and more every algorithm here runs in slow phases about 2x apart, which
+    # trip the probes; a race in a program's steady calls runs every algorithm of the rule,
+    # the slow ones too, for MIN_ROUNDS rounds or more. In the benchmark's rows of an
+    # allreduce of 8 MiB in place at 2 ranks (a rule of six, native and shm 1.4-1.6x the
+    # pick), probes started three races in 20 s, each running for 9 s of the rows (one block
+    # of `auto` a round), and `auto`'s blocks ran 1.05-1.28x ring's in those stretches, 1.0
+    # between them: 0.93 of its own pick's row (two launches). Before the duel, a local copy
+    # of 1 MiB (three, timed at every probe) told the machine's slow phases from the pick's
+    # (the session's runs I0-J3), and cost more than the probes' races: 0.45 ms a probe at
+    # 8 MiB (the allreduce alone 0.07), in every fifth of `auto`'s blocks of those rows, and
+    # `auto` ran 0.92-0.94 of ring's row where it ran ring (0.98-1.00 without probes). The
+    # duel times what the copy stood for, and only when the probes trip.
+    DUEL = math.sqrt(TRIP)
+    DUEL_BLOCKS = 3
     # Where a node is crowded (``_crowded``), calls of fewer bytes than this run the rule's
     # first after the race's first round, and never race: their blocks of 15-40 us calls time
     # the scheduler. At 3 ranks on 2 cores, in the benchmark's runs with races below 32 KiB
@@ -536,7 +548,7 @@ class _Trial:
                  "_sync", "_end", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
                  "_buf", "_probe_wall", "_probed", "_floor", "_crowd", "_fast", "_fast0",
-                 "_machines", "_mref", "runs")
+                 "runs", "_rival", "_rival_ratio", "_duel_left", "_duel_t", "_now", "_ref0")
 
     def __init__(self, ctx, collective, key, names):
         self.ctx, self.collective, self.key, self.names = ctx, collective, key, names
@@ -544,7 +556,7 @@ class _Trial:
         self.runs = [None] * len(names)  # how each runs (``_runner``), for ``step``
         self.every, self._last = self.RETRIAL_S, None
         self._need, self._tripped = self.TRIP_PROBES, False
-        self._buf = np.zeros(3)
+        self._buf = np.zeros(2)
         self._reset()
 
     def _reset(self) -> None:
@@ -570,10 +582,12 @@ class _Trial:
         self._end = 0.0  # when the race's last timed call ended
         self._first = True  # still in the first round (single timed calls)
         # this round's block times, agreed at its end; after the first round, whether some
-        # node is crowded (``_crowded``); and the machine's pace then (``_machine``), the
-        # slowest rank's, one figure a round
-        self._round = np.zeros(len(names) + 2)
-        self._machines: list[float] = []
+        # node is crowded (``_crowded``)
+        self._round = np.zeros(len(names) + 1)
+        # the duel (``_duel_block``): the blocks still to time, as indices (the runner-up's,
+        # then the pick's, in turn), and the times of those timed
+        self._duel_left: list[int] = []
+        self._duel_t: list[float] = []
 
     def _forget_plan(self) -> None:
         """Drop the plan kept for calls like the last (``ctx.auto_last``) if it is this
@@ -598,8 +612,11 @@ class _Trial:
         if self.decided is not None:
             if not ticked and self.tick():
                 return self.decided
-            if self.left >= 0 or not self.RETRIAL_S:  # a probe's call
+            if self.left >= 0 or not self.RETRIAL_S:  # a probe's call, or a duel's
                 self.timing = blocking
+                if self._duel_left and blocking:
+                    i = self._duel_left[0]
+                    return self.names[i], self.builders[i]
                 return self.decided
             self._reset()
         if not blocking:
@@ -697,7 +714,10 @@ class _Trial:
             self._probe_sum += perf_counter() - self._t0
             self._probe_n += 1
             if self._probe_n >= self._probe_len:
-                self._probe()
+                if self._duel_left:
+                    self._duel_block()
+                else:
+                    self._probe()
             return
         i, _, ends = self.plan[self._step]
         self._step += 1
@@ -711,9 +731,6 @@ class _Trial:
         # every rank the slowest rank's block times (the same figures everywhere)
         last = len(self.names)
         self._round[last] = self._crowded() if self._first else 0.0
-        # (the first round's would go unused: its single calls are no block times)
-        self._round[last + 1] = (self._machine() if self._probing() and not self._first
-                                 else 0.0)
         self.ctx.comm.Allreduce(MPI.IN_PLACE, self._round, op=MPI.MAX)
         if self._first:  # block lengths from the single calls
             self._crowd = bool(self._round[last])  # some node crowded (every rank alike)
@@ -723,7 +740,6 @@ class _Trial:
             self._lengths = [self._length(t) for t in self._round[:last]]
             self._first = False
         else:
-            self._machines.append(float(self._round[last + 1]))
             for i in self.alive:
                 self.blocks[i].append(float(self._round[i]))
                 self._spent += float(self._round[i]) * self._lengths[i]
@@ -803,10 +819,13 @@ class _Trial:
             2 * self._probe_len, self.PROBE_S / (4 * pace)) if self._probing() else 1e12))
         self._arm()
         self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
-        self._mref = float(np.median(self._machines)) if self._machines else 0.0
+        self._ref0 = pace
         self._probe_wall, self._probed = perf_counter(), False
-        self._floor = min((float(np.median(b)) for i, b in enumerate(self.blocks)
-                           if i != pick and b), default=math.inf)
+        others = {i: float(np.median(b)) for i, b in enumerate(self.blocks) if i != pick and b}
+        self._floor = min(others.values(), default=math.inf)
+        # the duel's runner-up, and how it ran against the pick in this race
+        self._rival = min(others, key=others.__getitem__) if others else None
+        self._rival_ratio = self._floor / math.exp(med[pick]) if others else math.inf
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True
@@ -815,20 +834,19 @@ class _Trial:
         """A probe's verdict (see the class doc): every rank the slowest rank's mean time a
         call, and the longest time since the last probe, the same figures everywhere;
         ``_need`` probes in a row above ``TRIP`` times the reference (the race's time, or the
-        first probe's if lower) and above the others' race times (``_floor``: a pick slower
-        than before but still ahead of what the others ran) end the calls left before a
-        race. The calls until the next probe: as many as
-        took ``PROBE_S`` seconds this time (a quarter to four times as many as before)."""
+        first probe's if lower; after a duel that found the machine slower, the pace then,
+        back down towards the race's as the probes run faster) and above the others' race
+        times (``_floor``: a pick slower than before but still ahead of what the others ran)
+        start a duel with the race's runner-up at the next call (``_duel_block``; a race
+        where there is none). The calls until the next probe: as many as took ``PROBE_S``
+        seconds this time (a quarter to four times as many as before)."""
         from mpi4py import MPI
         buf = self._buf
         buf[0] = self._probe_sum / self._probe_n
         buf[1] = perf_counter() - self._probe_wall
-        buf[2] = self._machine()
         self.ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         self._probe_wall = perf_counter()
-        # the pick's time, less what the whole machine slowed since the race (MACHINE_BYTES)
-        slower = float(buf[2]) / self._mref if self._mref > 0 else 1.0
-        now, apart = float(buf[0]) / max(1.0, slower), float(buf[1])
+        now, apart = float(buf[0]), float(buf[1])
         self._probe_sum, self._probe_n = 0.0, 0
         if self._crowd:  # some node crowded: no more probes (see the class doc)
             self._probe_every = self.probe = 10 ** 12
@@ -838,32 +856,52 @@ class _Trial:
         self._probe_every = self.probe = int(max(2 * self._probe_len, min(
             4 * calls, max(calls / 4, calls * self.PROBE_S / max(apart, 1e-9))) -
             self._probe_len))
-        self._over = self._over + 1 if now > max(self.TRIP * self._ref, self._floor) else 0
         if not self._probed:  # the first probe after the race
-            self._ref, self._probed = min(self._ref, now), True
+            self._ref = self._ref0 = min(self._ref, now)
+            self._probed = True
+        if now > max(self.TRIP * self._ref, self._floor):
+            self._over += 1
+        else:
+            self._over = 0
+            self._ref = max(self._ref0, min(self._ref, now))
+        self._now = now
         if self._over >= self._need:
+            if self._rival is None:
+                self.left, self._tripped = -1, True  # a race at the next call
+            else:  # first a duel, from the next call on
+                self._duel_left = [self._rival, self._last] * self.DUEL_BLOCKS
+                self._duel_t = []
+                self.probe = 0
+        self._arm()
+
+    def _duel_block(self) -> None:
+        """A duel's block has ended (``DUEL``); after the last, one ``MPI_Allreduce(MAX)``
+        gives every rank the slowest rank's block times, and the verdict: a race at the next
+        call where the runner-up's time over the pick's, pair by pair (the median pair), has
+        fallen below its race ratio by more than ``DUEL``; else the machine slowed down, not
+        the pick alone, and the pick's reference becomes the tripping probe's time."""
+        self._duel_left.pop(0)
+        self._duel_t.append(self._probe_sum / self._probe_n)
+        self._probe_sum, self._probe_n = 0.0, 0
+        self.probe = 0  # the next call is the duel's too
+        if self._duel_left:
+            self._arm()
+            return
+        from mpi4py import MPI
+        t = np.array(self._duel_t)
+        self.ctx.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+        ratio = float(np.median(t[0::2] / np.maximum(t[1::2], 1e-12)))
+        self._over, self._probe_wall = 0, perf_counter()
+        if ratio * self.DUEL < self._rival_ratio:
             self.left, self._tripped = -1, True  # a race at the next call
+        else:
+            self._ref = max(self._ref, self._now)
+        self.probe = self._probe_every
         self._arm()
 
     def _probing(self) -> bool:
         """Whether a decided trial probes its pick (``PROBE_S``)."""
         return bool(self.RETRIAL_S and self.PROBE_S)
-
-    def _machine(self) -> float:
-        """Seconds of a local copy of ``MACHINE_BYTES`` (the median of three), this process's
-        pace whatever the algorithms do; the buffers are the communicator's, kept."""
-        stash = self.ctx.stash
-        pair = stash.get("machine")
-        if pair is None:
-            pair = stash["machine"] = (np.ones(self.MACHINE_BYTES, np.uint8),
-                                       np.empty(self.MACHINE_BYTES, np.uint8))
-        src, dst = pair
-        times = []
-        for _ in range(3):
-            t0 = perf_counter()
-            np.copyto(dst, src)
-            times.append(perf_counter() - t0)
-        return sorted(times)[1]
 
     def _crowded(self) -> float:
         """1.0 where this rank's node runs more of the communicator's ranks than the cores

@@ -609,39 +609,39 @@ def race_on_a_test_clock(monkeypatch, tmp_path, name: str, seconds) -> None:
     monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
 
 
-@pytest.mark.parametrize("when", ["later", "at once", "crowded", "machine-wide"])
+@pytest.mark.parametrize("when", ["later", "at once", "crowded", "everyone"])
 def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
     slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
-    TRIP_PROBES times in a row, a race starts at the next call, on every rank at the same
-    call; a pick that holds its pace never races again (regular races off here). A race the
-    probes started that kept the same pick doubles the probes needed for the next. The clock
-    is the test's: every call of an algorithm takes ``dt``, in the race and after it; the pick
-    slows down 20000 calls in, or right after the race (before any probe). Where a node runs
-    more ranks than it has cores ("crowded"), the first probe is the last, and nothing races
-    again. Where a local copy slows down as much as the pick ("machine-wide": one rank's copy
-    is enough), the probes see the machine, not the pick, and nothing races again either."""
+    TRIP_PROBES times in a row, a duel times the race's runner-up against the pick, and where
+    the runner-up now runs faster against it than in the race, by more than DUEL, a race
+    starts at the next call, on every rank at the same call, and picks the runner-up; a pick
+    that holds its pace never races again (regular races off here). The clock is the test's:
+    every call of an algorithm takes ``dt[name]``, in the race and after it; the pick (ring:
+    the two tie, and the rule's first stays) slows down 20000 calls in, or right after the
+    race (before any probe). Where a node runs more ranks than it has cores ("crowded"), the
+    first probe is the last, and nothing races again. Where every algorithm slows down alike
+    ("everyone": the machine), the duel finds the runner-up as slow: no race, and the pick's
+    reference becomes its new pace."""
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
-    dt = [1e-5]
-    race_on_a_test_clock(monkeypatch, tmp_path, "probe", lambda name: dt[0])
+    dt = {"ring": 1e-5, "recursive_doubling": 1e-5}
+    race_on_a_test_clock(monkeypatch, tmp_path, "probe", lambda name: dt[name])
     monkeypatch.setattr(api._Trial, "PROBE_S", 1e-9)  # a probe every 2 blocks' calls
     crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
     monkeypatch.setattr(api._Trial, "_crowded", lambda self: crowded)
     monkeypatch.setattr(api._Trial, "CROWDED_MIN", 0)  # small calls race there too
-    copy = [1e-4]  # the machine's pace (``_machine``)
-    monkeypatch.setattr(api._Trial, "_machine", lambda self: copy[0])
     x = np.full(10, rank + 1, np.float32)
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
     bad, races, deciding, slow = [], [], True, None
     for call in range(40000):
         if slow is None and (call == 20000 or when == "at once" and not deciding):
-            dt[0] *= api._Trial.TRIP * 1.5  # the pick slows down for good
-            if when == "machine-wide" and rank == 0:
-                copy[0] *= api._Trial.TRIP * 1.5  # and so does the whole machine
+            dt["ring"] *= api._Trial.TRIP * 1.5  # the pick slows down for good
+            if when == "everyone":
+                dt["recursive_doubling"] *= api._Trial.TRIP * 1.5  # and so does the other
             slow = call
         if not np.array_equal(coll.allgather(x, comm=comm), want):
             bad.append(f"call {call}: wrong result")
@@ -650,22 +650,25 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
             races.append(call)
         deciding = undecided
     hit = api._context(comm).auto["allgather"][x.nbytes]
+    pick = api.auto_pick("allgather", x.nbytes, comm)
     # one race (the first, at call 0, is not counted), soon after the slow-down: TRIP_PROBES
-    # probes find it slower
+    # probes find it slower, and the duel's blocks find the runner-up faster
     if when == "crowded":
         if races or hit.probe < 10 ** 11:
             bad.append(f"crowded: races at calls {races}, next probe in {hit.probe} calls")
-    elif when == "machine-wide":
-        if races or hit._over or hit.probe > 10 ** 11:
-            bad.append(f"machine-wide: races at calls {races}, {hit._over} probes over, next "
-                       f"probe in {hit.probe} calls")
+    elif when == "everyone":
+        if races or hit._over or hit.probe > 10 ** 11 or pick != "ring":
+            bad.append(f"everyone: races at calls {races}, {hit._over} probes over, next "
+                       f"probe in {hit.probe} calls, running {pick}")
+        if hit._ref < api._Trial.TRIP * 1e-5:
+            bad.append(f"everyone: the pick's reference stayed at {hit._ref}")
     else:
-        soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len)
+        duel = 2 * api._Trial.DUEL_BLOCKS * hit._probe_len
+        soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len) + duel
         if len(races) != 1 or not slow <= races[0] <= soon:
             bad.append(f"races at calls {races}, expected one in {slow}-{soon}")
-        if hit.decided is None or hit._need != 2 * api._Trial.TRIP_PROBES:
-            bad.append(f"after a race that kept the pick: {hit.decided}, {hit._need} probes "
-                       f"needed")
+        if pick != "recursive_doubling" or hit._need != api._Trial.TRIP_PROBES:
+            bad.append(f"after a race that changed the pick: {pick}, {hit._need} probes needed")
     seen = comm.allgather(races)
     if any(r != races for r in seen):
         bad.append(f"ranks raced at different calls: {seen}")

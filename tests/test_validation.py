@@ -362,7 +362,7 @@ def test_a_race_leaves_the_first_only_for_a_clear_gap():
         trial.collective, trial.key, trial.names = "broadcast", 1 << 23, ("binomial", "native")
         trial.builders, trial.runs = [None, None], [None, None]
         trial.every, trial._last = api._Trial.RETRIAL_S, None
-        trial._need, trial._tripped, trial._buf = api._Trial.TRIP_PROBES, False, np.zeros(3)
+        trial._need, trial._tripped, trial._buf = api._Trial.TRIP_PROBES, False, np.zeros(2)
         trial._reset()
         scatter = np.exp(np.tile([-spread, 0.0, spread], api._Trial.MAX_ROUNDS // 3))
         trial.blocks = [list(first * scatter), list(other * scatter[::-1])]
