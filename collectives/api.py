@@ -454,7 +454,7 @@ class _Trial:
     the calls until the next); the pick's reference is its race time, or the first probe after
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
-    times it, and slower than the race timed the fastest of the others, start a *duel*
+    times it start a *duel*
     (``_duel_block``): blocks of the race's runner-up and of the pick in turn, ``DUEL_BLOCKS``
     pairs; only where the runner-up now runs faster against the pick than it did in the race,
     by more than ``DUEL`` (the median pair), does a race start at the next call. Else the
@@ -508,10 +508,14 @@ class _Trial:
     # 7% (the benchmark, two launches each way). No probes with COLLECTIVES_AUTO_RETRIAL=0
     # or COLLECTIVES_AUTO_PROBE=0 (seconds between probes, 0.25 by default).
     PROBE_S = float(getenv("COLLECTIVES_AUTO_PROBE") or 0.25)
-    # 1.5, and past the others' race times: at 3 ranks on 2 cores a probe of 2 ms scatters
-    # (allgather of 32 KiB: native's 30-round medians 116-171 us), and with 1.3 alone a probe
-    # there started a race that put ring in (the benchmark's next rounds 0.65 of native), and
-    # at 8 MiB races that ran for a third of the benchmark's rounds.
+    # 1.5: at 3 ranks on 2 cores a probe of 2 ms scatters (allgather of 32 KiB: native's
+    # 30-round medians 116-171 us), and with 1.3 a probe there started a race that put ring in
+    # (the benchmark's next rounds 0.65 of native), and at 8 MiB races that ran for a third of
+    # the benchmark's rounds. (A trip also had to be past the others' race times, until the
+    # duel (below) asked the runner-up itself: a race in a slow phase of the machine timed
+    # every algorithm slow, and a pick that slowed down later, past the others' pace then,
+    # stayed under those stale figures: broadcast of 32 MiB in place at 2 ranks, shm at
+    # 6000-7000 us a call, native at 4200, `auto` ran shm at 0.83 of native.)
     TRIP = 1.5
     TRIP_PROBES = 2
     # The duel (``_duel_block``) before a race the probes would start: DUEL_BLOCKS pairs of
@@ -547,7 +551,7 @@ class _Trial:
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "_end", "left", "every", "_last", "_spent", "probe", "_probe_every",
                  "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
-                 "_buf", "_probe_wall", "_probed", "_floor", "_crowd", "_fast", "_fast0",
+                 "_buf", "_probe_wall", "_probed", "_crowd", "_fast", "_fast0",
                  "runs", "_rival", "_rival_ratio", "_duel_left", "_duel_t", "_now", "_ref0")
 
     def __init__(self, ctx, collective, key, names):
@@ -822,10 +826,9 @@ class _Trial:
         self._ref0 = pace
         self._probe_wall, self._probed = perf_counter(), False
         others = {i: float(np.median(b)) for i, b in enumerate(self.blocks) if i != pick and b}
-        self._floor = min(others.values(), default=math.inf)
         # the duel's runner-up, and how it ran against the pick in this race
         self._rival = min(others, key=others.__getitem__) if others else None
-        self._rival_ratio = self._floor / math.exp(med[pick]) if others else math.inf
+        self._rival_ratio = others[self._rival] / math.exp(med[pick]) if others else math.inf
         self.ctx.auto_trials[(self.collective, self.key)] = {
             name: float(np.median(b)) for name, b in zip(self.names, self.blocks)}
         return True
@@ -835,9 +838,7 @@ class _Trial:
         call, and the longest time since the last probe, the same figures everywhere;
         ``_need`` probes in a row above ``TRIP`` times the reference (the race's time, or the
         first probe's if lower; after a duel that found the machine slower, the pace then,
-        back down towards the race's as the probes run faster) and above the others' race
-        times (``_floor``: a pick slower than before but still ahead of what the others ran)
-        start a duel with the race's runner-up at the next call (``_duel_block``; a race
+        back down towards the race's as the probes run faster) start a duel with the race's runner-up at the next call (``_duel_block``; a race
         where there is none). The calls until the next probe: as many as took ``PROBE_S``
         seconds this time (a quarter to four times as many as before)."""
         from mpi4py import MPI
@@ -859,7 +860,7 @@ class _Trial:
         if not self._probed:  # the first probe after the race
             self._ref = self._ref0 = min(self._ref, now)
             self._probed = True
-        if now > max(self.TRIP * self._ref, self._floor):
+        if now > self.TRIP * self._ref:
             self._over += 1
         else:
             self._over = 0

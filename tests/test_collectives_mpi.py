@@ -609,7 +609,7 @@ def race_on_a_test_clock(monkeypatch, tmp_path, name: str, seconds) -> None:
     monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
 
 
-@pytest.mark.parametrize("when", ["later", "at once", "crowded", "everyone"])
+@pytest.mark.parametrize("when", ["later", "at once", "stale", "crowded", "everyone"])
 def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
     slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
@@ -619,7 +619,10 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     that holds its pace never races again (regular races off here). The clock is the test's:
     every call of an algorithm takes ``dt[name]``, in the race and after it; the pick (ring:
     the two tie, and the rule's first stays) slows down 20000 calls in, or right after the
-    race (before any probe). Where a node runs more ranks than it has cores ("crowded"), the
+    race (before any probe). "stale": the race ran in a slow phase of the machine (every call
+    3x), which ends before the first probe, and the pick slows down later to 2x, still faster
+    than the others' race times: the duel still finds the runner-up faster now, and the race
+    follows. Where a node runs more ranks than it has cores ("crowded"), the
     first probe is the last, and nothing races again. Where every algorithm slows down alike
     ("everyone": the machine), the duel finds the runner-up as slow: no race, and the pick's
     reference becomes its new pace."""
@@ -629,6 +632,8 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     if size == 1:
         pytest.skip("one rank has nothing to choose")
     dt = {"ring": 1e-5, "recursive_doubling": 1e-5}
+    if when == "stale":
+        dt = {name: 3 * t for name, t in dt.items()}
     race_on_a_test_clock(monkeypatch, tmp_path, "probe", lambda name: dt[name])
     monkeypatch.setattr(api._Trial, "PROBE_S", 1e-9)  # a probe every 2 blocks' calls
     crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
@@ -638,6 +643,11 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
     bad, races, deciding, slow = [], [], True, None
     for call in range(40000):
+        if when == "stale" and not deciding and call < 20000:
+            dt.update(ring=1e-5, recursive_doubling=1e-5)  # the slow phase ended
+        if when == "stale" and call == 20000:
+            dt["ring"] *= 2  # the pick slows down, still faster than the race timed the other
+            slow = call
         if slow is None and (call == 20000 or when == "at once" and not deciding):
             dt["ring"] *= api._Trial.TRIP * 1.5  # the pick slows down for good
             if when == "everyone":
