@@ -454,15 +454,14 @@ class _Trial:
     the calls until the next); the pick's reference is its race time, or the first probe after
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
-    times it start a *duel*
-    (``_duel_block``): blocks of the race's runner-up and of the pick in turn, ``DUEL_BLOCKS``
-    pairs; only where the runner-up now runs faster against the pick than it did in the race,
-    by more than ``DUEL`` (the median pair), does a race start at the next call. Else the
-    whole machine slowed down, not the pick alone, and the pick's reference becomes its pace
-    now (it comes back down, to the race's, as later probes run faster). A race the probes
-    started that kept the same pick doubles the probes needed for the next. A probe costs its
-    block's timing and one small allreduce, once in ``PROBE_S``; a duel, its blocks and one
-    small allreduce.
+    times it start a *duel* (``_duel_block``): blocks of the race's runner-up and of the pick
+    in turn, ``DUEL_BLOCKS`` pairs; only where the runner-up now runs faster against the pick
+    than it did in the race, by more than ``DUEL`` (the median pair), does a race start at the
+    next call. Else the whole machine slowed down, not the pick alone, and the pick's
+    reference becomes its pace now (it comes back down, to the race's, as later probes run
+    faster). A race the probes started that kept the same pick doubles the probes needed for
+    the next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``;
+    a duel, its blocks and one small allreduce.
     No probes after the first where a node runs more of the ranks than the cores it gives a
     process (``_crowded``, 3 ranks on this machine's 2): a 2 ms block there is the
     scheduler's, and races as well time what it did (allreduce of 128 KiB at 3 ranks: the
@@ -838,9 +837,10 @@ class _Trial:
         call, and the longest time since the last probe, the same figures everywhere;
         ``_need`` probes in a row above ``TRIP`` times the reference (the race's time, or the
         first probe's if lower; after a duel that found the machine slower, the pace then,
-        back down towards the race's as the probes run faster) start a duel with the race's runner-up at the next call (``_duel_block``; a race
-        where there is none). The calls until the next probe: as many as took ``PROBE_S``
-        seconds this time (a quarter to four times as many as before)."""
+        back down towards the race's as the probes run faster) start a duel with the race's
+        runner-up at the next call (``_duel_block``; a race where there is none). The calls
+        until the next probe: as many as took ``PROBE_S`` seconds this time (a quarter to four
+        times as many as before)."""
         from mpi4py import MPI
         buf = self._buf
         buf[0] = self._probe_sum / self._probe_n
@@ -884,8 +884,8 @@ class _Trial:
         self._duel_left.pop(0)
         self._duel_t.append(self._probe_sum / self._probe_n)
         self._probe_sum, self._probe_n = 0.0, 0
-        self.probe = 0  # the next call is the duel's too
         if self._duel_left:
+            self.probe = 0  # the next call is the duel's too
             self._arm()
             return
         from mpi4py import MPI
