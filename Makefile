@@ -43,7 +43,7 @@ bench: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/python -m bench allreduce
 
 # Issue 5's acceptance check: tune at 2 and 3 ranks, then every collective's benchmark on that
-# table, then auto against the best of each row (bench/verdict.py). 15-40 min on this machine.
+# table, then auto against the best of each row (bench/verdict.py). 13-15 min on this machine.
 OUTDIR ?= bench-results
 COLLS  ?= allreduce reduce_scatter allgather broadcast reduce
 verify-auto: $(STAMP)

@@ -822,7 +822,6 @@ class _Trial:
             2 * self._probe_len, self.PROBE_S / (4 * pace)) if self._probing() else 1e12))
         self._arm()
         self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
-        self._ref0 = pace
         self._probe_wall, self._probed = perf_counter(), False
         others = {i: float(np.median(b)) for i, b in enumerate(self.blocks) if i != pick and b}
         # the duel's runner-up, and how it ran against the pick in this race

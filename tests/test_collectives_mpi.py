@@ -622,10 +622,10 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     race (before any probe). "stale": the race ran in a slow phase of the machine (every call
     3x), which ends before the first probe, and the pick slows down later to 2x, still faster
     than the others' race times: the duel still finds the runner-up faster now, and the race
-    follows. Where a node runs more ranks than it has cores ("crowded"), the
-    first probe is the last, and nothing races again. Where every algorithm slows down alike
-    ("everyone": the machine), the duel finds the runner-up as slow: no race, and the pick's
-    reference becomes its new pace."""
+    follows. Where a node runs more ranks than it has cores ("crowded"), the first probe is
+    the last, and nothing races again. Where every algorithm slows down alike ("everyone": the
+    machine), the duel finds the runner-up as slow: no race, and the pick's reference becomes
+    its new pace."""
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
