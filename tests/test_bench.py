@@ -229,6 +229,37 @@ def test_verdict_counts_autos_misses(tmp_path, capsys):
     assert "own pick's row: 1" in out
 
 
+def test_verdict_pairs_the_rounds_to_tell_a_clear_miss_from_noise(tmp_path, capsys):
+    """A miss is *clear* where the ratio of the rounds that ``auto`` and the best ran together
+    (paired: the machine's slow phases fall on both) stays below 0.95 over resamples; a table
+    ratio pulled down by rounds in two modes is not."""
+    from bench import verdict
+    phases = (1.0, 1.6, 1.0, 1.6, 1.0, 1.6, 1.0, 1.6, 1.6)  # the machine, round by round
+    steady = (1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.01, 0.99)
+    res = [_result("ring", "out", 1e-3, rounds=[p * q for p, q in zip(phases, steady)]),
+           _result("auto", "out", 1.1e-3, rounds=phases),               # 10% slower, every round
+           # the same code in place: auto caught the slow phase in more rounds, not the pick
+           _result("ring", "in", 1e-3, rounds=(1.0, 1.6, 1.0, 1.6, 1.0, 1.0, 1.0, 1.6, 1.0)),
+           _result("auto", "in", 1e-3, rounds=(1.0, 1.6, 1.6, 1.6, 1.0, 1.6, 1.0, 1.6, 1.6))]
+    res[1].picked = res[3].picked = "ring"
+    harness.write_json(tmp_path / "r.json", res, {"ranks": 2})
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    found = {c["mode"]: c for c in verdict.cells(rows)}
+    assert found["out"]["miss"] and found["out"]["clear"]
+    assert found["out"]["paired"][0] == pytest.approx(1 / 1.1, rel=0.02)
+    assert found["out"]["paired"][2] < 0.95
+    assert found["in"]["miss"] and not found["in"]["clear"], found["in"]
+    assert found["in"]["ratio"] == pytest.approx(1 / 1.6)
+    lo, hi = found["in"]["paired"][1:]
+    assert lo < 0.95 < hi
+    # fewer rounds in common than MIN_ROUNDS: no paired figure, never clear
+    assert verdict.interval(rows[0], {**rows[1], "round_ids": [0, 1, 2, 3, 40, 41, 42, 43, 44],
+                                      "rounds_us": rows[1]["rounds_us"]}) is None
+    assert verdict.main([str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "MISS (clear)" in out and "clearly below (the paired 90% range): 1" in out
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import plot
