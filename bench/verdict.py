@@ -41,8 +41,8 @@ MIN_ROUNDS = 5
 
 def _rounds(row: dict) -> dict:
     """``{round id: time}`` of one JSON row (as measured: a pair's ratio cancels the drift)."""
-    return dict(zip(row.get("round_ids") or range(len(row.get("rounds_us") or [])),
-                    row.get("rounds_us") or []))
+    times = row.get("rounds_us") or []
+    return dict(zip(row.get("round_ids") or range(len(times)), times))
 
 
 def interval(best: dict, auto: dict, level: float = 0.9) -> tuple[float, float, float] | None:
