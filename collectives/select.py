@@ -47,7 +47,7 @@ from .errors import getenv
 
 __all__ = ["NATIVE", "REGISTRY", "register", "get", "algorithms", "auto", "candidates",
            "load_table", "DEFAULT_TABLE", "COLLECTIVES", "tuning_path", "MOVES", "bits",
-           "races", "runs", "distinct"]
+           "races", "runs", "distinct", "describe"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 NATIVE = "native"
@@ -401,3 +401,22 @@ def _pick(collective: str, nbytes: int, size: int, inplace: bool = False) -> tup
         if limit is None or nbytes <= limit:
             return names
     return (NATIVE,)
+
+
+def _bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def describe(rules) -> str:
+    """A rule list in words, as the README's table of ``auto``'s choices prints it:
+    ``[[32768, "native"], [None, "ring", "shm"]]`` -> ``native ≤ 32 KiB, ring (or shm)``."""
+    words = []
+    for limit, first, *others in rules:
+        text = first.replace("_", " ")
+        if others:
+            text += f" (or {', '.join(o.replace('_', ' ') for o in others)})"
+        words.append(text if limit is None else f"{text} ≤ {_bytes(limit)}")
+    return ", ".join(words)
