@@ -470,13 +470,14 @@ def _after(rules_: list, nbytes: int) -> str:
 
 
 def _report(measured, before, new, n, path, sig, note, dry):
+    from collectives import select
     print(f"#\n# tuning table for {n} ranks " + ("(dry run, not written)" if dry else
                                                 f"written to {path}"))
     print(f"# signature: {sig}")
     if note:
         print(f"# note: {note}")
     for c, res in measured.items():
-        print(f"#\n# {c}: rules {json.dumps(new[c])}")
+        print(f"#\n# {c}: {select.describe(new[c])}")
         print(f"# {'size':>10} {'best':>19} {'time(us)':>10}   {'auto before':>19} "
               f"{'time(us)':>10} {'x best':>6}   {'auto after':>19} {'time(us)':>10} "
               f"{'x best':>6}")

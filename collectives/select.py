@@ -405,8 +405,8 @@ def _pick(collective: str, nbytes: int, size: int, inplace: bool = False) -> tup
 
 def _bytes(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
     return f"{n} B"
 
 
