@@ -878,3 +878,14 @@ def test_readme_table_of_auto_is_the_built_in_table():
     assert readme == expected
     assert select.describe([[32 << 10, "native"], [None, "ring", "double_binary_tree"]]) == \
         "native ≤ 32 KiB, ring (or double binary tree)"
+
+
+def test_bench_runs_outside_the_checkout(tmp_path):
+    """``bench`` installs with the package: ``python -m bench`` from another directory (it
+    failed there with "No module named bench" while only the checkout's root had it)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "bench", "model", "--ranks", "8",
+                           "--ranks-per-node", "4", "--bytes", "1M"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "# fastest:" in done.stdout
