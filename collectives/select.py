@@ -140,8 +140,13 @@ DEFAULT_TABLE = {
     "allreduce": {
         # Since the executor's per-message Python was cut (~30% of a small schedule call),
         # recursive doubling passes MPICH's own at 128 KiB (0.84x its time; two tunes agreed).
+        # Above 512 KiB, to 2 MiB, recursive doubling (one exchange of the whole vector) and
+        # ring (two of halves) trade places by 25-35% (2026-12-03: the best at 2 MiB in two
+        # tunes and a benchmark of five runs, ring 0.65-0.79 of it; ring the best in the
+        # others, recursive doubling down to 0.86 of it): both race.
         "2": [[32 << 10, NATIVE], [128 << 10, "recursive_doubling", NATIVE],
               [512 << 10, "recursive_doubling", "rabenseifner"],
+              [2 << 20, "ring", "recursive_doubling", "double_binary_tree"],
               [None, "ring", "double_binary_tree", "rabenseifner"]],
         # n = 3 out of place: tree or shm (raced) up to 512 KiB, ring above. Six full runs
         # (2026-12-01, "A sixteenth session" in docs/bench.md; cells: the worst of the six,
@@ -161,8 +166,11 @@ DEFAULT_TABLE = {
         # binary tree 0.79: the tunes picked those, and four runs missed there), 2 MiB (0.93;
         # the others 0.85 and below) and 8 MiB (0.99); hierarchical at 32 MiB (0.99; ring 0.96,
         # shm, the rule's first before, 0.90).
+        # In place at n = 2, 2 MiB: shm the best in two tunes and a benchmark (ring 0.75-0.90
+        # of it), ring in another benchmark (2026-12-03): both race.
         "in-place": {
-            "2": [[512 << 10, NATIVE], [None, "ring", "double_binary_tree", "rabenseifner"]],
+            "2": [[512 << 10, NATIVE], [2 << 20, "ring", "shm", "double_binary_tree"],
+                  [None, "ring", "double_binary_tree", "rabenseifner"]],
             "3": [[128 << 10, NATIVE], [512 << 10, "ring"],
                   [8 << 20, "ring", "shm", "hierarchical"],
                   [None, "hierarchical", "ring", "shm"]],
