@@ -141,9 +141,9 @@ DEFAULT_TABLE = {
         # Since the executor's per-message Python was cut (~30% of a small schedule call),
         # recursive doubling passes MPICH's own at 128 KiB (0.84x its time; two tunes agreed).
         # Above 512 KiB, to 2 MiB, recursive doubling (one exchange of the whole vector) and
-        # ring (two of halves) trade places by 25-35% (2026-12-03: the best at 2 MiB in two
-        # tunes and a benchmark of five runs, ring 0.65-0.79 of it; ring the best in the
-        # others, recursive doubling down to 0.86 of it): both race.
+        # ring (two of halves) trade places by 25-35% (2026-12-03, at 2 MiB: recursive doubling
+        # the best in a tune, a benchmark and `make demo`, ring 0.65-0.79 of it; ring the best
+        # in a tune and two benchmarks, recursive doubling down to 0.86 of it): both race.
         "2": [[32 << 10, NATIVE], [128 << 10, "recursive_doubling", NATIVE],
               [512 << 10, "recursive_doubling", "rabenseifner"],
               [2 << 20, "ring", "recursive_doubling", "double_binary_tree"],
