@@ -859,8 +859,6 @@ def test_every_block_starts_with_an_untimed_call():
 def test_readme_table_of_auto_is_the_built_in_table():
     """The README's table of what ``auto`` runs is ``select.DEFAULT_TABLE`` in words: a rule
     changed in the code and not in the README (it had drifted at 6 of 12 cells) fails here."""
-    from pathlib import Path
-
     from collectives import select
     lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
     start = lines.index("| collective | n = 2 | n = 3 and more |") + 2
