@@ -46,6 +46,8 @@ bench: $(STAMP)
 # table, then auto against the best of each row (bench/verdict.py). 13-15 min on this machine.
 OUTDIR ?= bench-results
 COLLS  ?= allreduce reduce_scatter allgather broadcast reduce
+# BENCH_FLAGS=--twin: a second row of every algorithm's code, and the verdict's floor
+BENCH_FLAGS ?=
 verify-auto: $(STAMP)
 	mkdir -p $(OUTDIR)
 	rm -f $(OUTDIR)/tuning.json
@@ -53,7 +55,7 @@ verify-auto: $(STAMP)
 	    > $(OUTDIR)/tune-n$$n.txt || exit 1; done
 	for n in 2 3; do for c in $(COLLS); do \
 	    COLLECTIVES_TUNING=$(OUTDIR)/tuning.json $(MPIEXEC) -n $$n $(BIN)/python -m bench $$c \
-	    -b 8 -e 64M -f 4 --json $(OUTDIR)/$$c-n$$n.json > $(OUTDIR)/$$c-n$$n.txt || exit 1; \
+	    -b 8 -e 64M -f 4 $(BENCH_FLAGS) --json $(OUTDIR)/$$c-n$$n.json > $(OUTDIR)/$$c-n$$n.txt || exit 1; \
 	done; done
 	$(BIN)/python -m bench verdict $(foreach c,$(COLLS),$(OUTDIR)/$(c)-n2.json $(OUTDIR)/$(c)-n3.json)
 

@@ -50,7 +50,7 @@ __all__ = [
     "parse_size", "parse_time", "parse_rate", "format_size", "byte_sizes", "BUSBW",
     "busbw_factor", "rank_data", "expected_reduce", "Collective", "Result", "Sweep",
     "format_table", "write_json", "write_csv", "membw", "default_algorithms", "parser", "main",
-    "median_error", "noise",
+    "median_error", "noise", "code", "twins",
 ]
 
 _BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -401,6 +401,22 @@ def default_algorithms(collective: str, gloo: bool = True) -> list[str]:
     return names
 
 
+def code(algorithm: str) -> str:
+    """The algorithm a row runs: ``ring#2`` is a second row of ring's code (``twins``)."""
+    return algorithm.partition("#")[0]
+
+
+def twins(algorithms: list[str]) -> list[str]:
+    """``algorithms`` and a *twin* row ``NAME#2`` of each (not of ``auto`` or ``gloo``): the
+    same code timed as a row of its own, interleaved with the others, to measure the
+    benchmark's own floor: how far two rows of one code fall apart, and how close an ``auto``
+    that ran the best algorithm's code every time could come to the best row
+    (``python -m bench verdict`` reports both when the rows are there)."""
+    return algorithms + [f"{a}#2" for a in algorithms
+                         if a not in ("auto", "gloo") and "#" not in a
+                         and f"{a}#2" not in algorithms]
+
+
 def membw(comm, nbytes: int = 32 << 20, reps: int = 10) -> float:
     """The machine's memory bandwidth (bytes/s) for a large ``numpy.copyto`` run by every rank
     at once: ranks x 2 x nbytes (read + write) over the slowest rank's best time of ``reps``
@@ -532,7 +548,7 @@ class Sweep:
                     if fn is None:
                         continue
                 else:
-                    fn = spec.call(coll, arr_x, out, mode, alg, self.op, root, self.comm)
+                    fn = spec.call(coll, arr_x, out, mode, code(alg), self.op, root, self.comm)
                 calls[(alg, mode)] = (fn, spec.result(arr_x, out, mode), reset)
         return calls, cin
 
@@ -975,7 +991,11 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=BUDGET_MS,
                    help=f"ms per round when -n is not given (default {BUDGET_MS:g})")
     p.add_argument("--algorithms", default=None,
-                   help="comma-separated (default: every registered one, auto, gloo)")
+                   help="comma-separated (default: every registered one, auto, gloo); "
+                        "NAME#2 is a second row of NAME's code")
+    p.add_argument("--twin", action="store_true",
+                   help="a second row (NAME#2) of every algorithm but auto and gloo: the "
+                        "benchmark's own floor, which `python -m bench verdict` reports")
     p.add_argument("--modes", default=None, help=f"out,in (default: {','.join(spec.modes)})")
     p.add_argument("--latency", action="store_true", help="OSU min/avg/max latency columns")
     p.add_argument("--json", default=None, help="write the results as JSON")
@@ -1015,10 +1035,13 @@ def main(spec: Collective, argv=None) -> int:
     if algorithms:
         import collectives
         known = set(collectives.algorithms(spec.name)) | {"auto", "gloo"}
-        unknown = [a for a in algorithms if a not in known]
+        unknown = [a for a in algorithms if code(a) not in known or
+                   ("#" in a and code(a) in ("auto", "gloo"))]
         if unknown:
             raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)} for {spec.name}; "
                              f"expected some of {', '.join(sorted(known))}")
+    if args.twin:
+        algorithms = twins(algorithms or default_algorithms(spec.name))
     modes = args.modes.split(",") if args.modes else None
     rank0 = comm.Get_rank() == 0
     bw = membw(comm) if spec.name == "allreduce" else None

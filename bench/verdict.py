@@ -16,6 +16,12 @@ miss whose paired range lies wholly below the threshold is *clear*; for the othe
 benchmark's own noise at that cell could make the difference (two rows of one algorithm's code
 differed by 2% on average in a run here, and by more than 5% at about one cell in 80).
 
+The benchmark's own floor: with ``--twin`` every algorithm also runs as a second row of
+its code (``NAME#2``), interleaved with the others, and ``floor`` measures from those rows how
+far two rows of one code fall apart, and how an ``auto`` that ran the best algorithm's code
+every time would fare against the best of the other rows (``make verify-auto
+BENCH_FLAGS=--twin``). Twin rows are never anyone's best in ``cells``.
+
 The whole check, as the README gives it (``make verify-auto`` runs it)::
 
     mpiexec -n 2 python -m bench tune -o T.json; mpiexec -n 3 python -m bench tune -o T.json
@@ -31,7 +37,7 @@ from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["cells", "interval", "main"]
+__all__ = ["cells", "floor", "interval", "main"]
 
 # Resamples of ``interval`` (fixed seed: the same verdict from the same files), and the fewest
 # rounds in common that it takes.
@@ -72,7 +78,7 @@ def cells(results: list[dict], threshold: float = 0.95) -> list[dict]:
     out = []
     for (coll, n, mode, size), row in sorted(rows.items()):
         auto = row.get("auto")
-        others = {a: r for a, r in row.items() if a != "auto"}
+        others = {a: r for a, r in row.items() if a != "auto" and "#" not in a}
         if auto is None or not others:
             continue
         best = min(others, key=lambda a: others[a]["time_us"])
@@ -87,6 +93,47 @@ def cells(results: list[dict], threshold: float = 0.95) -> list[dict]:
                     "miss": ratio < threshold,
                     "clear": ratio < threshold and span is not None and span[2] < threshold})
     return out
+
+
+def floor(results: list[dict], threshold: float = 0.95) -> dict | None:
+    """The benchmark's own floor, from runs with twin rows (``--twin``: ``NAME#2`` runs NAME's
+    code as a row of its own); None without them.
+
+    ``pairs``: every algorithm's row against its twin's, cell by cell (the same code timed
+    twice), and ``apart``, how many of them are more than ``1 / threshold`` apart. ``oracle``:
+    per cell and direction, an ``auto`` that ran the best algorithm's code every time, as a
+    row of its own, against the best of the other rows: the twin of the algorithm fastest over
+    both rows of it (the geometric mean), against the fastest of the first rows; and the other
+    way round, its first row against the fastest twin. Choosing that algorithm from both rows
+    favours it, so the count of ``misses`` (below ``threshold``) is, if anything, low; and
+    ``clear``, those whose paired range (``interval``) lies wholly below it."""
+    rows = defaultdict(dict)
+    for r in results:
+        if r["algorithm"] != "gloo" and r.get("time_us") == r.get("time_us"):
+            rows[(r["collective"], r["ranks"], r["mode"], r["size"])][r["algorithm"]] = r
+    pairs, oracle = [], []
+    for cell, row in sorted(rows.items()):
+        both = [a for a in row if "#" not in a and a != "auto" and f"{a}#2" in row]
+        if len(both) < 2:
+            continue
+        pairs += [row[a]["time_us"] / row[f"{a}#2"]["time_us"] for a in both]
+        best = min(both, key=lambda a: row[a]["time_us"] * row[f"{a}#2"]["time_us"])
+        for first, second in (("", "#2"), ("#2", "")):
+            fastest = min((a + first for a in both), key=lambda a: row[a]["time_us"])
+            ran = row[best + second]
+            ratio = row[fastest]["time_us"] / ran["time_us"]
+            span = interval(row[fastest], ran)
+            oracle.append({"cell": cell, "best": fastest, "ran": best + second,
+                           "ratio": ratio, "paired": span, "miss": ratio < threshold,
+                           "clear": ratio < threshold and span is not None
+                           and span[2] < threshold})
+    if not pairs:
+        return None
+    pairs = np.asarray(pairs)
+    return {"pairs": len(pairs), "apart": int(np.sum(np.abs(np.log(pairs)) > -np.log(threshold))),
+            "median_gap": float(np.exp(np.median(np.abs(np.log(pairs))))),
+            "oracle": oracle, "misses": sum(o["miss"] for o in oracle),
+            "clear": sum(o["clear"] for o in oracle)}
 
 
 def _load(paths) -> list[dict]:
@@ -108,7 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="every cell, not only the misses")
     args = p.parse_args(argv)
     from bench.harness import format_size
-    found = cells(_load(args.files), args.threshold)
+    results = _load(args.files)
+    found = cells(results, args.threshold)
     print(f"# {'collective':<15} {'n':>2} {'mode':<4} {'size':>8} {'best':<19} "
           f"{'best us':>9} {'auto us':>9} {'auto ran':<19} {'best/auto':>9} "
           f"{'paired (90%)':>21} {'pick/auto':>9}")
@@ -136,7 +184,30 @@ def main(argv=None) -> int:
           + f"); worst {worst:.3f}; clearly below (the paired 90% range): "
           f"{sum(c['clear'] for c in found)}; auto below {args.threshold:g} of its own pick's "
           f"row: {own_miss}")
+    base = floor(results, args.threshold)
+    if base is not None:
+        _print_floor(base, args.threshold, format_size)
     return 0
+
+
+def _print_floor(base: dict, threshold: float, format_size) -> None:
+    """``floor``'s figures: the oracle's misses, then the summary."""
+    print("#")
+    print(f"# the floor (twin rows): an auto that ran the best algorithm's code every time, "
+          f"as a row of its own")
+    for o in base["oracle"]:
+        if o["miss"]:
+            coll, n, mode, size = o["cell"]
+            span = "-" if o["paired"] is None else \
+                f"{o['paired'][0]:.3f} ({o['paired'][1]:.3f}-{o['paired'][2]:.3f})"
+            print(f"  {coll:<15} {n:>2} {mode:<4} {format_size(size):>8} {o['best']:<21} "
+                  f"{o['ran']:<21} {o['ratio']:9.3f} {span:>21}"
+                  + ("  MISS (clear)" if o["clear"] else "  MISS"))
+    k = len(base["oracle"])
+    print(f"# oracle: {base['misses']} of {k} (cells x 2 directions) below {threshold:g}, "
+          f"{base['misses'] / 2:.1f} per {k // 2} cells; clearly below: {base['clear']}; "
+          f"two rows of one code: median {100 * (base['median_gap'] - 1):.1f}% apart, "
+          f"{base['apart']} of {base['pairs']} more than {100 * (1 / threshold - 1):.1f}%")
 
 
 if __name__ == "__main__":

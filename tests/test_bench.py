@@ -229,6 +229,43 @@ def test_verdict_counts_autos_misses(tmp_path, capsys):
     assert "own pick's row: 1" in out
 
 
+def test_twin_rows_run_the_same_code_and_the_verdict_reports_the_floor(tmp_path, capsys):
+    """``--twin`` adds ``NAME#2`` rows (not of auto or gloo), which run NAME's code; the
+    verdict leaves them out of auto's best and reports the floor from them: two rows of one
+    code apart, and an oracle (the best algorithm's code as a row of its own) against the best
+    of the other rows."""
+    from bench import verdict
+    assert harness.twins(["native", "ring", "auto", "gloo"]) == \
+        ["native", "ring", "auto", "gloo", "native#2", "ring#2"]
+    assert harness.code("ring#2") == "ring" and harness.code("ring") == "ring"
+    # out of place: ring the best in both rows, its twin 7% slower than its first row: the
+    # oracle misses one way (ring#2 against ring, 0.935), not the other (ring against ring#2,
+    # 1.07); in place: every pair within 2%
+    res = [_result("native", "out", 2e-3), _result("ring", "out", 1e-3),
+           _result("native#2", "out", 2e-3), _result("ring#2", "out", 1.07e-3),
+           _result("auto", "out", 1.0e-3),
+           _result("native", "in", 1.5e-3), _result("ring", "in", 1e-3),
+           _result("native#2", "in", 1.52e-3), _result("ring#2", "in", 1.01e-3),
+           _result("auto", "in", 1.0e-3)]
+    res[4].picked = res[9].picked = "ring"
+    harness.write_json(tmp_path / "r.json", res, {"ranks": 2})
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    found = verdict.cells(rows)
+    assert [c["best"] for c in found] == ["ring", "ring"]  # not ring#2, a twin
+    assert not any(c["miss"] for c in found)
+    base = verdict.floor(rows)
+    assert base["pairs"] == 4 and base["apart"] == 1
+    assert [(o["cell"][2], o["ran"], round(o["ratio"], 3)) for o in base["oracle"]] == \
+        [("in", "ring#2", 0.990), ("in", "ring", 1.010),
+         ("out", "ring#2", 0.935), ("out", "ring", 1.07)]
+    assert base["misses"] == 1
+    assert verdict.floor([r for r in rows if "#" not in r["algorithm"]]) is None
+    assert verdict.main([str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 2 cells below 0.95" in out
+    assert "oracle: 1 of 4" in out and "1 of 4 more than 5.3%" in out
+
+
 def test_verdict_pairs_the_rounds_to_tell_a_clear_miss_from_noise(tmp_path, capsys):
     """A miss is *clear* where the ratio of the rounds that ``auto`` and the best ran together
     (paired: the machine's slow phases fall on both) stays below 0.95 over resamples; a table
@@ -457,6 +494,23 @@ def test_allreduce_benchmark_under_mpiexec(tmp_path):
     trials = [(r["picked"], r["trial_us"]) for r in data["results"] if r["algorithm"] == "auto"]
     assert all(t is None or (pk in t and min(t.values()) > 0) for pk, t in trials), trials
     assert "# auto ran: " in p.stdout
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
+def test_twin_rows_under_mpiexec(tmp_path):
+    """``--twin``: a second row of each algorithm's code, checked like the first (#wrong 0),
+    in the table and the JSON; a twin of auto is refused."""
+    out = tmp_path / "r.json"
+    p = _run(["allreduce", "-b", "8", "-e", "512", "-f", "64", "--rounds", "2", "--settle", "0",
+              "--algorithms", "native,ring", "--twin", "--json", str(out)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {"ring#2", "native#2"} <= {ln.split()[5] for ln in p.stdout.splitlines()
+                                      if ln and not ln.startswith("#")}
+    data = json.loads(out.read_text())["results"]
+    assert {r["algorithm"] for r in data} == {"native", "ring", "native#2", "ring#2"}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in data)
+    p = _run(["allreduce", "--algorithms", "auto#2"], timeout=60)
+    assert p.returncode != 0 and "unknown algorithm" in p.stderr, p.stdout + p.stderr
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
