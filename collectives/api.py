@@ -450,14 +450,15 @@ class _Trial:
     its pick slows down (``_probe``): about every ``PROBE_S`` seconds (of the program's time,
     between the calls too), the next block of blocking calls is timed, call by call (the time
     inside the calls, not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives
-    every rank the slowest rank's mean and the longest time since the last probe (which sets
+    every rank the slowest rank's median call and the longest time since the last probe (which sets
     the calls until the next); the pick's reference is its race time, or the first probe after
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
     times it start a *duel* (``_duel_block``): blocks of the race's runner-up and of the pick
     in turn, ``DUEL_BLOCKS`` pairs; only where the runner-up now runs faster against the pick
-    than it did in the race, by more than ``DUEL`` (the median pair), does a race start at the
-    next call. Else the whole machine slowed down, not the pick alone, and the pick's
+    than it did in the race, by more than ``DUEL`` (the median pair), and faster than the
+    pick, does a race start at the next call. Else the whole machine slowed down, not the
+    pick alone (or the pick is still the faster of the two), and the pick's
     reference becomes its pace now (it comes back down, to the race's, as later probes run
     faster). A race the probes started that kept the same pick doubles the probes needed for
     the next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``;
@@ -549,7 +550,7 @@ class _Trial:
     __slots__ = ("ctx", "collective", "key", "names", "builders", "blocks", "timing",
                  "decided", "plan", "alive", "_step", "_t0", "_first", "_lengths", "_round",
                  "_sync", "_end", "left", "every", "_last", "_spent", "probe", "_probe_every",
-                 "_probe_len", "_probe_sum", "_probe_n", "_ref", "_over", "_need", "_tripped",
+                 "_probe_len", "_probe_t", "_ref", "_over", "_need", "_tripped",
                  "_buf", "_probe_wall", "_probed", "_crowd", "_fast", "_fast0",
                  "runs", "_rival", "_rival_ratio", "_duel_left", "_duel_t", "_now", "_ref0")
 
@@ -714,9 +715,8 @@ class _Trial:
         the decision; at a probe's last call, its verdict (``_probe``)."""
         self.timing = False
         if self.decided is not None:
-            self._probe_sum += perf_counter() - self._t0
-            self._probe_n += 1
-            if self._probe_n >= self._probe_len:
+            self._probe_t.append(perf_counter() - self._t0)
+            if len(self._probe_t) >= self._probe_len:
                 if self._duel_left:
                     self._duel_block()
                 else:
@@ -821,7 +821,7 @@ class _Trial:
         self._probe_every = self.probe = int(min(1e12, max(
             2 * self._probe_len, self.PROBE_S / (4 * pace)) if self._probing() else 1e12))
         self._arm()
-        self._probe_sum, self._probe_n, self._ref, self._over = 0.0, 0, pace, 0
+        self._probe_t, self._ref, self._over = [], pace, 0
         self._probe_wall, self._probed = perf_counter(), False
         others = {i: float(np.median(b)) for i, b in enumerate(self.blocks) if i != pick and b}
         # the duel's runner-up, and how it ran against the pick in this race
@@ -832,7 +832,7 @@ class _Trial:
         return True
 
     def _probe(self) -> None:
-        """A probe's verdict (see the class doc): every rank the slowest rank's mean time a
+        """A probe's verdict (see the class doc): every rank the slowest rank's median time a
         call, and the longest time since the last probe, the same figures everywhere;
         ``_need`` probes in a row above ``TRIP`` times the reference (the race's time, or the
         first probe's if lower; after a duel that found the machine slower, the pace then,
@@ -842,12 +842,11 @@ class _Trial:
         times as many as before)."""
         from mpi4py import MPI
         buf = self._buf
-        buf[0] = self._probe_sum / self._probe_n
+        buf[0] = self._call_time()
         buf[1] = perf_counter() - self._probe_wall
         self.ctx.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         self._probe_wall = perf_counter()
         now, apart = float(buf[0]), float(buf[1])
-        self._probe_sum, self._probe_n = 0.0, 0
         if self._crowd:  # some node crowded: no more probes (see the class doc)
             self._probe_every = self.probe = 10 ** 12
             self._arm()
@@ -874,15 +873,33 @@ class _Trial:
                 self.probe = 0
         self._arm()
 
+    def _call_time(self) -> float:
+        """A probe's or duel block's time a call: the median of its calls' (and a new block
+        begins). The median, not the mean: a block's first call waits for the ranks the call
+        before left behind (a probe's calls have no barrier before them), and single calls
+        here run several times their pace; with the mean, duel blocks of recursive doubling's
+        allreduce of 2 MiB at 2 ranks timed 448-2249 us a call where its rows ran 480, and
+        the duel's pairs came out 0.28-3.3 (instrumented, ``docs/bench.md``)."""
+        t = sorted(self._probe_t)
+        self._probe_t = []
+        return t[len(t) // 2]
+
     def _duel_block(self) -> None:
         """A duel's block has ended (``DUEL``); after the last, one ``MPI_Allreduce(MAX)``
         gives every rank the slowest rank's block times, and the verdict: a race at the next
         call where the runner-up's time over the pick's, pair by pair (the median pair), has
-        fallen below its race ratio by more than ``DUEL``; else the machine slowed down, not
-        the pick alone, and the pick's reference becomes the tripping probe's time."""
+        fallen below its race ratio by more than ``DUEL`` and below 1 (the runner-up runs
+        faster than the pick now); else the pick's reference becomes the tripping probe's
+        time: the machine slowed down, not the pick alone, or the pick slowed down and is still
+        the fastest of the two, and a race would keep it. Why below 1: a race times the pick
+        faster than the rows after it (its figures are the fastest of a few noisy medians), so
+        its runner-up's ratio starts high, and a duel then found it fallen where nothing had
+        changed: allreduce of 2 MiB at 2 ranks, recursive doubling 425 us a call in the race,
+        double binary tree 652 (1.54), in the rows 548 and 707 (1.29); a race again ran
+        through 80 of `auto`'s 420 rounds there, at 1.4x its pick's, and kept the pick
+        (`auto` 0.926 of its own pick's row, run E0)."""
         self._duel_left.pop(0)
-        self._duel_t.append(self._probe_sum / self._probe_n)
-        self._probe_sum, self._probe_n = 0.0, 0
+        self._duel_t.append(self._call_time())
         if self._duel_left:
             self.probe = 0  # the next call is the duel's too
             self._arm()
@@ -892,7 +909,7 @@ class _Trial:
         self.ctx.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
         ratio = float(np.median(t[0::2] / np.maximum(t[1::2], 1e-12)))
         self._over, self._probe_wall = 0, perf_counter()
-        if ratio * self.DUEL < self._rival_ratio:
+        if ratio < 1 and ratio * self.DUEL < self._rival_ratio:
             self.left, self._tripped = -1, True  # a race at the next call
         else:
             self._ref = max(self._ref, self._now)

@@ -609,7 +609,8 @@ def race_on_a_test_clock(monkeypatch, tmp_path, name: str, seconds) -> None:
     monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
 
 
-@pytest.mark.parametrize("when", ["later", "at once", "stale", "crowded", "everyone"])
+@pytest.mark.parametrize("when", ["later", "at once", "stale", "crowded", "everyone",
+                                  "still the fastest"])
 def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     """After a race, probes time a block of the pick's calls every so often; when they find it
     slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
@@ -625,13 +626,17 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     follows. Where a node runs more ranks than it has cores ("crowded"), the first probe is
     the last, and nothing races again. Where every algorithm slows down alike ("everyone": the
     machine), the duel finds the runner-up as slow: no race, and the pick's reference becomes
-    its new pace."""
+    its new pace. "still the fastest": the runner-up ran 3x the pick's time in the race, and
+    the pick slows down past TRIP but stays faster than it: no race (it would keep the pick),
+    the pick's reference becomes its new pace."""
     from collectives import api
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         pytest.skip("one rank has nothing to choose")
     dt = {"ring": 1e-5, "recursive_doubling": 1e-5}
+    if when == "still the fastest":
+        dt["recursive_doubling"] = 3e-5
     if when == "stale":
         dt = {name: 3 * t for name, t in dt.items()}
     race_on_a_test_clock(monkeypatch, tmp_path, "probe", lambda name: dt[name])
@@ -666,12 +671,12 @@ def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
     if when == "crowded":
         if races or hit.probe < 10 ** 11:
             bad.append(f"crowded: races at calls {races}, next probe in {hit.probe} calls")
-    elif when == "everyone":
+    elif when in ("everyone", "still the fastest"):
         if races or hit._over or hit.probe > 10 ** 11 or pick != "ring":
-            bad.append(f"everyone: races at calls {races}, {hit._over} probes over, next "
+            bad.append(f"{when}: races at calls {races}, {hit._over} probes over, next "
                        f"probe in {hit.probe} calls, running {pick}")
         if hit._ref < api._Trial.TRIP * 1e-5:
-            bad.append(f"everyone: the pick's reference stayed at {hit._ref}")
+            bad.append(f"{when}: the pick's reference stayed at {hit._ref}")
     else:
         duel = 2 * api._Trial.DUEL_BLOCKS * hit._probe_len
         soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len) + duel
