@@ -13,8 +13,9 @@ How sure a cell's ratio is: ``interval`` takes the rounds that ``auto`` and the 
 together, whose blocks ran back to back (a slow phase of the machine falls on both), and gives
 the median of their ratios, *paired*, with its 90% range over resamples of those rounds. A
 miss whose paired range lies wholly below the threshold is *clear*; for the others the
-benchmark's own noise at that cell could make the difference (two rows of one algorithm's code
-differed by 2% on average in a run here, and by more than 5% at about one cell in 80).
+benchmark's own noise at that cell could make the difference: in a run of all 168 cells with
+twin rows (below; run F0, ``docs/bench.md``), two rows of one code were a median 3.9% apart,
+and an ``auto`` that ran the best algorithm's code every time fell below 0.95 at 9 cells.
 
 The benchmark's own floor: with ``--twin`` every algorithm also runs as a second row of
 its code (``NAME#2``), interleaved with the others, and ``floor`` measures from those rows how
@@ -193,8 +194,8 @@ def main(argv=None) -> int:
 def _print_floor(base: dict, threshold: float, format_size) -> None:
     """``floor``'s figures: the oracle's misses, then the summary."""
     print("#")
-    print(f"# the floor (twin rows): an auto that ran the best algorithm's code every time, "
-          f"as a row of its own")
+    print("# the floor (twin rows): an auto that ran the best algorithm's code every time, "
+          "as a row of its own")
     for o in base["oracle"]:
         if o["miss"]:
             coll, n, mode, size = o["cell"]
