@@ -401,6 +401,11 @@ def default_algorithms(collective: str, gloo: bool = True) -> list[str]:
     return names
 
 
+# The rows ``twins`` gives no twin: auto (a second trial of its own, not a second row of one
+# code) and gloo (not this toolkit's code).
+UNTWINNED = ("auto", "gloo")
+
+
 def code(algorithm: str) -> str:
     """The algorithm a row runs: ``ring#2`` is a second row of ring's code (``twins``)."""
     return algorithm.partition("#")[0]
@@ -413,7 +418,7 @@ def twins(algorithms: list[str]) -> list[str]:
     that ran the best algorithm's code every time could come to the best row
     (``python -m bench verdict`` reports both when the rows are there)."""
     return algorithms + [f"{a}#2" for a in algorithms
-                         if a not in ("auto", "gloo") and "#" not in a
+                         if a not in UNTWINNED and "#" not in a
                          and f"{a}#2" not in algorithms]
 
 
@@ -1036,7 +1041,7 @@ def main(spec: Collective, argv=None) -> int:
         import collectives
         known = set(collectives.algorithms(spec.name)) | {"auto", "gloo"}
         unknown = [a for a in algorithms if code(a) not in known or
-                   ("#" in a and code(a) in ("auto", "gloo"))]
+                   ("#" in a and code(a) in UNTWINNED)]
         if unknown:
             raise SystemExit(f"unknown algorithm(s) {', '.join(unknown)} for {spec.name}; "
                              f"expected some of {', '.join(sorted(known))}")

@@ -66,18 +66,24 @@ def interval(best: dict, auto: dict, level: float = 0.9) -> tuple[float, float, 
     return float(np.exp(np.median(logs))), float(np.exp(lo)), float(np.exp(hi))
 
 
+def _rows(results: list[dict]) -> list[tuple[tuple, dict]]:
+    """The JSON rows by cell, sorted: ``((collective, ranks, mode, size), {algorithm: row})``,
+    gloo and rows without a time (NaN) left out."""
+    rows = defaultdict(dict)
+    for r in results:
+        if r["algorithm"] != "gloo" and r.get("time_us") == r.get("time_us"):  # not NaN
+            rows[(r["collective"], r["ranks"], r["mode"], r["size"])][r["algorithm"]] = r
+    return sorted(rows.items())
+
+
 def cells(results: list[dict], threshold: float = 0.95) -> list[dict]:
     """One dict per (collective, ranks, mode, size) that has an ``auto`` row: ``best``,
     ``best_us``, ``auto_us``, ``picked``, ``ratio`` (best / auto), ``paired`` (``interval``:
     the paired ratio and its range, or None), ``own`` (the pick's row / auto, None where the
     pick has no row), ``miss`` (ratio below ``threshold``) and ``clear`` (a miss whose paired
     range is wholly below)."""
-    rows = defaultdict(dict)
-    for r in results:
-        if r["algorithm"] != "gloo" and r.get("time_us") == r.get("time_us"):  # not NaN
-            rows[(r["collective"], r["ranks"], r["mode"], r["size"])][r["algorithm"]] = r
     out = []
-    for (coll, n, mode, size), row in sorted(rows.items()):
+    for (coll, n, mode, size), row in _rows(results):
         auto = row.get("auto")
         others = {a: r for a, r in row.items() if a != "auto" and "#" not in a}
         if auto is None or not others:
@@ -108,12 +114,8 @@ def floor(results: list[dict], threshold: float = 0.95) -> dict | None:
     way round, its first row against the fastest twin. Choosing that algorithm from both rows
     favours it, so the count of ``misses`` (below ``threshold``) is, if anything, low; and
     ``clear``, those whose paired range (``interval``) lies wholly below it."""
-    rows = defaultdict(dict)
-    for r in results:
-        if r["algorithm"] != "gloo" and r.get("time_us") == r.get("time_us"):
-            rows[(r["collective"], r["ranks"], r["mode"], r["size"])][r["algorithm"]] = r
     pairs, oracle = [], []
-    for cell, row in sorted(rows.items()):
+    for cell, row in _rows(results):
         both = [a for a in row if "#" not in a and a != "auto" and f"{a}#2" in row]
         if len(both) < 2:
             continue
