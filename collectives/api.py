@@ -450,8 +450,8 @@ class _Trial:
     its pick slows down (``_probe``): about every ``PROBE_S`` seconds (of the program's time,
     between the calls too), the next block of blocking calls is timed, call by call (the time
     inside the calls, not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives
-    every rank the slowest rank's median call and the longest time since the last probe (which sets
-    the calls until the next); the pick's reference is its race time, or the first probe after
+    every rank the slowest rank's median call and the longest time since the last probe
+    (which sets the calls until the next); the pick's reference is its race time, or the first probe after
     the race where that ran faster (a probe times less than a race's block, whose barrier and
     gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
     times it start a *duel* (``_duel_block``): blocks of the race's runner-up and of the pick
@@ -894,10 +894,11 @@ class _Trial:
         the fastest of the two, and a race would keep it. Why below 1: a race times the pick
         faster than the rows after it (its figures are the fastest of a few noisy medians), so
         its runner-up's ratio starts high, and a duel then found it fallen where nothing had
-        changed: allreduce of 2 MiB at 2 ranks, recursive doubling 425 us a call in the race,
-        double binary tree 652 (1.54), in the rows 548 and 707 (1.29); a race again ran
-        through 80 of `auto`'s 420 rounds there, at 1.4x its pick's, and kept the pick
-        (`auto` 0.926 of its own pick's row, run E0)."""
+        changed. Instrumented (allreduce of 2 MiB at 2 ranks, ``docs/bench.md``): the race
+        timed recursive doubling at 514 us a call, double binary tree at 750 (1.46); the
+        duel's pairs came out 1.25, 0.67 and 1.17 (median 1.17, fallen by more than DUEL but
+        still slower than the pick); the race that followed kept recursive doubling and ran
+        the rule's others through `auto`'s blocks: `auto` 0.896 of its own pick's row."""
         self._duel_left.pop(0)
         self._duel_t.append(self._call_time())
         if self._duel_left:
