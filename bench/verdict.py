@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 
 import numpy as np
@@ -140,11 +141,20 @@ def floor(results: list[dict], threshold: float = 0.95) -> dict | None:
 
 
 def _load(paths) -> list[dict]:
-    results = []
+    """The rows of every benchmark ``--json`` file in ``paths``. Other JSON (the tuning table
+    that ``make verify-auto`` writes beside them, so that ``DIR/*.json`` works) is skipped,
+    with a line on stderr; none left is an error."""
+    results, read = [], 0
     for path in paths:
         with open(path) as f:
             data = json.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+            print(f"# skipped {path}: not a benchmark's --json file", file=sys.stderr)
+            continue
         results += data["results"]
+        read += 1
+    if not read:
+        raise SystemExit("python -m bench verdict: none of the files is a benchmark's --json")
     return results
 
 

@@ -229,6 +229,21 @@ def test_verdict_counts_autos_misses(tmp_path, capsys):
     assert "own pick's row: 1" in out
 
 
+def test_verdict_skips_the_tuning_table_beside_the_runs(tmp_path, capsys):
+    """``make verify-auto`` writes tuning.json beside the runs' JSON: ``DIR/*.json`` works."""
+    from bench import verdict
+    res = [_result("native", "out", 2e-3), _result("auto", "out", 2e-3)]
+    res[1].picked = "native"
+    harness.write_json(tmp_path / "r.json", res, {"ranks": 2})
+    (tmp_path / "tuning.json").write_text(json.dumps({"version": 1, "tables": {}}))
+    assert verdict.main([str(tmp_path / "r.json"), str(tmp_path / "tuning.json")]) == 0
+    captured = capsys.readouterr()
+    assert "0 of 1 cells below 0.95" in captured.out
+    assert "skipped" in captured.err and "tuning.json" in captured.err
+    with pytest.raises(SystemExit, match="none of the files"):
+        verdict.main([str(tmp_path / "tuning.json")])
+
+
 def test_twin_rows_run_the_same_code_and_the_verdict_reports_the_floor(tmp_path, capsys):
     """``--twin`` adds ``NAME#2`` rows (not of auto or gloo), which run NAME's code; the
     verdict leaves them out of auto's best and reports the floor from them: two rows of one
