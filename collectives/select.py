@@ -144,9 +144,11 @@ DEFAULT_TABLE = {
         # ring (two of halves) trade places by 25-35% (2026-12-03, at 2 MiB: recursive doubling
         # the best in a tune, a benchmark and `make demo`, ring 0.65-0.79 of it; ring the best
         # in a tune and two benchmarks, recursive doubling down to 0.86 of it): both race.
+        # Ten full runs later (D0-G1, 2026-12-03, docs/bench.md "A twenty-fifth session"):
+        # recursive doubling the best at 2 MiB in all ten (0.97 at worst), ring 0.75 of it
+        # in the median run: recursive doubling leads there, ring races it.
         "2": [[32 << 10, NATIVE], [128 << 10, "recursive_doubling", NATIVE],
-              [512 << 10, "recursive_doubling", "rabenseifner"],
-              [2 << 20, "ring", "recursive_doubling", "double_binary_tree"],
+              [2 << 20, "recursive_doubling", "ring", "double_binary_tree"],
               [None, "ring", "double_binary_tree", "rabenseifner"]],
         # n = 3 out of place: tree or shm (raced) up to 512 KiB, ring above. Six full runs
         # (2026-12-01, "A sixteenth session" in docs/bench.md; cells: the worst of the six,
@@ -157,8 +159,10 @@ DEFAULT_TABLE = {
         # node, so the three race: they traded places from launch to launch (runs F6-G0,
         # 2026-12-02, docs/bench.md: at 8 MiB ring, the pick, ran at 0.85-0.93 of shm in three
         # runs; at 32 MiB in place shm, the tune's pick, at 0.76 of ring in one).
-        "3": [[32 << 10, NATIVE], [512 << 10, "tree", "shm"],
-              [None, "ring", "shm", "hierarchical"]],
+        # D0-G1: shm the best of the row at 128 KiB - 2 MiB in every one of the ten runs
+        # (tree 0.68-0.85 of it in the median run, ring 0.75 at 2 MiB): shm leads there.
+        "3": [[32 << 10, NATIVE], [512 << 10, "shm", "tree"],
+              [2 << 20, "shm", "ring", "hierarchical"], [None, "ring", "shm", "hierarchical"]],
         # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
         # wins there out of place, took 2.2x native's time in place). At n = 3, the same six
         # runs: native the best at 128 KiB in all six (shm, the rule's first before, 0.80);
@@ -166,12 +170,15 @@ DEFAULT_TABLE = {
         # binary tree 0.79: the tunes picked those, and four runs missed there), 2 MiB (0.93;
         # the others 0.85 and below) and 8 MiB (0.99); hierarchical at 32 MiB (0.99; ring 0.96,
         # shm, the rule's first before, 0.90).
-        # In place at n = 2, 2 MiB: shm the best in two tunes and a benchmark (ring 0.75-0.90
-        # of it), ring in another benchmark (2026-12-03): both race.
+        # D0-G1 (ten runs): in place at n = 2, shm the best at 512 KiB (native 0.88 of it in
+        # the median run; they trade places) and 2 MiB (ring 0.74); at n = 3, shm the best at
+        # 128 KiB, 512 KiB and 2 MiB in every run (native 0.90, ring 0.67-0.68).
         "in-place": {
-            "2": [[512 << 10, NATIVE], [2 << 20, "ring", "shm", "double_binary_tree"],
+            "2": [[128 << 10, NATIVE], [512 << 10, "shm", NATIVE],
+                  [2 << 20, "shm", "ring", "double_binary_tree"],
                   [None, "ring", "double_binary_tree", "rabenseifner"]],
-            "3": [[128 << 10, NATIVE], [512 << 10, "ring"],
+            "3": [[64 << 10, NATIVE], [512 << 10, "shm", "tree"],
+                  [2 << 20, "shm", "ring", "hierarchical"],
                   [8 << 20, "ring", "shm", "hierarchical"],
                   [None, "hierarchical", "ring", "shm"]],
         },
@@ -182,15 +189,20 @@ DEFAULT_TABLE = {
         # had put first there.
         "2": [[128 << 10, NATIVE], [512 << 10, "recursive_halving", "ring", "shm"],
               [None, "ring", "recursive_halving", "shm"]],
-        # At 3 ranks ring, shm and hierarchical combine alike (select.bits) and race.
-        "3": [[128 << 10, NATIVE], [256 << 10, "shm", "ring"],
+        # At 3 ranks ring, shm and hierarchical combine alike (select.bits) and race. D0-G1
+        # (ten runs): shm the best at 128 KiB - 2 MiB in every run (native 0.82 at 128 KiB,
+        # ring 0.68-0.87), native at 32 KiB, ring at 8 and 32 MiB.
+        "3": [[64 << 10, NATIVE], [2 << 20, "shm", "ring", "hierarchical"],
               [None, "ring", "shm", "hierarchical"]],
     },
     "allgather": {
         # MPI's own is MPI_Allgather for equal lengths (native.allgather; it was Allgatherv,
         # 1.3-2x slower): it led every size to 4 MiB per rank by 10-40% at n = 2 and 3 (two
         # tunes and a benchmark, 2026-11-30); above, it, shm and the schedules were within 10%.
-        "2": [[4 << 20, NATIVE], [None, NATIVE, "shm", "recursive_doubling"]],
+        # Ten runs later (D0-G1, 2026-12-03), ring the best from 256 KiB to 4 MiB per rank
+        # (native 0.62-0.92 of it in the median run): ring leads there, native races it.
+        "2": [[128 << 10, NATIVE], [4 << 20, "ring", NATIVE, "shm"],
+              [None, NATIVE, "shm", "recursive_doubling"]],
         # 3 ranks, 512 KiB - 2 MiB: shm the best by 1.3-1.4x in some launches, 0.73-0.85 of
         # native in others (2026-11-30, late): the trial decides at run time.
         "3": [[32 << 10, NATIVE], [4 << 20, NATIVE, "shm"], [None, NATIVE, "shm", "ring"]],
@@ -217,7 +229,9 @@ DEFAULT_TABLE = {
               [None, "shm", "tree", "binomial"]],
         # At 3 ranks shm runs in two modes, minutes apart: 1.3-1.8x tree's speed at 32 MiB in
         # two benchmarks, 0.8 in the tunes just before them; the trial races the two.
-        "3": [[32 << 10, NATIVE], [None, "shm", "tree"]],
+        # D0-G1 (ten runs): shm the best at 32 KiB in every run, both modes (native 0.87-0.92
+        # of it in the median run), native at 8 KiB.
+        "3": [[16 << 10, NATIVE], [None, "shm", "tree"]],
     },
 }
 for _rules in DEFAULT_TABLE.values():
