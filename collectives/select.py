@@ -150,11 +150,11 @@ DEFAULT_TABLE = {
         "2": [[32 << 10, NATIVE], [128 << 10, "recursive_doubling", NATIVE],
               [2 << 20, "recursive_doubling", "ring", "double_binary_tree"],
               [None, "ring", "double_binary_tree", "rabenseifner"]],
-        # n = 3 out of place: tree or shm (raced) up to 512 KiB, ring above. Six full runs
-        # (2026-12-01, "A sixteenth session" in docs/bench.md; cells: the worst of the six,
-        # best / algorithm): 128 KiB tree 0.94 (native 0.89), 512 KiB tree 0.99, 2 MiB ring
-        # 0.995 where shm, this rule's first there before, ran at 0.80-0.93 and missed in two
-        # runs, 8 MiB ring 1.00, 32 MiB ring 0.98 (hierarchical 0.99).
+        # Until D0-G1 (below), n = 3 out of place: tree or shm (raced) to 512 KiB, ring above. Six
+        # runs (2026-12-01, "A sixteenth session" in docs/bench.md; cells: the worst of the six,
+        # best / algorithm): 128 KiB tree 0.94 (native 0.89), 512 KiB tree 0.99, 2 MiB ring 0.995
+        # where shm, this rule's first there before, ran at 0.80-0.93 and missed in two runs, 8 MiB
+        # ring 1.00, 32 MiB ring 0.98 (hierarchical 0.99).
         # Above 512 KiB shm combines as ring does (``bits``), and so does hierarchical on one
         # node, so the three race: they traded places from launch to launch (runs F6-G0,
         # 2026-12-02, docs/bench.md: at 8 MiB ring, the pick, ran at 0.85-0.93 of shm in three
@@ -163,13 +163,13 @@ DEFAULT_TABLE = {
         # (tree 0.68-0.85 of it in the median run, ring 0.75 at 2 MiB): shm leads there.
         "3": [[32 << 10, NATIVE], [512 << 10, "shm", "tree"],
               [2 << 20, "shm", "ring", "hierarchical"], [None, "ring", "shm", "hierarchical"]],
-        # In place at n = 2, MPICH's own stays ahead up to 512 KiB (recursive doubling, which
-        # wins there out of place, took 2.2x native's time in place). At n = 3, the same six
-        # runs: native the best at 128 KiB in all six (shm, the rule's first before, 0.80);
-        # ring at 512 KiB (the best in four, 0.92 at worst; shm 0.88, tree 0.87, double
-        # binary tree 0.79: the tunes picked those, and four runs missed there), 2 MiB (0.93;
-        # the others 0.85 and below) and 8 MiB (0.99); hierarchical at 32 MiB (0.99; ring 0.96,
-        # shm, the rule's first before, 0.90).
+        # Until D0-G1 (below): in place at n = 2, MPICH's own ahead to 512 KiB (recursive doubling,
+        # which wins there out of place, took 2.2x native's time in place). At n = 3, the same six
+        # runs: native the best at 128 KiB in all six (shm, the rule's first before, 0.80); ring at
+        # 512 KiB (the best in four, 0.92 at worst; shm 0.88, tree 0.87, double binary tree 0.79:
+        # the tunes picked those, and four runs missed there), 2 MiB (0.93; the others 0.85 and
+        # below) and 8 MiB (0.99); hierarchical at 32 MiB (0.99; ring 0.96, shm, the rule's first
+        # before, 0.90).
         # D0-G1 (ten runs): in place at n = 2, shm the best at 512 KiB (native 0.88 of it in
         # the median run; they trade places) and 2 MiB (ring 0.74); at n = 3, shm the best at
         # 128 KiB, 512 KiB and 2 MiB in every run (native 0.90, ring 0.67-0.68).
