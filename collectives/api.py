@@ -446,23 +446,22 @@ class _Trial:
     first. Once decided, the trial stays in the memo for those; the others repeat the plan kept
     in ``ctx.auto_last``, as the calls of a rule of one do (``_start``).
 
-    A decided trial races again after a while (``RETRIAL_S``, see ``next``), and sooner when
-    its pick slows down (``_probe``): about every ``PROBE_S`` seconds (of the program's time,
-    between the calls too), the next block of blocking calls is timed, call by call (the time
-    inside the calls, not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives
-    every rank the slowest rank's median call and the longest time since the last probe
-    (which sets the calls until the next); the pick's reference is its race time, or the first probe after
-    the race where that ran faster (a probe times less than a race's block, whose barrier and
-    gaps between calls it leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP``
-    times it start a *duel* (``_duel_block``): blocks of the race's runner-up and of the pick
-    in turn, ``DUEL_BLOCKS`` pairs; only where the runner-up now runs faster against the pick
-    than it did in the race, by more than ``DUEL`` (the median pair), and faster than the
-    pick, does a race start at the next call. Else the whole machine slowed down, not the
-    pick alone (or the pick is still the faster of the two), and the pick's
-    reference becomes its pace now (it comes back down, to the race's, as later probes run
-    faster). A race the probes started that kept the same pick doubles the probes needed for
-    the next. A probe costs its block's timing and one small allreduce, once in ``PROBE_S``;
-    a duel, its blocks and one small allreduce.
+    A decided trial races again after a while (``RETRIAL_S``, see ``next``), and sooner when its
+    pick slows down (``_probe``): about every ``PROBE_S`` seconds (of the program's time, between
+    the calls too), the next block of blocking calls is timed, call by call (the time inside the
+    calls, not the caller's between them), and one ``MPI_Allreduce(MAX)`` gives every rank the
+    slowest rank's median call and the longest time since the last probe (which sets the calls until
+    the next); the pick's reference is its race time, or the first probe after the race where that
+    ran faster (a probe times less than a race's block, whose barrier and gaps between calls it
+    leaves out), and ``TRIP_PROBES`` probes running slower than ``TRIP`` times it start a *duel*
+    (``_duel_block``): blocks of the race's runner-up and of the pick in turn, ``DUEL_BLOCKS``
+    pairs; only where the runner-up now runs faster against the pick than it did in the race, by
+    more than ``DUEL`` (the median pair), and faster than the pick, does a race start at the next
+    call. Else the whole machine slowed down, not the pick alone (or the pick is still the faster of
+    the two), and the pick's reference becomes its pace now (it comes back down, to the race's, as
+    later probes run faster). A race the probes started that kept the same pick doubles the probes
+    needed for the next. A probe costs its block's timing and one small allreduce, once in
+    ``PROBE_S``; a duel, its blocks and one small allreduce.
     No probes after the first where a node runs more of the ranks than the cores it gives a
     process (``_crowded``, 3 ranks on this machine's 2): a 2 ms block there is the
     scheduler's, and races as well time what it did (allreduce of 128 KiB at 3 ranks: the
@@ -898,7 +897,7 @@ class _Trial:
         timed recursive doubling at 514 us a call, double binary tree at 750 (1.46); the
         duel's pairs came out 1.25, 0.67 and 1.17 (median 1.17, fallen by more than DUEL but
         still slower than the pick); the race that followed kept recursive doubling and ran
-        the rule's others through `auto`'s blocks: `auto` 0.896 of its own pick's row."""
+        the rule's others through ``auto``'s blocks: ``auto`` 0.896 of its own pick's row."""
         self._duel_left.pop(0)
         self._duel_t.append(self._call_time())
         if self._duel_left:
