@@ -14,16 +14,16 @@ A rank whose *own* checks failed (``out`` of the wrong shape on that rank only, 
 exchange with its error instead of leaving the others waiting (``failed``): the others raise
 ``MismatchError`` naming that rank and its error; if every rank failed, each raises its own
 error as it would without checking. With checking off nothing is exchanged: the cost is one
-``os.environ`` lookup per call.
+settings lookup per call.
 """
 from __future__ import annotations
 
-import functools
 import zlib
 
 import numpy as np
 
-from .errors import OFF_WORDS, MismatchError, env_raw
+from . import config
+from .errors import MismatchError
 
 __all__ = ["enabled", "verify", "failed", "settle", "FIELDS"]
 
@@ -33,23 +33,7 @@ _VERB = {"collective": "called", "algorithm": "chose", "sequence": "are at"}
 
 def enabled(check=None) -> bool:
     """Per-call ``check`` wins; else ``COLLECTIVES_CHECK``."""
-    if check is not None:
-        return bool(check)
-    raw = env_raw(b"COLLECTIVES_CHECK")
-    return raw not in _OFF and _on(raw)
-
-
-# COLLECTIVES_CHECK values that mean off, raw (bytes on POSIX, str elsewhere: see env_raw): the
-# common ones, one set lookup a call; any other goes through ``_on``.
-_OFF = frozenset((None, "", b"") + OFF_WORDS + tuple(w.encode() for w in OFF_WORDS))
-
-
-@functools.lru_cache(maxsize=16)
-def _on(raw) -> bool:
-    """A COLLECTIVES_CHECK value not in ``_OFF`` ("OFF", " No ", ...): off words as everywhere
-    else in the toolkit (``errors.OFF_WORDS``), whatever their case and spaces."""
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    return text.strip().lower() not in OFF_WORDS + ("",)
+    return config.get("COLLECTIVES_CHECK") if check is None else bool(check)
 
 
 def _code(field: str, value) -> int:

@@ -1,30 +1,8 @@
 """Error types raised by the toolkit."""
 from __future__ import annotations
 
-import os
-
 __all__ = ["CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
-           "network_error", "getenv", "OFF_WORDS"]
-
-_ENVIRON = getattr(os.environ, "_data", None)  # CPython's own store: bytes keys on POSIX
-
-
-# The raw value of an environment variable by its bytes name (a bound dict.get, ~40 ns): for
-# keys of memos that must follow the variable, on the hottest paths.
-env_raw = _ENVIRON.get if _ENVIRON is not None and os.name == "posix" else \
-    (lambda key: os.environ.get(key.decode()))
-
-
-# The values of an on/off environment variable that turn it off (after .strip().lower()).
-OFF_WORDS = ("0", "false", "no", "off")
-
-
-def getenv(name: str, key: bytes | None = None) -> str | None:
-    """``os.environ.get(name)`` in ~0.1 us (it is read on every collective call)."""
-    if _ENVIRON is not None and os.name == "posix":
-        value = _ENVIRON.get(key or name.encode())
-        return None if value is None else value.decode()
-    return os.environ.get(name)
+           "network_error"]
 
 
 class CollectiveError(RuntimeError):

@@ -20,38 +20,34 @@ module wraps it to stage device memory through host buffers; the in-process simu
 (``collectives.sim``) implements it with mailboxes. ``Run`` only needs ``isend``, ``irecv``,
 ``waitany``, ``testsome`` and ``finish``.
 
-Knob: ``SEGMENT_BYTES`` (env ``COLLECTIVES_SEGMENT_BYTES``) is the largest message an algorithm
+``COLLECTIVES_SEGMENT_BYTES`` (``collectives.config``) is the largest message an algorithm
 emits; tests set it small so that short arrays walk the multi-segment paths.
+
+``schedule_for(call, builder)`` builds (once per shape: cached) the schedule of an API call and
+``launch_schedule(call, schedule)`` binds it to the call's buffers and starts it: the one entry
+point through which the API and the composite algorithms run a schedule.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections import defaultdict, deque
+from collections import deque
 
 import numpy as np
 
+from . import config
 from .errors import CollectiveError, MessageSizeError, network_error
 from .progress import polite_waits
-from .schedule import COPY, RECV, REDUCE, SEND
+from .schedule import RECV, REDUCE, SEND
 
-__all__ = ["Context", "context", "Run", "MPITransport", "SEGMENT_BYTES", "segment_elems",
-           "set_segment_bytes"]
-
-SEGMENT_BYTES = int(os.environ.get("COLLECTIVES_SEGMENT_BYTES", 4 << 20))
-
-
-def set_segment_bytes(nbytes: int) -> int:
-    """Set the segment size (bytes) for later calls; returns the previous value."""
-    global SEGMENT_BYTES
-    if nbytes <= 0:
-        raise ValueError(f"segment size must be positive, got {nbytes}")
-    old, SEGMENT_BYTES = SEGMENT_BYTES, int(nbytes)
-    return old
+__all__ = ["Context", "context", "Run", "MPITransport", "segment_elems", "schedule_for",
+           "launch_schedule"]
 
 
 def segment_elems(itemsize: int) -> int:
-    return max(1, SEGMENT_BYTES // max(1, itemsize))
+    """Elements of ``itemsize`` bytes in one segment (``COLLECTIVES_SEGMENT_BYTES``)."""
+    return max(1, config.get("COLLECTIVES_SEGMENT_BYTES") // max(1, itemsize))
 
 
 # -- per-communicator context -------------------------------------------------------------------
@@ -73,13 +69,6 @@ class Context:
         self._scratch: dict = {}
         self.stash: dict = {}  # other modules' per-communicator state (topology, windows, ...)
         self.transport = MPITransport(self.comm)
-        # auto's picks on this communicator: {collective: {bytes: (name, builder)}}, for the
-        # tuning table named by ``auto_env`` (the raw COLLECTIVES_TUNING) (collectives.api)
-        self.auto: defaultdict = defaultdict(dict)
-        self.auto_env = None
-        self.auto_last = (None,) * 8  # the last auto call and its plan (api._start)
-        # What auto's trials measured: {(collective, key): {algorithm: seconds}} (api._Trial).
-        self.auto_trials: dict = {}
         # Non-blocking calls that move only when a rank runs them (shm's), not yet done: a later
         # call on this communicator runs them first (api._start).
         self.pending: list = []
@@ -377,3 +366,64 @@ class Run:
                          f"(op {i} of {len(self.plan.ops)})")
         return "; ".join(parts) or "nothing in flight"
 
+
+
+# -- running an API call's schedule --------------------------------------------------------------
+@functools.lru_cache(maxsize=512)
+def _build(builder, collective, rank, size, count, counts, root, seg, extra):
+    if collective == "allreduce":
+        s = builder(rank, size, count, seg=seg, **dict(extra))
+    elif collective in ("reduce", "broadcast"):
+        s = builder(rank, size, count, root, seg=seg, **dict(extra))
+    else:
+        s = builder(rank, size, counts, seg=seg, **dict(extra))
+    s.validate()
+    s.plan()
+    return s
+
+
+def schedule_for(call, builder, extra: tuple = ()):
+    """The schedule ``builder`` makes for ``call`` (an API call: ``collectives.api.Call``),
+    built once per shape and segment size; ``extra``: further keyword arguments as pairs."""
+    counts = None if call.counts is None else tuple(call.counts)
+    return _build(builder, call.collective, call.ctx.rank, call.ctx.size, call.x.count, counts,
+                  call.root, segment_elems(call.x.dtype.itemsize), extra)
+
+
+def launch_schedule(call, schedule) -> Run:
+    """Bind ``schedule`` to ``call``'s buffers and start it: a ``Run`` (started, unless the call
+    blocks: its caller waits at once). Scratch comes from the context's pool and goes back when
+    the run ends; device buffers move through the CUDA transports."""
+    ctx, x, out = call.ctx, call.x, call.out
+    # Out of place, receives land straight in the reduction that consumes them (see
+    # Schedule.direct); in place, IN is OUT and they must go through scratch.
+    plan = schedule.plan(direct=not call.inplace)
+    key = (x.kind, x.device, x.dtype)
+    taken = []  # scratch to give back
+    tmp = None
+    if plan.schedule.tmp:
+        tmp = ctx.take_scratch(key, plan.schedule.tmp, lambda n: x.new((n,)).flat)
+        taken.append(tmp)
+    if out is None:  # reduce on a non-root rank: OUT is scratch
+        out_flat = ctx.take_scratch(key, x.count, lambda n: x.new((n,)).flat)[:x.count]
+        taken.append(out_flat.base if out_flat.base is not None else out_flat)
+    else:
+        out_flat = out.flat
+    in_flat = out_flat if call.inplace else x.flat
+    if x.is_device:
+        from . import cuda
+        transport = cuda.transport(ctx, x)
+    else:
+        transport = ctx.transport
+    close = getattr(transport, "close", None)  # device transports: wait for queued GPU work
+    release = None
+    if close is not None or taken:
+        def release():
+            if close is not None:
+                close()
+            for arr in taken:
+                ctx.give_scratch(key, arr)
+
+    run = Run(plan, in_flat, out_flat, tmp, call.op, transport, ctx.tag(call.seq),
+              info=call.describe, on_done=release)
+    return run if call.blocking else run.start()

@@ -15,7 +15,8 @@ import numpy as np
 from .ops import Op
 from .progress import Done, NativeWork
 
-__all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "mpi_type_op"]
+__all__ = ["launch", "bind", "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
+           "mpi_type_op"]
 
 _CACHE: dict = {}
 _DONE = Done()  # stateless: one serves every blocking call
@@ -64,6 +65,40 @@ def mpi_type_op(op: Op):
         result = (mpitype, MPI.Op.Create(kernel, commute=True))
     _CACHE[key] = op.mpi = result
     return result
+
+
+def launch(call):
+    """Start ``call`` (a ``collectives.api.Call`` on host buffers) with the MPI library's own
+    collective: done at once when it blocks, else the library's request as work."""
+    comm, x, blocking = call.ctx.comm, call.x.flat, call.blocking
+    out = None if call.out is None else call.out.flat
+    collective = call.collective
+    if collective == "allreduce":
+        return allreduce(comm, out if call.inplace else x, out, call.op, blocking)
+    if collective == "reduce":
+        if out is None:  # a non-root rank: nothing received
+            out = x
+        return reduce(comm, out if call.inplace else x, out, call.op, call.root, blocking)
+    if collective == "broadcast":
+        return broadcast(comm, out, call.root, blocking)
+    if collective == "reduce_scatter":
+        return reduce_scatter(comm, x, out, call.counts, call.op, blocking)
+    return allgather(comm, x, out, call.counts, blocking)
+
+
+def bind(call):
+    """A blocking allreduce of ``call``'s buffers, bound once: a callable that runs it and
+    returns done work (the API's small-call path repeats it for the same buffers)."""
+    mpitype, mpiop = mpi_type_op(call.op)
+    x, out = call.x.flat, call.out.flat
+    recv = [out, out.shape[0], mpitype]
+    return functools.partial(_bound, call.ctx.comm.Allreduce,
+                             _send(out if call.inplace else x, out, mpitype), recv, mpiop)
+
+
+def _bound(allreduce, send, recv, op):
+    allreduce(send, recv, op)
+    return _DONE
 
 
 def _work(request, blocking, info):
@@ -146,9 +181,8 @@ def _layout(counts: tuple, itemsize: int) -> tuple[list, list]:
 def allgather(comm, x, out, counts, blocking: bool):
     """``MPI_Allgather`` when every rank sends as many elements, else ``MPI_Allgatherv``.
 
-    Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, and for equal
-    counts it took 1.3-1.5x Allgather's time at 256 KiB - 16 MiB per rank (n = 2) and 1.7-2x
-    (n = 3), measured side by side (2026-11-30)."""
+    Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, 1.3-2x slower for
+    equal counts (docs/performance.md)."""
     from mpi4py import MPI
     send = [x.view(np.uint8), MPI.BYTE]
     if _even(counts):

@@ -19,7 +19,8 @@ import os
 import queue
 import threading
 
-from .errors import OFF_WORDS, getenv, network_error
+from . import config
+from .errors import network_error
 
 __all__ = ["Request", "Done", "NativeWork", "Worker", "use_thread"]
 
@@ -54,7 +55,7 @@ def polite_waits() -> bool:
     """Whether waits poll and yield the core instead of spinning inside MPI.
 
     ``COLLECTIVES_WAIT=yield`` or ``spin`` decides; by default, yield on a busy node."""
-    setting = os.environ.get("COLLECTIVES_WAIT", "auto").lower()
+    setting = config.get("COLLECTIVES_WAIT")
     if setting in ("yield", "poll"):
         return True
     if setting in ("spin", "block"):
@@ -71,13 +72,8 @@ def use_thread() -> bool:
     own computation (autograd) needs: measured here, DDP's step was 0.83x gloo's with the
     thread and 0.72x without it at 2 ranks on 2 cores.
     """
-    value = getenv("COLLECTIVES_PROGRESS_THREAD", b"COLLECTIVES_PROGRESS_THREAD")
-    setting = "auto" if value is None else value.lower()
-    if setting in OFF_WORDS or not setting:
-        return False
-    if setting != "auto":
-        return True
-    return not busy_node()
+    setting = config.get("COLLECTIVES_PROGRESS_THREAD")
+    return not busy_node() if setting is None else setting
 
 
 class Done:

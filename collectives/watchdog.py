@@ -1,6 +1,6 @@
 """Hang detection: a collective that does not complete in time aborts the job, loudly.
 
-``COLLECTIVES_TIMEOUT=seconds`` (default ``DEFAULT_TIMEOUT`` = 300 s; ``0`` disables) bounds
+``COLLECTIVES_TIMEOUT=seconds`` (default 300 s; ``0`` disables; ``collectives.config``) bounds
 every collective, blocking or not, from the moment it is called. When one is late:
 
 1. the rank where it is late prints on stderr the collective, its algorithm, its sequence
@@ -33,47 +33,34 @@ threads and tasks correctly); requests driven later by the progress thread keep 
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import time
 from contextvars import ContextVar
 from time import monotonic as _monotonic
 
+from . import config
 from .schedule import SEND
 
-__all__ = ["DEFAULT_TIMEOUT", "EXIT_CODE", "timeout", "set_timeout", "label", "watch",
+__all__ = ["EXIT_CODE", "timeout", "enabled", "set_timeout", "label", "watch",
            "unwatch", "report"]
 
-DEFAULT_TIMEOUT = 300.0
 EXIT_CODE = 124
 
 
-def _parse(text) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"COLLECTIVES_TIMEOUT={text!r}: expected a number of seconds "
-                         f"(0 disables the watchdog)") from None
-    if not seconds >= 0:
-        raise ValueError(f"COLLECTIVES_TIMEOUT={text!r}: must be >= 0 seconds")
-    return seconds
-
-
-# The limit in force; api reads it on every call (0: do not register at all).
-LIMIT = _parse(os.environ.get("COLLECTIVES_TIMEOUT", DEFAULT_TIMEOUT))
-
-
 def timeout() -> float:
-    """The timeout in force, in seconds (0: disabled)."""
-    return LIMIT
+    """The timeout in force, in seconds (0: disabled): ``COLLECTIVES_TIMEOUT``."""
+    return config.get("COLLECTIVES_TIMEOUT")
 
 
-def set_timeout(seconds: float) -> float:
+def enabled() -> bool:
+    """Whether collectives are watched (a timeout is set)."""
+    return config.get("COLLECTIVES_TIMEOUT") > 0
+
+
+def set_timeout(seconds) -> float:
     """Set the timeout for collectives started from now on; returns the previous value."""
-    global LIMIT
-    old, LIMIT = LIMIT, _parse(seconds)
-    return old
+    return config.set("COLLECTIVES_TIMEOUT", seconds)
 
 
 # -- labels --------------------------------------------------------------------------------------
@@ -317,7 +304,7 @@ _FIRED = False
 
 
 def _tick() -> float:
-    return min(1.0, max(0.05, (LIMIT or 8.0) / 8))
+    return min(1.0, max(0.05, (timeout() or 8.0) / 8))
 
 
 def _launch() -> None:
@@ -357,6 +344,7 @@ def _loop() -> None:
 
 def _round() -> None:
     now = time.monotonic()
+    limit = timeout()
     late = None
     for entry in list(_INFLIGHT):
         work = entry.work
@@ -365,7 +353,7 @@ def _round() -> None:
             if getattr(work, "error", None) is not None:
                 _failed(entry, work.error)
             continue
-        if LIMIT > 0 and now - entry.start > LIMIT and (late is None or entry.start < late.start):
+        if limit > 0 and now - entry.start > limit and (late is None or entry.start < late.start):
             late = entry
     for channel in list(_CHANNELS):
         channel.serve()
@@ -375,7 +363,7 @@ def _round() -> None:
 
 def _grace() -> float:
     """How long the late rank waits for the others' answers."""
-    return min(10.0, max(1.5, LIMIT / 2))
+    return min(10.0, max(1.5, timeout() / 2))
 
 
 def _fire(entry: _Entry) -> None:
@@ -388,7 +376,7 @@ def _fire(entry: _Entry) -> None:
     channel = ctx.stash.get(_KEY)
     elapsed = time.monotonic() - entry.start
     _write(f"[collectives watchdog] rank {ctx.rank}: {entry.describe()} did not complete in "
-           f"{elapsed:.1f} s (COLLECTIVES_TIMEOUT={LIMIT:g}); waiting for: "
+           f"{elapsed:.1f} s (COLLECTIVES_TIMEOUT={timeout():g}); waiting for: "
            f"{entry.waiting_for()}")
     answers: dict[int, dict] = {}
     lower_asked = False
