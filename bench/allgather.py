@@ -5,7 +5,8 @@ busbw = algbw x (n-1)/n. Out of place only (the API refuses ``out=x``).
 """
 import numpy as np
 
-from bench.harness import Collective, main as _main, rank_data
+from bench.cli import main as _main
+from bench.collective import Collective, rank_data
 
 __all__ = ["Allgather", "main"]
 

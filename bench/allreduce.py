@@ -3,7 +3,8 @@
 busbw = algbw x 2(n-1)/n; the table also shows the fraction of the memory-bandwidth bound
 (2 n N bytes moved at the measured ``numpy.copyto`` bandwidth) that each algorithm reaches.
 """
-from bench.harness import Collective, expected_reduce, main as _main
+from bench.cli import main as _main
+from bench.collective import Collective, expected_reduce
 
 __all__ = ["Allreduce", "main"]
 

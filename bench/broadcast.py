@@ -2,7 +2,8 @@
 
 busbw = algbw. The API broadcasts in place, so only the in-place columns exist.
 """
-from bench.harness import Collective, main as _main, rank_data
+from bench.cli import main as _main
+from bench.collective import Collective, rank_data
 
 __all__ = ["Broadcast", "main"]
 

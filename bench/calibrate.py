@@ -99,7 +99,7 @@ def _kernel_bandwidth(comm, fn, nbytes=64 << 20, piece=4 << 20) -> float:
     """Bytes of result per second of ``fn(dst, a, b)`` over buffers of ``nbytes`` in ``piece``
     chunks, every rank at once, repeated over at least 256 MiB (a small buffer stays in cache,
     as a collective's does); the slowest rank's best of three."""
-    from bench.harness import _max
+    from bench.harness import max_over_ranks
     n = nbytes // 4
     a, b, c = (np.full(n, 1.0, np.float32) for _ in range(3))
     step = min(piece, nbytes) // 4
@@ -112,7 +112,7 @@ def _kernel_bandwidth(comm, fn, nbytes=64 << 20, piece=4 << 20) -> float:
             for i in range(0, n, step):
                 fn(c[i:i + step], a[i:i + step], b[i:i + step])
         best = min(best, time.perf_counter() - t0)
-    return c.nbytes * reps / _max(comm, best)
+    return c.nbytes * reps / max_over_ranks(comm, best)
 
 
 # Buffer sizes of the curves, per rank (the model reads them by the bytes on a node: ``sized``).
@@ -176,8 +176,8 @@ def _api_time(comm) -> float:
         t0 = time.perf_counter()
         coll.allreduce(x, out=out, comm=comm, algorithm="ring")
         times[k] = time.perf_counter() - t0
-    from bench.harness import _max
-    return _max(comm, float(np.percentile(times, 5)))
+    from bench.harness import max_over_ranks
+    return max_over_ranks(comm, float(np.percentile(times, 5)))
 
 
 def _fit(measured: float, model_time) -> float:
@@ -192,14 +192,15 @@ def _oversubscribed(comm, args, n, cores) -> int:
     every rank is busy, and add it to the model calibrated before with 2 ranks. Every rank
     passes 8 bytes around the ring (send right, receive from the left) as a collective does;
     switch = the time per hop minus alpha."""
-    from collectives import sim
-    model = sim.CostModel.load(args.output)
+    from collectives import costmodel
+    model = costmodel.CostModel.load(args.output)
     hop = _ring_hop(comm)
     switch = max(0.0, hop - model.alpha["node"])
-    model = sim.CostModel(model.alpha, model.bandwidth, model.reduce_bandwidth,
-                          model.copy_bandwidth, model.overhead, model.call,
-                          model.source.split("; switch")[0]
-                          + f"; switch with {n} ranks on {cores} cores", switch, model.curves)
+    model = costmodel.CostModel(model.alpha, model.bandwidth, model.reduce_bandwidth,
+                                model.copy_bandwidth, model.overhead, model.call,
+                                model.source.split("; switch")[0]
+                                + f"; switch with {n} ranks on {cores} cores", switch,
+                                model.curves)
     if comm.Get_rank() == 0:
         print(f"# {n} ranks on {cores} cores: 8 bytes around the ring take {hop * 1e6:.1f} us "
               f"per hop (alone: {model.alpha['node'] * 1e6:.1f} us): switch {switch * 1e6:.1f} us")
@@ -221,13 +222,13 @@ def _ring_hop(comm, laps=200) -> float:
         for _ in range(laps):
             comm.Sendrecv([sbuf, mpibyte], right, 7, [rbuf, mpibyte], left, 7)
         rounds.append((time.perf_counter() - t0) / laps)
-    from bench.harness import _max
-    return _max(comm, float(np.median(rounds)))
+    from bench.harness import max_over_ranks
+    return max_over_ranks(comm, float(np.median(rounds)))
 
 
 def main(argv=None) -> int:
     """``mpiexec -n 2 python -m bench calibrate [-o FILE]``."""
-    from bench.harness import _abort_on_error, parse_rate, parse_time
+    from bench.harness import abort_on_error, parse_rate, parse_time
     p = argparse.ArgumentParser(prog="python -m bench calibrate",
                                 description="measure alpha, beta, gamma and the executor's "
                                             "overheads for the cost model (mpiexec -n 2)")
@@ -240,9 +241,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from mpi4py import MPI
 
-    from collectives import sim
+    from collectives import costmodel
+    from collectives.topology import simulated
     comm = MPI.COMM_WORLD
-    _abort_on_error(comm)
+    abort_on_error(comm)
     rank, n = comm.Get_rank(), comm.Get_size()
     if n < 2:
         raise SystemExit("calibrate needs 2 ranks: mpiexec -n 2 python -m bench calibrate")
@@ -284,27 +286,26 @@ def main(argv=None) -> int:
     if "node" in table:
         curves["node"] = _link_curve(table["node"], alpha["node"])
     reduce_bw, copy_bw = curves["reduce"][-1][1], curves["copy"][-1][1]
-    model = sim.CostModel(alpha, bandwidth, reduce_bw, copy_bw, 0.0, 0.0,
-                          source=f"python -m bench calibrate on {hosts[0]}, "
-                                 f"{time.strftime('%Y-%m-%d %H:%M')}", curves=curves)
+    model = costmodel.CostModel(alpha, bandwidth, reduce_bw, copy_bw, 0.0, 0.0,
+                                source=f"python -m bench calibrate on {hosts[0]}, "
+                                       f"{time.strftime('%Y-%m-%d %H:%M')}", curves=curves)
     # 3. per-op overhead, fitted through the model on the executor's ping-pong schedule.
     trips = 50
     measured = _executor_time(comm, trips)
-    pair_topo = sim.Topology(2, 2 if hosts[1] == hosts[0] else 1)
+    pair_topo = simulated(2, 2 if hosts[1] == hosts[0] else 1)
     scheds = [_pingpong_schedule(r, trips, 2) for r in range(2)]
 
     def with_overhead(o, call=0.0):
-        return sim.CostModel(model.alpha, model.bandwidth, reduce_bw, copy_bw, o, call,
-                             model.source, curves=curves)
+        return costmodel.CostModel(model.alpha, model.bandwidth, reduce_bw, copy_bw, o, call,
+                                   model.source, curves=curves)
 
-    overhead = _fit(measured, lambda o: sim.critical_path(scheds, pair_topo, with_overhead(o),
-                                                           4).time)
+    overhead = _fit(measured, lambda o: costmodel.critical_path(scheds, pair_topo,
+                                                                with_overhead(o), 4).time)
     # 4. per-call overhead, fitted on an 8-byte ring allreduce through the API (all ranks).
     api = _api_time(comm)
-    topo = sim.Topology(n, n if len(set(hosts)) == 1 else None,
-                        cores_per_node=None)
-    call = _fit(api, lambda c: sim.predict("allreduce", "ring", n, 8, topology=topo,
-                                           model=with_overhead(overhead, c)).time)
+    topo = simulated(n, n if len(set(hosts)) == 1 else None)
+    call = _fit(api, lambda c: costmodel.predict("allreduce", "ring", n, 8, topology=topo,
+                                                 model=with_overhead(overhead, c)).time)
     model = with_overhead(overhead, call)
     if rank == 0:
         print(f"# cost model calibration on {hosts[0]} ({n} ranks)")
@@ -312,7 +313,7 @@ def main(argv=None) -> int:
             print(f"# ping-pong {link}: half round trip")
             for m, t in rows:
                 print(f"  {m:>10} B  {t * 1e6:10.2f} us  {m / t / 1e9 if t else 0:7.3f} GB/s")
-        for k in sim.LINKS:
+        for k in costmodel.LINKS:
             print(f"  {k:<5} alpha {model.alpha[k] * 1e6:7.2f} us   bandwidth "
                   f"{model.bandwidth[k] / 1e9:7.3f} GB/s")
         print(f"  reduce (numpy.add)   {reduce_bw / 1e9:7.3f} GB/s of result")

@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     from torch import nn
 
+    from collectives import config
     from collectives.torch import DistributedDataParallel
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD
@@ -156,14 +157,16 @@ def main(argv=None) -> int:
 
     def step(v):
         # The toolkit reads COLLECTIVES_PROGRESS_THREAD as each collective starts.
-        os.environ["COLLECTIVES_PROGRESS_THREAD"] = "0" if v == "ours_nothread" else thread_env
+        config.set("COLLECTIVES_PROGRESS_THREAD", False if v == "ours_nothread" else thread)
         opts[v].zero_grad(set_to_none=args.zero_grad == "none")
         nn.functional.mse_loss(models[v](x), y).backward()
         if v == "no_overlap":
             flat.reduce()
         opts[v].step()
 
-    thread_env = os.environ.get("COLLECTIVES_PROGRESS_THREAD", "1")
+    # ``ours`` runs with the thread unless the setting says otherwise (auto: on).
+    before = config.get("COLLECTIVES_PROGRESS_THREAD")
+    thread = True if before is None else before
 
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}  # process CPU time (all threads), the work behind a step
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
                 cpu[v].append(comm.allreduce(dc, op=MPI.MAX))
     hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
               for v in ("ours", "ours_nothread") if v in models}
-    os.environ["COLLECTIVES_PROGRESS_THREAD"] = thread_env
+    config.set("COLLECTIVES_PROGRESS_THREAD", before)
 
     result = {"ranks": size, "params": n_params, "batch": args.batch, "threads": args.threads,
               "bucket_cap_mb": args.bucket_cap_mb, "algorithm": args.algorithm,

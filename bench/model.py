@@ -5,8 +5,8 @@ Plan a cluster job from a laptop::
     python -m bench model --ranks 4096 --ranks-per-node 8 --bytes 256M \\
         --net-alpha 5us --net-bw 25GB/s
 
-runs every schedule algorithm of the collective through ``collectives.sim.predict`` with the
-parameters of ``python -m bench calibrate`` (or the built-in defaults) for the links inside a
+runs every schedule algorithm of the collective through ``collectives.costmodel.predict`` with
+the parameters of ``python -m bench calibrate`` (or the built-in defaults) for the links inside a
 node, and the network given on the command line, and prints each one's predicted time, algbw,
 busbw and what its critical path is made of (latency, transfer, compute, executor overhead).
 Algorithms that are not schedules (``native``: MPI's own, ``shm``) cannot be modelled.
@@ -30,21 +30,17 @@ __all__ = ["main", "model_from_args", "schedule_algorithms", "validate", "markdo
 def schedule_algorithms(collective: str) -> list[str]:
     """The registered algorithms of ``collective`` that are schedules (the model can run)."""
     from collectives import select
-    out = []
-    for name in select.algorithms(collective):
-        b = select.get(collective, name)
-        if b != select.NATIVE and not hasattr(b, "launch"):
-            out.append(name)
-    return out
+    return [name for name in select.algorithms(collective)
+            if select.get(collective, name).kind == select.SCHEDULE]
 
 
 def model_from_args(args):
     """The calibrated (or default) model with the link options of ``args`` applied."""
     from bench.harness import parse_rate, parse_time
-    from collectives import sim
-    model = sim.CostModel.load(args.params)
+    from collectives import costmodel
+    model = costmodel.CostModel.load(args.params)
     links = {}
-    for link in sim.LINKS:
+    for link in costmodel.LINKS:
         a, bw = getattr(args, f"{link}_alpha"), getattr(args, f"{link}_bw")
         if a is not None or bw is not None:
             links[link] = (None if a is None else parse_time(a),
@@ -102,7 +98,8 @@ def main(argv=None) -> int:
     if args.validate:
         return validate(args)
     from bench.harness import busbw_factor, format_size, parse_size
-    from collectives import sim
+    from collectives import costmodel
+    from collectives.topology import simulated
     if args.ranks is None:
         raise SystemExit("--ranks is required (or --validate under mpiexec)")
     import numpy as np
@@ -110,8 +107,7 @@ def main(argv=None) -> int:
     import bench.harness  # noqa: F401 - registers bfloat16 with numpy
     itemsize = np.dtype(args.datatype).itemsize
     model = model_from_args(args)
-    topo = sim.Topology(args.ranks, args.ranks_per_node, args.ranks_per_numa,
-                        args.cores_per_node)
+    topo = simulated(args.ranks, args.ranks_per_node, args.ranks_per_numa, args.cores_per_node)
     collectives = list(_collectives()) if args.collective == "all" else [args.collective]
     seg = parse_size(args.seg) if args.seg else None
     nodes = math.ceil(args.ranks / topo.ranks_per_node)
@@ -168,12 +164,12 @@ def main(argv=None) -> int:
 def _predict(collective, ranks, nbytes, itemsize, root, topo, model, seg, symmetry, max_ops,
              alg):
     """One prediction and its wall time (an error message instead when it cannot be made)."""
-    from collectives import sim
+    from collectives import costmodel
     t0 = time.perf_counter()
     try:
-        p = sim.predict(collective, alg, ranks, nbytes, itemsize=itemsize, root=root,
-                        topology=topo, model=model, seg_bytes=seg, symmetry=symmetry,
-                        max_ops=max_ops)
+        p = costmodel.predict(collective, alg, ranks, nbytes, itemsize=itemsize, root=root,
+                              topology=topo, model=model, seg_bytes=seg, symmetry=symmetry,
+                              max_ops=max_ops)
     except ValueError as exc:
         return str(exc), 0.0
     return p, time.perf_counter() - t0
@@ -202,18 +198,19 @@ def validate(args) -> int:
     """Measure every schedule algorithm and print the model's prediction beside it."""
     from mpi4py import MPI
 
-    from bench.harness import Sweep, _abort_on_error, byte_sizes, parse_size
+    from bench.harness import Sweep, abort_on_error, byte_sizes, parse_size
     from bench.tune import spec
-    from collectives import sim
+    from collectives import costmodel
+    from collectives.topology import simulated
     comm = MPI.COMM_WORLD
-    _abort_on_error(comm)
+    abort_on_error(comm)
     n, rank0 = comm.Get_size(), comm.Get_rank() == 0
     model = model_from_args(args)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     per_node = local.Get_size()
     local.Free()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    topo = sim.Topology(n, per_node, args.ranks_per_numa, cores)
+    topo = simulated(n, per_node, args.ranks_per_numa, cores)
     sizes = byte_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     collectives = list(_collectives()) if args.collective == "all" else [args.collective]
     rows = []
@@ -227,8 +224,8 @@ def validate(args) -> int:
         import numpy as np
         itemsize = np.dtype(args.datatype).itemsize
         for r in res:
-            p = sim.predict(collective, r.algorithm, n, r.nbytes, itemsize=itemsize,
-                            topology=topo, model=model)
+            p = costmodel.predict(collective, r.algorithm, n, r.nbytes, itemsize=itemsize,
+                                  topology=topo, model=model)
             rows.append({"collective": collective, "ranks": n, "size": r.nbytes,
                          "algorithm": r.algorithm, "measured_us": r.time * 1e6,
                          "spread": r.spread, "predicted_us": p.time * 1e6,

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench.units import format_size
+
 __all__ = ["plot", "main"]
 
 
 def _label(nbytes: float) -> str:
-    from bench.harness import format_size
     return format_size(int(nbytes))
 
 

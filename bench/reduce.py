@@ -2,7 +2,8 @@
 
 busbw = algbw. Only the root's result is checked (the other ranks get none).
 """
-from bench.harness import Collective, expected_reduce, main as _main
+from bench.cli import main as _main
+from bench.collective import Collective, expected_reduce
 
 __all__ = ["Reduce", "main"]
 

@@ -1,0 +1,163 @@
+"""``mpiexec -n N python -m bench overhead``: what a call through the API costs beyond mpi4py.
+
+For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B, 512 B, 4 KiB,
+32 KiB and 64 KiB per rank, three rows on the same preallocated buffers:
+
+- ``mpi4py comm.Allreduce``: the bare call (``MPI.IN_PLACE`` for in place);
+- ``coll.allreduce(algorithm="native")``: the same MPI collective through the API (argument
+  checks, buffer wrapping, dispatch);
+- ``coll.allreduce(algorithm="auto")``: the API with the table lookup; the row names what
+  ``auto`` ran, which at the larger sizes may be another algorithm than MPI's own.
+
+The three run in interleaved rounds (their order rotated by one each round); a round times one
+block of ``--calls`` back-to-back calls of each, after one untimed call; a block's time is the
+slowest rank's average per call. The table shows the median over ``--rounds``, the spread
+(interquartile range / median) and ``API - bare``: the row's median minus the bare call's.
+Before timing, each row's result is compared with the bare call's; in-place rows are timed on
+zeros, since a sum repeated in place would overflow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+
+import numpy as np
+
+from bench.harness import abort_on_error
+from bench.stats import median, spread
+from bench.units import format_size, parse_size
+
+__all__ = ["SIZES", "ROWS", "measure", "format_table", "main"]
+
+SIZES = (8, 64, 512, 4 << 10, 32 << 10, 64 << 10)
+ROWS = {"bare": "mpi4py comm.Allreduce",
+        "native": 'coll.allreduce(algorithm="native")',
+        "auto": 'coll.allreduce(algorithm="auto")'}
+
+
+def _calls(comm, nbytes: int, mode: str):
+    """{row: zero-argument call} on preallocated buffers, the arrays each writes its result
+    to, the input to reset, and what ``auto`` runs here."""
+    from mpi4py import MPI
+
+    import collectives as coll
+    from collectives.api import auto_pick
+    count = max(1, nbytes // 4)
+    x = np.zeros(count, np.float32)
+    outs = {row: np.zeros(count, np.float32) for row in ROWS}
+    if mode == "in":
+        bufs = {row: np.zeros(count, np.float32) for row in ROWS}
+        fns = {"bare": lambda b=bufs["bare"]: comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM),
+               "native": lambda b=bufs["native"]: coll.allreduce(b, "sum", out=b, comm=comm,
+                                                                  algorithm="native"),
+               "auto": lambda b=bufs["auto"]: coll.allreduce(b, "sum", out=b, comm=comm,
+                                                              algorithm="auto")}
+        return fns, bufs, bufs, auto_pick("allreduce", count * 4, comm, True)
+    fns = {"bare": lambda: comm.Allreduce(x, outs["bare"], op=MPI.SUM),
+           "native": lambda: coll.allreduce(x, "sum", out=outs["native"], comm=comm,
+                                            algorithm="native"),
+           "auto": lambda: coll.allreduce(x, "sum", out=outs["auto"], comm=comm,
+                                          algorithm="auto")}
+    return fns, outs, {row: x for row in ROWS}, auto_pick("allreduce", count * 4, comm, False)
+
+
+def _check(comm, fns, results, inputs) -> None:
+    """One call of each row on exact rank-dependent data; every row must equal the bare one."""
+    data = (np.arange(inputs["bare"].size) % 7 + comm.Get_rank()).astype(np.float32)
+    for row, fn in fns.items():
+        np.copyto(inputs[row], data)
+        fn()
+    bad = sum(int(not np.array_equal(results[row], results["bare"])) for row in fns)
+    if comm.allreduce(bad):
+        raise RuntimeError("the API's allreduce differs from comm.Allreduce's on some rank")
+    for row in fns:
+        inputs[row].fill(0)
+
+
+def _block(comm, fn, calls: int) -> float:
+    """The slowest rank's seconds per call over a block of ``calls`` (after one untimed)."""
+    from mpi4py import MPI
+    fn()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    mine = np.array([(time.perf_counter() - t0) / calls])
+    comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+    return float(mine[0])
+
+
+def measure(comm, sizes=SIZES, modes=("out", "in"), rounds: int = 9, calls: int = 500) -> list:
+    """One dict per (size, mode, row): median and spread of the slowest rank's per-call time,
+    and the gap to the bare call (seconds; see the module doc). Collective over ``comm``."""
+    out = []
+    for nbytes in sizes:
+        for mode in modes:
+            fns, results, inputs, pick = _calls(comm, nbytes, mode)
+            _check(comm, fns, results, inputs)
+            for fn in fns.values():  # warm-up, untimed
+                for _ in range(max(1, calls // 10)):
+                    fn()
+            times = {row: [] for row in fns}
+            keys = list(fns)
+            for r in range(rounds):
+                shift = r % len(keys)
+                for row in keys[shift:] + keys[:shift]:
+                    times[row].append(_block(comm, fns[row], calls))
+            bare = median(times["bare"])
+            for row in keys:
+                out.append({"size": max(1, nbytes // 4) * 4, "mode": mode, "row": row,
+                            "call": ROWS[row], "picked": pick if row == "auto" else None,
+                            "time": median(times[row]), "spread": spread(times[row]),
+                            "over_bare": median(times[row]) - bare,
+                            "rounds": times[row]})
+    return out
+
+
+def format_table(rows: list, info: dict) -> str:
+    """The rows as a Markdown table, under a line saying how they were measured."""
+    lines = [f"# API overhead: allreduce float32 sum, {info['ranks']} ranks on {info['host']}, "
+             f"{info['mpi']}; {info['rounds']} rounds of {info['calls']} calls per row, order "
+             f"rotated each round; time = median over rounds of the slowest rank's per-call "
+             f"time; spread = interquartile range / median",
+             "", "| size | mode | call | time (µs) | spread | API - bare (µs) |",
+             "|---:|:---|:---|---:|---:|---:|"]
+    for r in rows:
+        call = r["call"] + (f" → {r['picked']}" if r["picked"] else "")
+        gap = "" if r["row"] == "bare" else f"{r['over_bare'] * 1e6:+.2f}"
+        lines.append(f"| {format_size(r['size'])} | {r['mode']} | {call} | "
+                     f"{r['time'] * 1e6:.2f} | {100 * r['spread']:.1f}% | {gap} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``[mpiexec -n N] python -m bench overhead [options]``."""
+    p = argparse.ArgumentParser(prog="python -m bench overhead",
+                                description="per-call cost of coll.allreduce against bare "
+                                            "mpi4py comm.Allreduce (run under mpiexec -n N)")
+    p.add_argument("--sizes", default=",".join(format_size(s) for s in SIZES),
+                   help="comma-separated bytes per rank, suffixes K, M (default "
+                        "8,64,512,4K,32K,64K)")
+    p.add_argument("--modes", default="out,in", help="out,in (default both)")
+    p.add_argument("--rounds", type=int, default=9, help="timed rounds (default 9)")
+    p.add_argument("--calls", type=int, default=500, help="calls per timed block (default 500)")
+    p.add_argument("--json", default=None, help="write the rows as JSON (times in seconds)")
+    args = p.parse_args(argv)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    abort_on_error(comm)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    modes = [m for m in args.modes.split(",") if m in ("out", "in")]
+    rows = measure(comm, sizes, modes, max(1, args.rounds), max(1, args.calls))
+    if comm.Get_rank() == 0:
+        info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
+                "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+                "rounds": max(1, args.rounds), "calls": max(1, args.calls)}
+        print(format_table(rows, info), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(info, rows=rows), f, indent=1)
+                f.write("\n")
+    return 0
