@@ -1,6 +1,6 @@
 """Data-parallel training of a small CNN with ``collectives.torch.DistributedDataParallel``.
 
-    mpiexec -n 3 python examples/train_ddp.py                     # ~10 s on 2 cores
+    mpiexec -n 3 python examples/train_ddp.py                     # about 10 s on 2 cores
     mpiexec -n 3 python examples/train_ddp.py --hook powersgd     # or fp16, bf16
     mpiexec -n 2 python examples/train_ddp.py --epochs 10 --width 64 --samples 12288
 
@@ -10,12 +10,13 @@ positions with noise, labelled by shape. Every rank builds the same data; each g
 split into one shard per rank, and DDP averages the gradients, so N ranks train the same model
 as one process on the whole batch. Rank 0 prints the loss of each epoch, test accuracy,
 samples/s, the fraction of the gradient communication hidden behind backward, and the bytes
-the comm hook put on the wire per step (compare ``--hook fp16`` or ``powersgd`` with the
-default).
+the comm hook put on the wire per step; with a compressing hook (``--hook fp16``, ``bf16`` or
+``powersgd``), also how many times fewer than the float32 gradients.
 
-Where the ranks of a node have no core to spare (ranks x threads >= cores), the example sets
-``COLLECTIVES_PROGRESS_THREAD=0``: the toolkit then runs no progress thread, and DDP's gradient
-hooks advance the bucket allreduces as backward goes (see docs/torch.md, "Performance").
+Where the ranks of a node have no core to spare (ranks x torch threads >= cores), the example
+turns the progress thread off (``config.set("COLLECTIVES_PROGRESS_THREAD", "off")``) unless the
+environment names a setting: DDP's gradient hooks then advance the bucket allreduces as backward
+goes (see docs/torch.md, "Performance").
 """
 import argparse
 import os
@@ -31,6 +32,8 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
+from collectives import config  # noqa: E402
+from collectives.progress import use_thread  # noqa: E402
 from collectives.torch import DistributedDataParallel, all_reduce, hooks  # noqa: E402
 
 SHAPES = ("horizontal", "vertical", "diagonal", "anti-diagonal", "square", "cross")
@@ -124,12 +127,14 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     # No core to spare for a progress thread per rank: DDP's gradient hooks move the bytes.
+    # auto (None) leaves the choice to us; an explicit on/off from the environment stands.
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    if node.Get_size() * args.threads >= len(os.sched_getaffinity(0)):
-        os.environ.setdefault("COLLECTIVES_PROGRESS_THREAD", "0")
+    if config.get("COLLECTIVES_PROGRESS_THREAD") is None and \
+            node.Get_size() * args.threads >= len(os.sched_getaffinity(0)):
+        config.set("COLLECTIVES_PROGRESS_THREAD", "off")
     node.Free()
-    driver = "progress thread" if os.environ.get("COLLECTIVES_PROGRESS_THREAD", "1") != "0" \
-        else "gradient hooks (no spare core for a progress thread)"
+    driver = "progress thread" if use_thread() \
+        else "gradient hooks (no progress thread)"
     images, labels = make_shapes(args.samples, seed=0)
     test_images, test_labels = make_shapes(1024, seed=1)
 
@@ -183,9 +188,12 @@ def main(argv=None):
     stats = model.stats
     if rank == 0:
         per_step = stats.wire_bytes / max(stats.steps, 1)
-        print(f"done in {time.perf_counter() - start:.1f} s; the {args.hook} hook put "
-              f"{per_step / 1e3:.1f} kB per step on the wire per rank (float32 gradients: "
-              f"{grad_bytes / 1e3:.1f} kB, {grad_bytes / per_step:.2f}x less)", flush=True)
+        line = (f"done in {time.perf_counter() - start:.1f} s; the {args.hook} hook put "
+                f"{per_step / 1e3:.1f} kB per step on the wire per rank")
+        if args.hook != "allreduce" and per_step > 0:
+            line += (f" ({grad_bytes / per_step:.1f}x fewer than the {grad_bytes / 1e3:.1f} kB "
+                     f"of float32 gradients)")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
