@@ -260,9 +260,9 @@ def _run(call: Call, algo: select.Algorithm):
         extra = _topology_kwargs(ctx) if algo.needs is TOPOLOGY else ()
         return launch_schedule(call, schedule_for(call, algo.build[call.collective], extra))
     if call.x.is_device:  # straight to a CUDA-aware MPI, or staged through host memory
-        from . import cuda
-        return cuda.native(call, algo.launch) if algo.kind is NATIVE else \
-            cuda.staged(call, algo.launch)
+        from . import cuda_transport
+        return cuda_transport.native(call, algo.launch) if algo.kind is NATIVE else \
+            cuda_transport.staged(call, algo.launch)
     return algo.launch(call)
 
 

@@ -6,16 +6,18 @@ Nothing is copied: a reduction written into ``Buffer.flat`` lands in the caller'
 executor only ever sees ``flat`` (numpy or cupy: both accept numpy's ufuncs with ``out=``) and
 ``Buffer.new`` to make a result of the caller's kind.
 
-Adaptors are tried in order; ``register`` adds one (the CUDA module registers cupy and CUDA
-tensors). Accepted dtypes: bool, int8-64, uint8-64, float16, bfloat16 (ml_dtypes), float32,
-float64, complex64, complex128. Buffers must be C-contiguous: a strided view would need a hidden
-copy, so it is refused with a ``ValueError`` instead.
+Adaptors are tried in order; ``register`` adds one. Cupy arrays and CUDA tensors are wrapped by
+``collectives.cuda``, imported the first time one shows up. Accepted dtypes: bool, int8-64,
+uint8-64, float16, bfloat16 (ml_dtypes), float32, float64, complex64, complex128. Buffers must be
+C-contiguous: a strided view would need a hidden copy, so it is refused with a ``ValueError``
+instead.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Buffer", "wrap", "register", "DTYPES", "bfloat16"]
+__all__ = ["Buffer", "wrap", "register", "check_dtype", "require_contiguous",
+           "torch_dtype_to_numpy", "DTYPES", "bfloat16"]
 
 try:
     from ml_dtypes import bfloat16
@@ -47,6 +49,7 @@ class Buffer:
 
     @property
     def is_device(self) -> bool:
+        """Whether the memory is a device's (not the host's)."""
         return self.device != "cpu"
 
     def new(self, shape) -> Buffer:
@@ -56,6 +59,7 @@ class Buffer:
         return self._new(tuple(shape))
 
     def describe(self) -> str:
+        """The buffer in words: kind, dtype, shape and device."""
         return f"{self.kind} {self.dtype.name}{list(self.shape)} on {self.device}"
 
 
@@ -74,6 +78,7 @@ _DTYPE_SET = frozenset(DTYPES)
 
 
 def check_dtype(dtype) -> np.dtype:
+    """``dtype`` as a numpy dtype, or a TypeError naming the supported ones."""
     if isinstance(dtype, np.dtype) and dtype in _DTYPE_SET:
         return dtype
     dtype = np.dtype(dtype)
@@ -96,7 +101,8 @@ def wrap(x, what: str = "x") -> Buffer:
                     f"got {type(x).__name__}")
 
 
-def _contiguous(ok: bool, x, what="buffer") -> None:
+def require_contiguous(ok: bool, x, what="buffer") -> None:
+    """A ValueError unless ``ok`` (``x`` is C-contiguous), saying how to get a contiguous copy."""
     if not ok:
         raise ValueError(f"{what} of shape {tuple(x.shape)} is not C-contiguous; pass a "
                          f"contiguous copy (numpy.ascontiguousarray / tensor.contiguous())")
@@ -111,7 +117,7 @@ def _numpy(x):
         return None
     flags = x.flags
     if not flags.c_contiguous:
-        _contiguous(False, x, "numpy array")
+        require_contiguous(False, x, "numpy array")
     dtype = x.dtype
     if dtype not in _DTYPE_SET:
         check_dtype(dtype)  # raises the TypeError
@@ -133,6 +139,7 @@ def _torch_module():
 
 
 def torch_dtype_to_numpy(dtype):
+    """The numpy dtype of torch dtype ``dtype`` (ml_dtypes' for bfloat16)."""
     import torch
     if dtype == torch.bfloat16:
         return np.dtype(bfloat16)
@@ -149,7 +156,7 @@ def _torch(x):
     if x.device.type != "cpu":
         raise TypeError(f"{x.device.type} tensors are not supported (CPU and CUDA tensors are); "
                         f"got a tensor on {x.device}")
-    _contiguous(x.is_contiguous(), x, "torch tensor")
+    require_contiguous(x.is_contiguous(), x, "torch tensor")
     t = x.detach()
     if t.dtype == torch.bfloat16:
         flat = t.view(torch.int16).numpy().view(bfloat16).reshape(-1)
@@ -166,7 +173,7 @@ def _torch(x):
 register(_torch)
 
 
-# -- cupy arrays: collectives.cuda, imported only when one shows up ------------------------------
+# -- cupy arrays: collectives.cuda, imported only when one shows up -----------------------------
 def _cupy(x):
     module = type(x).__module__
     if module != "cupy" and not module.startswith("cupy."):

@@ -10,7 +10,7 @@ The kernel allows it where this process may ptrace the other (same user and, und
 declaration (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, as Open MPI's CMA transport does);
 ``collectives.shm`` calls it only when a probe read between the ranks of a node fails, and
 turns CMA off (two copies through the window instead) if the probe still fails.
-``COLLECTIVES_SHM_CMA=0`` (or ``collectives.shm.set_cma(False)``) turns it off there.
+``COLLECTIVES_SHM_CMA=0`` (or ``config.set("COLLECTIVES_SHM_CMA", False)``) turns it off there.
 """
 from __future__ import annotations
 

@@ -411,8 +411,8 @@ def launch_schedule(call, schedule) -> Run:
         out_flat = out.flat
     in_flat = out_flat if call.inplace else x.flat
     if x.is_device:
-        from . import cuda
-        transport = cuda.transport(ctx, x)
+        from . import cuda_transport
+        transport = cuda_transport.transport(ctx, x)
     else:
         transport = ctx.transport
     close = getattr(transport, "close", None)  # device transports: wait for queued GPU work

@@ -42,7 +42,7 @@ segments flow through all levels at once.
 
 Every builder takes ``nodes`` and ``numas`` (tuples of rank groups, as
 ``collectives.topology.Topology.kwargs()`` gives them): the API passes the communicator's
-topology through ``context_kwargs``, and in-process tests pass simulated ones directly.
+topology (``select.TOPOLOGY``), and in-process tests pass simulated ones directly.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from bisect import bisect_right
 from collectives.schedule import IN, OUT, TMP, Schedule, offsets, segments, split
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "plan", "levels",
-           "SLOTS", "ShmNodes"]
+           "SLOTS", "launch_shm_nodes"]
 
 SLOTS = 4
 
@@ -386,18 +386,8 @@ def broadcast(rank: int, size: int, count: int, root: int = 0, *, seg=None, node
     return s
 
 
-def _context_kwargs(call) -> tuple:
-    """The communicator's topology, as the builders' ``nodes``/``numas`` keywords."""
-    from collectives.topology import topology
-    return topology(call.ctx).kwargs()
-
-
-for _builder in (allreduce, reduce_scatter, allgather, reduce, broadcast):
-    _builder.context_kwargs = _context_kwargs
-
-
 # -- allreduce with shm as the node stage -------------------------------------------------------
-class ShmNodes:
+def launch_shm_nodes(call):
     """``algorithm="hierarchical_shm"`` (allreduce): the node stages through shared memory.
 
     1. shm reduce-scatter on every node (``collectives.shm``): local rank j gets block j of
@@ -407,35 +397,28 @@ class ShmNodes:
     3. shm all-gather on every node.
 
     The bytes crossing nodes are those of ``hierarchical``; inside a node each byte is copied
-    through the window instead of sent around a ring. Fallback rule: with nodes of different
-    sizes the blocks of step 2 cannot line up, and device buffers cannot use the window, so
-    those calls run the ``hierarchical`` schedule; on one node this is plain ``shm``.
-    Steps 1-3 run as one shm work, in the node window's order (see ``collectives.shm``).
+    through the window instead of sent around a ring. With nodes of different sizes the blocks
+    of step 2 cannot line up, and device buffers cannot use the window, so those calls run the
+    ``hierarchical`` schedule; on one node this is plain ``shm``. Steps 1-3 run as one shm work,
+    in the node window's order (see ``collectives.shm``).
     """
-
-    __slots__ = ()
-
-    @staticmethod
-    def launch(call):
-        """Start ``call`` (the ``launch`` protocol of ``collectives.api``)."""
-        from collectives import api, select, shm
-        from collectives.executor import context
-        from collectives.topology import communicators, topology
-        ctx = call.ctx
-        topo = topology(ctx)
-        if call.x.is_device or len({len(g) for g in topo.nodes}) != 1:
-            return api._run_schedule(call, "hierarchical",
-                                     select.get(call.collective, "hierarchical"))
-        if topo.single_node:
-            return shm.launch(call)
-        comms = communicators(ctx)
-        k, j = comms.node.Get_size(), comms.node.Get_rank()
-        win = shm.window(context(comms.node))
-        src = call.out.flat if call.inplace else call.x.flat
-        counts = tuple(split(call.count, k)[i + 1] - split(call.count, k)[i] for i in range(k))
-        name = "sum" if call.op.is_avg else call.op.name
-        return shm.ShmWork(win, _shm_nodes, (win, src, call.out.flat, call.op, name, counts, j,
-                                            k, comms.cross), call)
+    from collectives import shm
+    from collectives.executor import context, launch_schedule, schedule_for
+    from collectives.topology import communicators, topology
+    ctx = call.ctx
+    topo = topology(ctx)
+    if call.x.is_device or len({len(g) for g in topo.nodes}) != 1:
+        return launch_schedule(call, schedule_for(call, allreduce, topo.kwargs()))
+    if topo.single_node:
+        return shm.launch(call)
+    comms = communicators(ctx)
+    k, j = comms.node.Get_size(), comms.node.Get_rank()
+    win = shm.window(context(comms.node))
+    src = call.out.flat if call.inplace else call.x.flat
+    counts = tuple(split(call.count, k)[i + 1] - split(call.count, k)[i] for i in range(k))
+    name = "sum" if call.op.is_avg else call.op.name
+    return shm.ShmWork(win, _shm_nodes, (win, src, call.out.flat, call.op, name, counts, j,
+                                        k, comms.cross), call)
 
 
 def _shm_nodes(work, win, src, out, op, name, counts, j, k, cross) -> None:
@@ -448,19 +431,6 @@ def _shm_nodes(work, win, src, out, op, name, counts, j, k, cross) -> None:
         coll.allreduce(out, name, out=out, comm=cross, algorithm="ring")
         return
     shard = np.empty(counts[j], out.dtype)
-    shm._reduce_scatter(work, win, src, shard, op, counts)
+    shm.reduce_scatter_rounds(work, win, src, shard, op, counts)
     coll.allreduce(shard, name, out=shard, comm=cross, algorithm="ring")
-    shm._allgather(work, win, shard, out, counts)
-
-
-def _register() -> None:
-    from collectives import select
-    select.register("allreduce", "hierarchical", allreduce)
-    select.register("allreduce", "hierarchical_shm", ShmNodes())
-    select.register("reduce_scatter", "hierarchical", reduce_scatter)
-    select.register("allgather", "hierarchical", allgather)
-    select.register("reduce", "hierarchical", reduce)
-    select.register("broadcast", "hierarchical", broadcast)
-
-
-_register()
+    shm.allgather_rounds(work, win, shard, out, counts)

@@ -34,7 +34,6 @@ __all__ = [
 IN, OUT, TMP = 0, 1, 2
 BUFFER_NAMES = ("IN", "OUT", "TMP")
 SEND, RECV, REDUCE, COPY = 0, 1, 2, 3
-KIND_NAMES = ("send", "recv", "reduce", "copy")
 
 
 def split(count: int, parts: int) -> list[int]:

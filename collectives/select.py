@@ -45,7 +45,7 @@ from typing import Callable, Mapping
 from . import config
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
-           "COLLECTIVES", "REGISTRY", "register", "get", "algorithms", "auto", "load_table",
+           "COLLECTIVES", "REGISTRY", "register", "get", "algorithms", "auto", "rule", "load_table",
            "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "tuning_path", "describe"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
@@ -235,20 +235,25 @@ def _for_size(rules_by_size: dict, size: int):
     return rules
 
 
-def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=False) -> str:
-    """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks (``inplace``: a
-    call with ``out=x``). ``single_node``: a bool, or a callable asked only when it matters."""
-    rules_by_size = load_table().get(collective, {})
+def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = False) -> str:
+    """The algorithm ``table`` (``DEFAULT_TABLE``'s shape) names for ``nbytes`` per rank on
+    ``size`` ranks (``inplace``: a call with ``out=x``), before ``MULTI_NODE``."""
+    rules_by_size = table.get(collective, {})
     rules = None
     if inplace and collective in IN_PLACE_RULES:
         rules = _for_size(rules_by_size.get("in-place") or {}, size)
     if rules is None:
         rules = _for_size(rules_by_size, size)
-    name = NATIVE
-    for limit, rule_name in rules or ():
+    for limit, name in rules or ():
         if limit is None or nbytes <= limit:
-            name = rule_name
-            break
+            return name
+    return NATIVE
+
+
+def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=False) -> str:
+    """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks (``inplace``: a
+    call with ``out=x``). ``single_node``: a bool, or a callable asked only when it matters."""
+    name = rule(load_table(), collective, nbytes, size, inplace)
     swap = MULTI_NODE.get(name)
     if swap is not None and not (single_node() if callable(single_node) else single_node):
         name = swap.get(collective, swap["default"])

@@ -22,6 +22,10 @@ Discovery:
   ``COLLECTIVES_RANKS_PER_NUMA=j`` cuts every node into domains of j consecutive ranks (the last
   may be smaller). Either works alone: j without k simulates domains inside the real nodes.
   Every rank must see the same values (checked: a mismatch is a ``ValueError`` on every rank).
+  Both are read through ``collectives.config``. ``simulated(size, k, j, cores_per_node)`` is the
+  same table without MPI, for the simulator and the cost model (``collectives.costmodel``), which
+  also read ``cores_per_node`` (``oversubscription``) and the rank shift that maps the topology
+  onto itself (``period``).
 
 Sub-communicators (``communicators(comm)``) are made on demand, collectively, and cached:
 ``node`` (the ranks of this rank's node), ``cross`` (the ranks with this rank's local index on
@@ -43,6 +47,8 @@ import os
 import re
 
 import numpy as np
+
+from . import config
 
 __all__ = ["Topology", "topology", "simulated", "communicators", "Communicators",
            "LinkTraffic", "count_traffic", "SAME_NUMA", "SAME_NODE", "OTHER_NODE",
@@ -71,9 +77,12 @@ def _groups(ids) -> tuple[tuple[int, ...], ...]:
 class Topology:
     """Node and NUMA domain of every rank of one communicator (immutable; see the module doc)."""
 
-    __slots__ = ("node", "numa", "source", "_nodes", "_numas", "_local")
+    __slots__ = ("node", "numa", "source", "cores_per_node", "_nodes", "_numas", "_local")
 
-    def __init__(self, node, numa=None, *, source: str = "given"):
+    def __init__(self, node, numa=None, *, source: str = "given",
+                 cores_per_node: int | None = None):
+        if cores_per_node is not None and cores_per_node < 1:
+            raise ValueError(f"cores per node must be positive, got {cores_per_node}")
         node = _renumber(node)
         # A NUMA domain never spans nodes: key it by (node, domain) before renumbering.
         numa = node if numa is None else _renumber(zip(node, numa))
@@ -82,6 +91,7 @@ class Topology:
         object.__setattr__(self, "node", node)
         object.__setattr__(self, "numa", numa)
         object.__setattr__(self, "source", source)
+        object.__setattr__(self, "cores_per_node", cores_per_node)
         object.__setattr__(self, "_nodes", _groups(node))
         object.__setattr__(self, "_numas", _groups(numa))
         local = [0] * len(node)
@@ -146,9 +156,34 @@ class Topology:
         """The hashable ``(name, value)`` pairs ``hierarchical`` builders take."""
         return (("nodes", self.nodes), ("numas", self.numas))
 
+    # -- what the cost model reads ----------------------------------------------------------
+    @property
+    def ranks_per_node(self) -> int:
+        """The most ranks on one node."""
+        return max(len(g) for g in self._nodes) if self._nodes else 0
+
+    @property
+    def oversubscription(self) -> float:
+        """The most ranks that share one core of a node, ``ceil(ranks / cores)`` (at least 1;
+        1 when ``cores_per_node`` is unknown): how much slower a rank runs when all are busy."""
+        if self.cores_per_node is None:
+            return 1.0
+        return float(max(1, -(-self.ranks_per_node // self.cores_per_node)))
+
+    def period(self) -> int | None:
+        """The smallest rank shift ``p < size`` (dividing ``size``) that maps the nodes and NUMA
+        domains onto themselves (``r -> r + p mod size``); None when only the identity does."""
+        n = self.size
+        for p in range(1, n):
+            if n % p == 0 and all(_renumber(ids[p:] + ids[:p]) == ids
+                                  for ids in (self.node, self.numa)):
+                return p
+        return None
+
     # -- value semantics ------------------------------------------------------------------
     def __eq__(self, other):
-        return isinstance(other, Topology) and (self.node, self.numa) == (other.node, other.numa)
+        return isinstance(other, Topology) and (self.node, self.numa, self.cores_per_node) == \
+            (other.node, other.numa, other.cores_per_node)
 
     def __hash__(self):
         return hash((self.node, self.numa))
@@ -174,8 +209,11 @@ def _blocks(count: int, per: int) -> tuple[int, ...]:
 
 
 def simulated(size: int, ranks_per_node: int | None = None,
-              ranks_per_numa: int | None = None) -> Topology:
-    """The topology that ``COLLECTIVES_RANKS_PER_NODE/NUMA`` simulate for ``size`` ranks."""
+              ranks_per_numa: int | None = None, cores_per_node: int | None = None) -> Topology:
+    """The topology that ``COLLECTIVES_RANKS_PER_NODE/NUMA`` simulate for ``size`` ranks (None:
+    one node, no NUMA split), with ``cores_per_node`` (None: never oversubscribed)."""
+    if size < 1:
+        raise ValueError(f"a topology needs at least 1 rank, got {size}")
     for name, v in (("ranks_per_node", ranks_per_node), ("ranks_per_numa", ranks_per_numa)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
@@ -184,7 +222,9 @@ def simulated(size: int, ranks_per_node: int | None = None,
     src = f"simulated: {ranks_per_node or size} ranks per node"
     if ranks_per_numa:
         src += f", {ranks_per_numa} per NUMA domain"
-    return Topology(node, numa, source=src)
+    if cores_per_node:
+        src += f", {cores_per_node} cores per node"
+    return Topology(node, numa, source=src, cores_per_node=cores_per_node)
 
 
 def _numa_blocks(node, per):
@@ -235,29 +275,15 @@ def numa_of_cpus(cpus, root: str = "/sys/devices/system/node") -> int:
     return hits[0] if len(hits) == 1 else -1
 
 
-def _env_int(name: str) -> int:
-    """The positive integer in ``name`` (0 when unset)."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 1:
-        raise ValueError(f"{name}={text!r}: expected a positive number of ranks")
-    return value
-
-
 def discover(comm) -> Topology:
     """Discover the topology of ``comm`` (collective; prefer the cached ``topology(comm)``)."""
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
-    try:
-        k, j = _env_int(_ENV_NODE), _env_int(_ENV_NUMA)
-        bad = 0
-    except ValueError:
-        k, j, bad = 0, 0, 1
+    try:  # a bad value on some ranks only must not leave the others in the Allgather
+        k, j = config.get(_ENV_NODE) or 0, config.get(_ENV_NUMA) or 0
+        bad, why = 0, ""
+    except ValueError as exc:
+        k, j, bad, why = 0, 0, 1, str(exc)
     try:
         cpus = os.sched_getaffinity(0)
     except (AttributeError, OSError):
@@ -274,7 +300,8 @@ def discover(comm) -> Topology:
     comm.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
     if table[:, 4].any():
         raise ValueError(f"{_ENV_NODE} / {_ENV_NUMA} must be positive integers (rank(s) "
-                         f"{np.flatnonzero(table[:, 4]).tolist()} read something else)")
+                         f"{np.flatnonzero(table[:, 4]).tolist()} read something else"
+                         + (f": {why}" if why else "") + ")")
     if (table[:, 2] != k).any() or (table[:, 3] != j).any():
         seen = sorted({(int(a), int(b)) for a, b in table[:, 2:4]})
         raise ValueError(f"ranks disagree on {_ENV_NODE}/{_ENV_NUMA}: saw (k, j) = {seen} "

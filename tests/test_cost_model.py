@@ -1,18 +1,21 @@
-"""The alpha-beta-gamma cost model (collectives.sim): closed-form cases, symmetry, parameters."""
+"""The alpha-beta-gamma cost model (collectives.costmodel): closed-form cases, symmetry,
+parameters."""
 import json
 import math
 
 import pytest
 
-from collectives import ring, sim, tree
+from collectives import config, ring, sim, tree
+from collectives import costmodel as cm
 from collectives.schedule import IN, OUT, TMP, Schedule
+from collectives.topology import simulated
 
 ALPHA, BW, NET_ALPHA, NET_BW = 2e-6, 1e9, 5e-6, 4e9
 RED_BW, COPY_BW, O = 2e9, 8e9, 1e-6
 
 
 def model(call=0.0, overhead=O):
-    return sim.CostModel({"numa": ALPHA, "node": ALPHA, "net": NET_ALPHA},
+    return cm.CostModel({"numa": ALPHA, "node": ALPHA, "net": NET_ALPHA},
                          {"numa": BW, "node": BW, "net": NET_BW}, RED_BW, COPY_BW,
                          overhead, call)
 
@@ -28,7 +31,7 @@ def one_message(rank, nbytes, src=0, dst=1, size=2):
 
 def test_one_message_inside_a_node():
     m = 1000
-    p = sim.critical_path([one_message(r, m) for r in range(2)], sim.Topology(2), model(), 1)
+    p = cm.critical_path([one_message(r, m) for r in range(2)], simulated(2), model(), 1)
     # issue the send, copy the bytes (both CPUs), latency, complete the receive
     assert p.time == pytest.approx(O + m / BW + ALPHA + O)
     assert p.path["transfer"] == pytest.approx(m / BW)
@@ -39,8 +42,8 @@ def test_one_message_inside_a_node():
 
 def test_one_message_over_the_network_and_call_overhead():
     m = 4000
-    topo = sim.Topology(2, ranks_per_node=1)
-    p = sim.critical_path([one_message(r, m) for r in range(2)], topo, model(call=7e-6), 1)
+    topo = simulated(2, ranks_per_node=1)
+    p = cm.critical_path([one_message(r, m) for r in range(2)], topo, model(call=7e-6), 1)
     assert p.time == pytest.approx(7e-6 + O + m / NET_BW + NET_ALPHA + O)
 
 
@@ -57,7 +60,7 @@ def test_pingpong_closed_form():
                 s.recv(0, (OUT, 0, m))
                 s.send(0, (OUT, 0, m))
         scheds.append(s)
-    p = sim.critical_path(scheds, sim.Topology(2), model(), 1)
+    p = cm.critical_path(scheds, simulated(2), model(), 1)
     assert p.time == pytest.approx(2 * trips * (2 * O + ALPHA + m / BW))
     assert p.hops == 2 * trips
 
@@ -68,23 +71,23 @@ def test_reduce_and_copy_cost_and_oversubscription():
     t = s.scratch(n)
     s.reduce((OUT, 0, n), (OUT, 0, n), (TMP, t, t + n))
     s.copy((TMP, t, t + n), (OUT, 0, n))
-    p = sim.critical_path([s], sim.Topology(1), model(), 4)
+    p = cm.critical_path([s], simulated(1), model(), 4)
     want = 2 * O + 4 * n / RED_BW + 4 * n / COPY_BW
     assert p.time == pytest.approx(want)
     assert p.path["compute"] == pytest.approx(want)
     # 4 ranks on a node of 2 cores: ranks 0 and 2 share core 0, 1 and 3 core 1. Two ranks with
     # that work: sharing a core they take twice as long, on two cores no longer than one.
-    busy = sim.Topology(4, cores_per_node=2)
+    busy = simulated(4, cores_per_node=2)
     assert busy.oversubscription == 2
-    assert sim.Topology(3, cores_per_node=2).oversubscription == 2
+    assert simulated(3, cores_per_node=2).oversubscription == 2
     for pair, factor in (((0, 2), 2), ((0, 1), 1)):
         scheds = {r: s if r in pair else Schedule(r, 4, n) for r in range(4)}
-        assert sim.critical_path(scheds, busy, model(), 4).time == pytest.approx(factor * want)
+        assert cm.critical_path(scheds, busy, model(), 4).time == pytest.approx(factor * want)
 
 
 def test_rates_by_size():
     curves = {"reduce": [(1 << 20, 8e9), (64 << 20, 2e9)], "node": [(1 << 20, 4e9)]}
-    m = sim.CostModel({"numa": ALPHA, "node": ALPHA, "net": NET_ALPHA},
+    m = cm.CostModel({"numa": ALPHA, "node": ALPHA, "net": NET_ALPHA},
                       {"numa": BW, "node": BW, "net": NET_BW}, RED_BW, COPY_BW, curves=curves)
     assert m.sized(1 << 10).reduce_bandwidth == 8e9          # flat below the first point
     assert m.sized(64 << 30).reduce_bandwidth == 2e9         # and beyond the last
@@ -93,22 +96,22 @@ def test_rates_by_size():
     assert m.sized(8 << 20).bandwidth["net"] == NET_BW
     assert m.sized(8 << 20).copy_bandwidth == COPY_BW        # no curve: the scalar
     assert model().sized(1 << 20) is not None and not model().curves
-    back = sim.CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    back = cm.CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
     assert back.sized(8 << 20).reduce_bandwidth == pytest.approx(4e9)
     with pytest.raises(ValueError, match="unknown curve"):
-        sim.CostModel(m.alpha, m.bandwidth, 1, 1, curves={"disk": [(1, 1)]})
+        cm.CostModel(m.alpha, m.bandwidth, 1, 1, curves={"disk": [(1, 1)]})
     with pytest.raises(ValueError, match="rate > 0"):
-        sim.CostModel(m.alpha, m.bandwidth, 1, 1, curves={"copy": [(1, 0)]})
+        cm.CostModel(m.alpha, m.bandwidth, 1, 1, curves={"copy": [(1, 0)]})
     # predict reads the rates at the call's size: a reduction-bound binomial allreduce of 1 MiB
     # at 8 GB/s beats the same at the scalar 2 GB/s
-    fast = sim.predict("allreduce", "binomial", 2, 1 << 20, model=m).time
-    flat = sim.predict("allreduce", "binomial", 2, 1 << 20, model=model(overhead=0.0)).time
+    fast = cm.predict("allreduce", "binomial", 2, 1 << 20, model=m).time
+    flat = cm.predict("allreduce", "binomial", 2, 1 << 20, model=model(overhead=0.0)).time
     assert fast < flat
 
 
 def test_nic_is_shared_by_the_ranks_of_a_node():
     m = 8000
-    topo = sim.Topology(4, ranks_per_node=2)
+    topo = simulated(4, ranks_per_node=2)
     scheds = []
     for r in range(4):
         s = Schedule(r, 4, m)
@@ -117,7 +120,7 @@ def test_nic_is_shared_by_the_ranks_of_a_node():
         else:
             s.recv(r - 2, (OUT, 0, m))
         scheds.append(s)
-    p = sim.critical_path(scheds, topo, model(), 1)
+    p = cm.critical_path(scheds, topo, model(), 1)
     # the second message waits for the node's NIC
     assert p.time == pytest.approx(O + 2 * m / NET_BW + NET_ALPHA + O)
 
@@ -127,7 +130,7 @@ def test_deadlock_is_reported():
     s0.recv(1, (OUT, 0, 4))
     s1 = Schedule(1, 2, 4)
     with pytest.raises(sim.Deadlock, match="never sent"):
-        sim.critical_path([s0, s1], sim.Topology(2), model(), 1)
+        cm.critical_path([s0, s1], simulated(2), model(), 1)
 
 
 def _closure(deps):
@@ -172,25 +175,26 @@ def test_deps_order_like_every_conflict(builder, size):
 
 
 def test_topology_links_and_period():
-    t = sim.Topology(16, ranks_per_node=8, ranks_per_numa=4)
-    assert sim.LINKS[t.link(0, 3)] == "numa"
-    assert sim.LINKS[t.link(0, 4)] == "node"
-    assert sim.LINKS[t.link(7, 8)] == "net"
+    t = simulated(16, ranks_per_node=8, ranks_per_numa=4)
+    assert cm.LINKS[t.link(0, 3)] == "numa"
+    assert cm.LINKS[t.link(0, 4)] == "node"
+    assert cm.LINKS[t.link(7, 8)] == "net"
     assert t.period() == 8
-    assert sim.Topology(8).period() == 1
-    assert sim.Topology(8, ranks_per_numa=2).period() == 2
-    assert sim.Topology(12, ranks_per_node=8).period() is None
-    assert t.groups()["nodes"] == (tuple(range(8)), tuple(range(8, 16)))
-    with pytest.raises(ValueError, match="must divide"):
-        sim.Topology(16, ranks_per_node=8, ranks_per_numa=3)
+    assert simulated(8).period() == 1
+    assert simulated(8, ranks_per_numa=2).period() == 2
+    assert simulated(12, ranks_per_node=8).period() is None
+    assert t.nodes == (tuple(range(8)), tuple(range(8, 16)))
+    ragged = simulated(16, ranks_per_node=8, ranks_per_numa=3)  # domains of 3, 3, 2 a node
+    assert ragged.period() == 8 and cm.LINKS[cm.link_classes(ragged)(6, 7)] == "numa"
+    assert cm.LINKS[cm.link_classes(simulated(8))(0, 7)] == "node"  # no NUMA split
     with pytest.raises(ValueError):
-        sim.Topology(0)
+        simulated(0)
 
 
 def test_cost_model_file_round_trip(tmp_path):
     m = model(call=3e-5)
     path = m.save(tmp_path / "cm.json")
-    back = sim.CostModel.load(path)
+    back = cm.CostModel.load(path)
     assert back.to_dict() == m.to_dict()
     assert json.loads(path.read_text())["links"]["net"]["bandwidth"] == NET_BW
     faster = m.replace(net=(1e-6, None))
@@ -199,24 +203,27 @@ def test_cost_model_file_round_trip(tmp_path):
         m.replace(node=(None, 0))
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a cost model"):
-        sim.CostModel.load(tmp_path / "bad.json")
+        cm.CostModel.load(tmp_path / "bad.json")
 
 
 def test_default_path_and_fallback(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLLECTIVES_COST_MODEL", str(tmp_path / "none.json"))
-    with pytest.raises(FileNotFoundError, match="calibrate"):
-        sim.CostModel.load()
-    monkeypatch.delenv("COLLECTIVES_COST_MODEL")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert sim.CostModel.load() is sim.DEFAULT_MODEL
+    old = config.set("COLLECTIVES_COST_MODEL", str(tmp_path / "none.json"))
+    try:
+        with pytest.raises(FileNotFoundError, match="calibrate"):
+            cm.CostModel.load()
+        config.set("COLLECTIVES_COST_MODEL", None)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        assert cm.CostModel.load() is cm.DEFAULT_MODEL
+    finally:
+        config.set("COLLECTIVES_COST_MODEL", old)
 
 
 @pytest.mark.parametrize("name, kind", [("ring", "shift"), ("recursive_doubling", "xor"),
                                         ("rabenseifner", "xor")])
 def test_symmetry_matches_simulating_every_rank(name, kind):
-    topo = sim.Topology(64, ranks_per_node=8)
-    fast = sim.predict("allreduce", name, 64, 1 << 20, topology=topo, model=model())
-    full = sim.predict("allreduce", name, 64, 1 << 20, topology=topo, model=model(),
+    topo = simulated(64, ranks_per_node=8)
+    fast = cm.predict("allreduce", name, 64, 1 << 20, topology=topo, model=model())
+    full = cm.predict("allreduce", name, 64, 1 << 20, topology=topo, model=model(),
                        symmetry="none")
     assert fast.method == f"{kind} symmetry" and fast.simulated == 8
     assert full.method == "all ranks" and full.simulated == 64
@@ -224,49 +231,48 @@ def test_symmetry_matches_simulating_every_rank(name, kind):
 
 
 def test_no_symmetry_for_rooted_trees():
-    topo = sim.Topology(32, ranks_per_node=4)
-    p = sim.predict("allreduce", "tree", 32, 1 << 16, topology=topo, model=model())
+    topo = simulated(32, ranks_per_node=4)
+    p = cm.predict("allreduce", "tree", 32, 1 << 16, topology=topo, model=model())
     assert p.method == "all ranks"
 
 
 def test_extrapolation_close_to_full_simulation():
-    topo = sim.Topology(16, ranks_per_node=4)
+    topo = simulated(16, ranks_per_node=4)
     kw = dict(topology=topo, model=model(), seg_bytes=4096)
-    full = sim.predict("broadcast", "tree", 16, 1 << 20, **kw)
-    est = sim.predict("broadcast", "tree", 16, 1 << 20, max_ops=1500, **kw)
+    full = cm.predict("broadcast", "tree", 16, 1 << 20, **kw)
+    est = cm.predict("broadcast", "tree", 16, 1 << 20, max_ops=1500, **kw)
     assert est.method.startswith("extrapolated")
     assert est.time == pytest.approx(full.time, rel=0.05)
 
 
 def test_predict_scales_like_alpha_beta():
-    topo = sim.Topology(4)
-    small = sim.predict("allreduce", "ring", 4, 1024, topology=topo, model=model())
-    big = sim.predict("allreduce", "ring", 4, 64 << 20, topology=topo, model=model())
-    bigger = sim.predict("allreduce", "ring", 4, 128 << 20, topology=topo, model=model())
+    topo = simulated(4)
+    small = cm.predict("allreduce", "ring", 4, 1024, topology=topo, model=model())
+    big = cm.predict("allreduce", "ring", 4, 64 << 20, topology=topo, model=model())
+    bigger = cm.predict("allreduce", "ring", 4, 128 << 20, topology=topo, model=model())
     assert small.time < big.time < bigger.time
     # large messages are bandwidth-bound: twice the bytes, about twice the time
     assert bigger.time / big.time == pytest.approx(2, rel=0.05)
-    assert sim.predict("allreduce", "ring", 1, 1024, model=model()).time == 0
+    assert cm.predict("allreduce", "ring", 1, 1024, model=model()).time == 0
 
 
 def test_predict_refuses_what_is_not_a_schedule():
     with pytest.raises(ValueError, match="not a schedule"):
-        sim.predict("allreduce", "native", 4, 1024, model=model())
+        cm.predict("allreduce", "native", 4, 1024, model=model())
     with pytest.raises(ValueError, match="symmetry"):
-        sim.predict("allreduce", "ring", 4, 1024, model=model(), symmetry="maybe")
+        cm.predict("allreduce", "ring", 4, 1024, model=model(), symmetry="maybe")
     with pytest.raises(ValueError, match="unknown algorithm"):
-        sim.predict("allreduce", "nope", 4, 1024, model=model())
+        cm.predict("allreduce", "nope", 4, 1024, model=model())
 
 
 def test_every_registered_schedule_algorithm_can_be_modelled():
     from collectives import select
-    topo = sim.Topology(6, ranks_per_node=3)
+    topo = simulated(6, ranks_per_node=3)
     for collective in select.COLLECTIVES:
         for name in select.algorithms(collective):
-            b = select.get(collective, name)
-            if b == select.NATIVE or hasattr(b, "launch"):
+            if select.get(collective, name).kind != select.SCHEDULE:
                 continue
-            p = sim.predict(collective, name, 6, 3 * 6 * 1000, topology=topo, model=model())
+            p = cm.predict(collective, name, 6, 3 * 6 * 1000, topology=topo, model=model())
             assert p.time > 0 and math.isfinite(p.time), (collective, name)
 
 

@@ -27,7 +27,7 @@ except Exception as exc:  # noqa: BLE001 - no driver, no device
 if not _NDEV:
     pytest.skip(_WHY, allow_module_level=True)
 
-from collectives import buffers, cuda, select  # noqa: E402
+from collectives import buffers, config, cuda, select  # noqa: E402
 from collectives.buffers import bfloat16  # noqa: E402
 from collectives.ops import resolve  # noqa: E402
 from collectives.schedule import split  # noqa: E402
@@ -86,7 +86,7 @@ def need(kind):
 def test_wrap_is_zero_copy_on_the_same_device(kind, dtype):
     need(kind)
     host = (np.arange(12) % 3).astype(BF16 if dtype == "bfloat16" else dtype).reshape(3, 4)
-    if dtype == "bfloat16" and not cuda._bf16_ok(cupy):
+    if dtype == "bfloat16" and not cuda.bf16_supported(cupy):
         if kind == "cupy":
             pytest.skip(f"cupy {cupy.__version__} has no bfloat16 arrays")
         with pytest.raises(TypeError, match="bfloat16"):  # refused, never a host round trip
@@ -151,25 +151,34 @@ def same(got, want, dtype) -> bool:
     return np.array_equal(g, want)
 
 
+AWARE = "COLLECTIVES_CUDA_AWARE"
+
+
+@pytest.fixture(autouse=True)
+def _restore_awareness():
+    old = config.get(AWARE)
+    yield
+    config.set(AWARE, old)
+
+
 def _mode(mode, monkeypatch):
     if mode == "direct":
-        monkeypatch.delenv(cuda.AWARE_ENV, raising=False)
+        config.set(AWARE, None)  # what the library says
         if not cuda.aware():
             pytest.skip(f"the MPI library is not CUDA-aware ({cuda.awareness()[1]})")
-    monkeypatch.setenv(cuda.AWARE_ENV, "1" if mode == "direct" else "0")
+    config.set(AWARE, "1" if mode == "direct" else "0")
 
 
 @pytest.fixture
 def segments():
-    from collectives.executor import set_segment_bytes
-    old = set_segment_bytes(1 << 14)  # 16 KiB: the longer arrays walk many segments
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 1 << 14)  # 16 KiB: many segments
     yield
-    set_segment_bytes(old)
+    config.set("COLLECTIVES_SEGMENT_BYTES", old)
 
 
 def dtypes_for(kind):
     out = ["float32", "float16", "int64", "bool"]
-    if cuda._bf16_ok(cupy):
+    if cuda.bf16_supported(cupy):
         out.append("bfloat16")
     return out
 

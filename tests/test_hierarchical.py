@@ -179,13 +179,26 @@ def test_cross_node_bytes_at_most_one_kth_of_ring(n, k, j):
 
 # -- MPI tier --------------------------------------------------------------------------------
 def _fresh_comm(monkeypatch, k=None, j=None):
+    """A new communicator on k ranks per node and j per NUMA domain (None: unset), set through
+    the environment as ``mpiexec -env`` would (the settings are read again)."""
     from mpi4py import MPI
+
+    from collectives import config
     for name, v in (("COLLECTIVES_RANKS_PER_NODE", k), ("COLLECTIVES_RANKS_PER_NUMA", j)):
         if v is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, str(v))
+    config.reload()
     return MPI.COMM_WORLD.Dup()
+
+
+@pytest.fixture(autouse=True)
+def _reread_settings():
+    """After each test (and its monkeypatch), settings are read from the environment again."""
+    from collectives import config
+    yield
+    config.reload()
 
 
 MPI_SHAPES = [(None, None), (2, None), (3, None), (4, 2), (3, 1)]
@@ -278,11 +291,11 @@ def _max():
 def test_mpi_hierarchical_shm(monkeypatch, k):
     """shm node stages: 2 x 2 at n = 4; uneven nodes (3 + 2) fall back to the schedule."""
     import collectives as coll
-    from collectives import shm
+    from collectives import config
     from tests.mpiutil import assert_all
     comm = _fresh_comm(monkeypatch, k)
     rank, size = comm.Get_rank(), comm.Get_size()
-    old = shm.set_chunk_bytes(128)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", 128)
     bad = []
     try:
         for count in (0, 1, 7, 97, 1000):
@@ -306,6 +319,6 @@ def test_mpi_hierarchical_shm(monkeypatch, k):
                    for i, q in enumerate(reqs)):
             bad.append(("iallreduce",))
     finally:
-        shm.set_chunk_bytes(old)
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", old)
         comm.Free()
     assert_all(not bad, f"k={k}: {bad[:5]}")

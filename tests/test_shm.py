@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
-from collectives import shm
+from collectives import config, shm
 from collectives.buffers import DTYPES
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests.mpiutil import op_inputs
@@ -14,11 +14,18 @@ from tests.mpiutil import op_inputs
 LENGTHS = (0, 1, 2, 3, 13, 97)
 
 
-def test_set_chunk_bytes_validates():
+@pytest.fixture(autouse=True)
+def _reread_settings():
+    """After each test (and its monkeypatch), settings are read from the environment again."""
+    yield
+    config.reload()
+
+
+def test_chunk_bytes_setting_validates():
     with pytest.raises(ValueError, match="at least 64"):
-        shm.set_chunk_bytes(8)
-    old = shm.set_chunk_bytes(4096)
-    assert shm.set_chunk_bytes(old) == 4096
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", 8)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", 4096)
+    assert config.set("COLLECTIVES_SHM_CHUNK_BYTES", old) == 4096
 
 
 def test_registered():
@@ -77,9 +84,9 @@ def path(request, monkeypatch):
     """Both ways through a shm all-gather or broadcast, at every size: single-copy reads (where
     the window found them working) and the window's slots; the same on every rank."""
     monkeypatch.setattr(shm, "CMA_MIN_BYTES", 0)
-    old = shm.set_cma(request.param == "cma")
+    old = config.set("COLLECTIVES_SHM_CMA", request.param == "cma")
     yield request.param
-    shm.set_cma(old)
+    config.set("COLLECTIVES_SHM_CMA", old)
 
 
 @pytest.fixture(params=["whole", "split"])
@@ -129,9 +136,9 @@ def test_reduce_split_combines_as_tree():
 @pytest.fixture
 def chunk():
     """A small chunk so that short arrays take many rounds (STYLE 13)."""
-    old = shm.set_chunk_bytes(64)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", 64)
     yield
-    shm.set_chunk_bytes(old)
+    config.set("COLLECTIVES_SHM_CHUNK_BYTES", old)
 
 
 @pytest.mark.mpi
@@ -159,7 +166,7 @@ def test_allreduce_lengths_and_chunks(nbytes, form):
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    old = shm.set_chunk_bytes(nbytes)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", nbytes)
     bad = []
     try:
         for n in (0, 1, 7, 8, 9, 127, 1009) + ((65537,) if nbytes > 64 else ()):
@@ -174,7 +181,7 @@ def test_allreduce_lengths_and_chunks(nbytes, form):
             if g.tobytes() != first:
                 bad.append(("float32 not identical", n))
     finally:
-        shm.set_chunk_bytes(old)
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", old)
     assert_all(not bad, str(bad[:5]))
 
 
@@ -207,23 +214,22 @@ def test_reduce_every_dtype_and_op_and_root(chunk, reduce_form):
 def test_same_bits_as_tree_or_ring(nbytes, form, reduce_form):
     """shm's allreduce and reduce (both forms of each; onto every root, in place and not) give
     algorithm="tree"'s bits on any number of ranks, but for the allreduce in two meetings a
-    round (above WHOLE_MAX_BYTES), which gives ring's, so auto may race them (select.bits):
+    round (above WHOLE_MAX_BYTES), which gives ring's (shm.bits):
     float sums of magnitudes 1 to 10^4, where the order of the additions shows in the last
     bits."""
-    from collectives import select
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    old = shm.set_chunk_bytes(nbytes)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", nbytes)
     bad = []
     try:
         for n in (0, 1, 7, 97, 1009):
             for dtype in (np.float32, np.float64):
                 rng = np.random.default_rng(1000 * rank + n)
                 x = (rng.standard_normal(n) * 10.0 ** rank).astype(dtype)
-                like = select.bits("allreduce", size, "shm", x.nbytes)
+                like = shm.bits("allreduce", x.nbytes, size)
                 assert like == ("tree" if form == "whole" else "ring")
-                assert select.bits("reduce", size, "shm", x.nbytes) == "tree"
+                assert shm.bits("reduce", x.nbytes, size) == "tree"
                 a = coll.allreduce(x, algorithm="shm")
                 if a.tobytes() != coll.allreduce(x, algorithm=like).tobytes():
                     bad.append(("allreduce", n, dtype.__name__))
@@ -235,7 +241,7 @@ def test_same_bits_as_tree_or_ring(nbytes, form, reduce_form):
                     if rank == root and not (got.tobytes() == y.tobytes() == want.tobytes()):
                         bad.append(("reduce", n, dtype.__name__, root))
     finally:
-        shm.set_chunk_bytes(old)
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", old)
     assert_all(not bad, str(bad[:5]))
 
 
@@ -254,7 +260,7 @@ def test_algorithms_of_one_order_give_the_same_bits(monkeypatch, whole):
     where = api._placement(api._context(comm))
     if whole is not None:
         monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: whole})
-    old = shm.set_chunk_bytes(256)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", 256)
     bad, orders = [], set()
     try:
         for n in (1, 7, 97, 1009):
@@ -289,7 +295,7 @@ def test_algorithms_of_one_order_give_the_same_bits(monkeypatch, whole):
                         if len(got) > 1:
                             bad.append((c, kw, n, dtype.__name__, op, group))
     finally:
-        shm.set_chunk_bytes(old)
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", old)
     if size >= 3:
         assert ("allreduce", 1) not in orders and ("reduce_scatter", 1) not in orders
     assert_all(not bad, str(bad[:5]))
@@ -345,7 +351,7 @@ def test_nonblocking_in_order_with_blocking(path):
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    old = shm.set_chunk_bytes(256)
+    old = config.set("COLLECTIVES_SHM_CHUNK_BYTES", 256)
     try:
         reqs = [coll.iallreduce(np.full(1000 + i, rank + i, np.int64), algorithm="shm")
                 for i in range(4)]
@@ -355,7 +361,7 @@ def test_nonblocking_in_order_with_blocking(path):
                  for i, req in enumerate(reqs))
         ok = ok and (mid == size).all() and (more.wait() == np.repeat(np.arange(size), 3)).all()
     finally:
-        shm.set_chunk_bytes(old)
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", old)
     assert_all(bool(ok))
 
 
@@ -366,11 +372,11 @@ def test_paths_interleave(monkeypatch):
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     monkeypatch.setattr(shm, "CMA_MIN_BYTES", 0)
-    old, chunk = shm.CMA, shm.set_chunk_bytes(128)
+    old, chunk = config.get("COLLECTIVES_SHM_CMA"), config.set("COLLECTIVES_SHM_CHUNK_BYTES", 128)
     ok = True
     try:
         for i in range(12):
-            shm.set_cma(i % 3 != 0)
+            config.set("COLLECTIVES_SHM_CMA", i % 3 != 0)
             n = 50 + 37 * i
             x = np.arange(n, dtype=np.int64) + rank * i
             want = size * np.arange(n) + i * size * (size - 1) // 2
@@ -382,8 +388,8 @@ def test_paths_interleave(monkeypatch):
             b = coll.broadcast(np.full(n, rank, np.float64), root=i % size, algorithm="shm")
             ok = ok and bool((b == i % size).all())
     finally:
-        shm.set_cma(old)
-        shm.set_chunk_bytes(chunk)
+        config.set("COLLECTIVES_SHM_CMA", old)
+        config.set("COLLECTIVES_SHM_CHUNK_BYTES", chunk)
     assert_all(bool(ok))
 
 
@@ -430,6 +436,7 @@ def test_several_nodes_is_a_clear_error(monkeypatch):
     if MPI.COMM_WORLD.Get_size() == 1:
         pytest.skip("one rank never spans nodes")
     monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+    config.reload()  # read the environment again (and again after the test)
     comm = MPI.COMM_WORLD.Dup()
     try:
         with pytest.raises(ValueError, match="needs every rank on one node"):
@@ -462,6 +469,7 @@ def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
         c: {"default": rules, str(size): rules} for c in ("allreduce", "reduce_scatter")}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
     monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+    config.reload()  # read the environment again (and again after the test)
     n = 1 << 20  # 4 MiB of float32 per rank
     picked = select.auto("allreduce", 4 * n, size)
     chose = []

@@ -1,7 +1,7 @@
 """The CUDA staging path on the CPU: numpy memory stands in for device memory.
 
 ``FakeArray`` (a numpy subclass) is "device memory": its adaptor gives device ``"fake:0"``, so
-the public API routes it through ``collectives.cuda`` exactly as a cupy array. ``FakeDevice``
+the public API routes it through ``collectives.cuda_transport`` exactly as a cupy array. ``FakeDevice``
 implements the device backend with *late* copies: every copy is queued on its stream and runs
 only when someone waits for it or polls it (a poll runs at most one, at random), and pinned
 blocks start filled with a poison byte. So a send posted before its device->host copy has run
@@ -13,14 +13,14 @@ ranks, through ``StagingTransport`` around the simulator's transport. Tier 2 (``
 mpiexec): the public API on FakeArrays, every collective x algorithm (``native`` included),
 staged and direct (``COLLECTIVES_CUDA_AWARE=0/1``), blocking and not, in place and not.
 """
-import os
 import random
 from collections import deque
 
 import numpy as np
 import pytest
 
-from collectives import buffers, cuda, select
+from collectives import buffers, config, cuda, select
+from collectives import cuda_transport as ct
 from collectives.buffers import Buffer
 from collectives.executor import Run
 from collectives.sim import Deadlock, SimNetwork
@@ -28,6 +28,7 @@ from collectives.ops import resolve
 from collectives.schedule import split
 
 POISON = 0xA5
+AWARE = "COLLECTIVES_CUDA_AWARE"
 
 
 # -- the fake device ------------------------------------------------------------------------------
@@ -151,19 +152,19 @@ class FakeDevice:
 
 
 buffers.register(_fake_adaptor, first=True)
-cuda.register_backend("fake", FakeDevice)
+ct.register_backend("fake", FakeDevice)
 
 
 # -- tier 1: schedules on virtual ranks through StagingTransport -----------------------------------
 def run_staged(schedules, ins, outs, op, dev):
     """``sim.run_schedules`` with every rank's transport staged through ``dev``."""
     net = SimNetwork(len(schedules))
-    pool = cuda.PinnedPool(dev)
+    pool = ct.PinnedPool(dev)
     runs = []
     for r, s in enumerate(schedules):
         s.validate()
         tmp = fake(np.zeros(s.tmp, outs[r].dtype))
-        t = cuda.StagingTransport(net.transport(r), dev, pool)
+        t = ct.StagingTransport(net.transport(r), dev, pool)
         runs.append(Run(s.plan(), ins[r], outs[r], tmp, op, t, 0, on_done=t.close,
                         info=f"{s.name} rank {r}/{len(schedules)}"))
     for run in runs:
@@ -191,10 +192,10 @@ def schedule_algorithms():
     out = []
     for c in select.COLLECTIVES:
         for name in select.algorithms(c):
-            b = select.get(c, name)
-            if b == select.NATIVE or hasattr(b, "launch") or hasattr(b, "context_kwargs"):
-                continue  # native/direct need MPI; context_kwargs builders need a Call
-            out.append((c, name, b))
+            record = select.get(c, name)
+            if record.kind != select.SCHEDULE or record.needs == select.TOPOLOGY:
+                continue  # native/direct need MPI; topology-aware builders need a topology
+            out.append((c, name, record.build[c]))
     return out
 
 
@@ -302,9 +303,9 @@ def test_fake_catches_missing_waits(bug):
 # -- the pinned pool ----------------------------------------------------------------------------
 def test_pool_reuses_blocks_by_size_class():
     dev = FakeDevice()
-    pool = cuda.PinnedPool(dev)
+    pool = ct.PinnedPool(dev)
     a = pool.take(5000)
-    assert a.nbytes == 8192 and pool.size_class(0) == cuda.MIN_BLOCK
+    assert a.nbytes == 8192 and pool.size_class(0) == ct.MIN_BLOCK
     pool.give(a)
     b = pool.take(8000)
     assert b is a and pool.allocated == 8192
@@ -314,7 +315,7 @@ def test_pool_reuses_blocks_by_size_class():
 
 def test_pool_waits_for_the_last_copy_before_reuse():
     dev = FakeDevice()
-    pool = cuda.PinnedPool(dev)
+    pool = ct.PinnedPool(dev)
     stream = dev.new_stream()
     block = pool.take(100)
     dev.to_device(fake(np.zeros(100, np.uint8)), block[:100], stream)
@@ -329,7 +330,7 @@ def test_pool_waits_for_the_last_copy_before_reuse():
 
 def test_pool_keeps_at_most_its_limit():
     dev = FakeDevice()
-    pool = cuda.PinnedPool(dev, limit=8192)
+    pool = ct.PinnedPool(dev, limit=8192)
     blocks = [pool.take(4096) for _ in range(3)]
     for blk in blocks:
         pool.give(blk)
@@ -339,15 +340,17 @@ def test_pool_keeps_at_most_its_limit():
 # -- awareness --------------------------------------------------------------------------------
 def test_awareness_override(monkeypatch):
     monkeypatch.setattr(cuda, "_DETECTED", (False, "test"))
-    monkeypatch.setenv(cuda.AWARE_ENV, "1")
-    assert cuda.awareness() == (True, f"{cuda.AWARE_ENV}=1")
-    monkeypatch.setenv(cuda.AWARE_ENV, "0")
-    assert cuda.aware() is False
-    monkeypatch.delenv(cuda.AWARE_ENV)
-    assert cuda.awareness() == (False, "test")
-    monkeypatch.setenv(cuda.AWARE_ENV, "maybe")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
-        cuda.aware()
+    old = config.set(AWARE, "1")
+    try:
+        assert cuda.awareness() == (True, f"{AWARE}=1")
+        config.set(AWARE, "off")
+        assert cuda.aware() is False
+        config.set(AWARE, "auto")
+        assert cuda.awareness() == (False, "test")
+        with pytest.raises(ValueError, match="COLLECTIVES_CUDA_AWARE='maybe'"):
+            config.set(AWARE, "maybe")
+    finally:
+        config.set(AWARE, old)
 
 
 def test_torch_cuda_tensor_without_cupy_is_a_clear_type_error(monkeypatch):
@@ -363,7 +366,7 @@ def test_torch_cuda_tensor_without_cupy_is_a_clear_type_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_cupy)
     monkeypatch.setattr(cuda, "_CUPY", None)
     with pytest.raises(TypeError, match="need cupy"):
-        cuda._cupy()
+        cuda.import_cupy()
 
 
 def test_fake_buffers_are_device_buffers():
@@ -378,10 +381,9 @@ MPI_LENGTHS = (1, 5, 37)
 
 @pytest.fixture
 def small_segments():
-    from collectives.executor import set_segment_bytes
-    old = set_segment_bytes(32)
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 32)
     yield
-    set_segment_bytes(old)
+    config.set("COLLECTIVES_SEGMENT_BYTES", old)
 
 
 def _all_algorithms(collective):
@@ -395,10 +397,10 @@ def test_public_api_on_fake_device(collective, mode, small_segments, monkeypatch
     """Every algorithm of ``collective`` on 'device' buffers: results, kind, device."""
     from collectives import api as coll  # ireduce is not re-exported by the package (yet)
     from tests.mpiutil import assert_all, world
-    monkeypatch.setenv(cuda.AWARE_ENV, mode)
+    old = config.set(AWARE, mode)
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    dev = cuda.device("fake:0")
+    dev = ct.device("fake:0")
     errors = []
     for name in _all_algorithms(collective):
         before = dev.d2h + dev.h2d
@@ -409,10 +411,11 @@ def test_public_api_on_fake_device(collective, mode, small_segments, monkeypatch
                 except Exception as exc:  # noqa: BLE001 - reported after agreeing
                     errors.append(f"{name} n={n} blocking={blocking}: {exc!r}")
         # Direct mode stages nothing, except algorithms that only work on host memory.
-        host_only = name == "auto" or hasattr(select.get(collective, name), "launch")
+        host_only = name == "auto" or select.get(collective, name).kind == select.DIRECT
         staged = dev.d2h + dev.h2d > before
         if size > 1 and name != "auto" and staged != (mode == "0" or host_only):
             errors.append(f"{name}: mode {mode} staged={staged}")
+    config.set(AWARE, old)
     assert_all(not errors, "; ".join(errors[:5]))
 
 
@@ -475,8 +478,8 @@ def _expect(got, want, where, errors):
 def test_detected_awareness_of_this_mpi():
     """MPICH from the package index is not CUDA-aware: detection says so, and how it knows."""
     from mpi4py import MPI
-    if os.environ.get(cuda.AWARE_ENV):
-        pytest.skip(f"{cuda.AWARE_ENV} is set")
+    if config.get(AWARE) is not None:
+        pytest.skip(f"{AWARE} is set")
     ok, how = cuda.awareness()
     if MPI.get_vendor()[0] == "MPICH":
         assert (ok, how) == (False, "MPIX_Query_cuda_support()")

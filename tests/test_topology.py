@@ -81,11 +81,23 @@ def test_sim_traffic_split():
 
 # -- MPI tier --------------------------------------------------------------------------------
 def _env(monkeypatch, k=None, j=None):
+    """Simulate k ranks per node and j per NUMA domain (None: unset) through the environment,
+    as ``mpiexec -env`` would; the settings are read again, and again after the test."""
+    from collectives import config
     for name, v in (("COLLECTIVES_RANKS_PER_NODE", k), ("COLLECTIVES_RANKS_PER_NUMA", j)):
         if v is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, str(v))
+    config.reload()
+
+
+@pytest.fixture(autouse=True)
+def _reread_settings():
+    """After each test (and its monkeypatch), settings are read from the environment again."""
+    from collectives import config
+    yield
+    config.reload()
 
 
 @pytest.mark.mpi
@@ -140,7 +152,7 @@ def test_mpi_env_must_agree(monkeypatch):
         with pytest.raises(ValueError, match="disagree"):
             T.discover(comm)
         _env(monkeypatch, "x")
-        with pytest.raises(ValueError, match="positive"):
+        with pytest.raises(ValueError, match="positive integers.*expected an integer"):
             T.discover(comm)
         ok = True
     finally:

@@ -80,9 +80,9 @@ def main(argv=None) -> int:
         return 2
     cupy.cuda.Device(rank % ndev).use()
     from collectives import api as coll
-    from collectives import cuda
+    from collectives import config, cuda
 
-    os.environ.pop(cuda.AWARE_ENV, None)
+    config.set("COLLECTIVES_CUDA_AWARE", None)
     aware, how = cuda.awareness()  # what the library says; each variant then sets the override
     variants = ["ring/staged", "auto/staged", "native/staged"]
     if aware:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         iters = max(3, min(args.iters, (256 << 20) // nbytes))
         for variant in variants:
             name, how_ = variant.split("/")
-            os.environ[cuda.AWARE_ENV] = "1" if how_ in ("direct", "device") else "0"
+            config.set("COLLECTIVES_CUDA_AWARE", how_ in ("direct", "device"))
             if how_ == "host":
                 def fn():
                     comm.Allreduce(xh, yh)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                          "time_us": t * 1e6, "algbw": algbw,
                          "busbw": algbw * 2 * (size - 1) / size, "wrong": wrong,
                          "iters": iters})
-        os.environ[cuda.AWARE_ENV] = "0"
+        config.set("COLLECTIVES_CUDA_AWARE", False)
     if rank == 0:
         info = {"ranks": size, "gpus": ndev, "dtype": "float32", "op": "sum",
                 "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"],

@@ -50,7 +50,7 @@ def _collectives():
     from collectives import cuda
     aware, how = cuda.awareness()
     out = {"path": os.path.dirname(collectives.__file__), "cuda_aware": aware, "how": how}
-    out["bfloat16_on_gpu"] = _try(lambda: cuda._bf16_ok(cuda._cupy()))
+    out["bfloat16_on_gpu"] = _try(lambda: cuda.bf16_supported(cuda.import_cupy()))
     return out
 
 

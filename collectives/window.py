@@ -1,0 +1,393 @@
+"""The runtime under ``algorithm="shm"``: one MPI-3 shared-memory window per node communicator,
+and the machinery that moves a collective through it in rounds.
+
+*Window.* The k ranks of a node map one window (``MPI.Win.Allocate_shared``) that all of them
+can read: per rank ``SLOTS`` slots of ``chunk`` bytes and, in the header, one cache line per
+(counter, rank) and an info line per rank. ``window(ctx)`` allocates it once per communicator
+and chunk size (collectively, on the first call) and caches it on the context.
+
+*Counters, not barriers.* Each rank owns three int64 counters in the header (rounds copied in,
+reduced, done reading) that it raises after each step, ordering its memory with
+``MPI_Win_sync``. ``pipeline`` runs a collective's rounds through its two or three phases: a
+step of round i may run once every rank's counter of the step before reached i + 1, and
+writing round i's slot once every rank finished reading round i - SLOTS, the previous user of
+that slot. A rank runs whatever step is allowed, so one that holds a core copies in rounds
+ahead while a peer is descheduled; a rank with nothing to do spins ``COLLECTIVES_SHM_SPIN``
+polls, then yields its core (at once when the node has fewer cores than ranks: the rank it
+waits for may be waiting for its core).
+
+*Single-copy reads.* Where the kernel lets the ranks read each other's memory
+(``collectives.cma``; probed once per window, collectively, and on only where every rank can),
+``publish`` shows a call's buffer address to the peers and ``finish`` waits until every peer
+has read it.
+
+*Order.* Calls run one at a time per window, in the order they were issued (the same on every
+rank): ``ShmWork`` queues each call on its window; ``wait``/``test`` (or the progress thread)
+run the oldest pending one first. The algorithms are in ``collectives.shm``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+from . import cma, config
+
+__all__ = ["Window", "window", "ShmWork", "pipeline", "wait_until", "idle", "round_up", "SLOTS",
+           "PHASES"]
+
+SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
+PHASES = 3                   # counters: copied in, reduced, done reading
+_LINE = 64                   # one cache line per counter
+# Each rank's info line (int64): its pid, calls published, its input's address, and the address
+# of the line itself in its own mapping (what a peer's probe read must find).
+_PID, _SEQ, _SRC, _SELF = range(4)
+_NAMES = ("copy in", "reduce", "finish reading")
+
+
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+# -- the window ------------------------------------------------------------------------------
+class Window:
+    """One shared window on a node: every rank's ``SLOTS`` slots and its three counters.
+
+    ``slot(dtype, s, j)``: slot s of rank j as a flat array of ``dtype``. ``counters[p]``:
+    every rank's counter of phase p (0 copied in, 1 reduced, 2 done reading), a strided view
+    of rank 0's header, one cache line per (phase, rank). ``base``: rounds run so far (the same
+    on every rank). Runs one collective at a time, in ticket order.
+    """
+
+    def __init__(self, comm, chunk: int):
+        from mpi4py import MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.chunk = chunk
+        header = round_up((PHASES + 1) * self.size * _LINE, 4096)
+        self.header = header
+        self.stride = header + SLOTS * chunk
+        self.win = MPI.Win.Allocate_shared(self.stride, 1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.mem = []
+        for j in range(self.size):
+            buf, _unit = self.win.Shared_query(j)
+            self.mem.append(np.frombuffer(buf, dtype=np.uint8, count=self.stride))
+        lines = self.mem[0][:(PHASES + 1) * self.size * _LINE].view(np.int64)
+        lines = lines.reshape(PHASES + 1, self.size, _LINE // 8)
+        self.counters = [lines[p, :, 0] for p in range(PHASES)]
+        self.mine = [lines[p, self.rank, :1] for p in range(PHASES)]
+        self.info = lines[PHASES]
+        for cell in self.mine:
+            cell[0] = 0
+        line = self.info[self.rank]
+        line[:] = 0
+        line[_PID] = os.getpid()
+        line[_SELF] = line.ctypes.data
+        # Fault the slots in now, not in a call: each rank writes its own and maps the others'
+        # (otherwise a window's first calls run several times slower than the rest).
+        self.mem[self.rank][header:].fill(0)
+        self.win.Sync()
+        comm.Barrier()  # every counter is zero before anyone raises one
+        for j in range(self.size):
+            if j != self.rank:
+                int(self.mem[j][header::4096].sum())  # one byte a page: the mapping
+        self.base = 0
+        self.calls = 0
+        spin = config.get("COLLECTIVES_SHM_SPIN")
+        self.spin = spin if self.size <= (os.cpu_count() or 1) else 0
+        use_cma = config.get("COLLECTIVES_SHM_CMA")
+        self.reader = cma.Reader() if use_cma and cma.available() else None
+        self.cma = self._agree_cma()
+        self._views: dict = {}
+        # Ticket order: calls run one at a time, in the order they were issued.
+        self.cond = threading.Condition()
+        self.queue: deque = deque()
+        self.running = False
+        self.closed = False
+
+    def slot(self, dtype, s: int, j: int):
+        """Slot ``s`` of rank ``j`` as a flat ``dtype`` array (views cached)."""
+        key = (dtype, s, j)
+        view = self._views.get(key)
+        if view is None:
+            at = self.header + s * self.chunk
+            view = self.mem[j][at:at + self.chunk].view(dtype)
+            self._views[key] = view
+        return view
+
+    def scratch(self, dtype, level: int):
+        """This rank's private chunk for partial results at ``level`` of ``_combine``'s tree."""
+        key = ("scratch", dtype, level)
+        view = self._views.get(key)
+        if view is None:
+            raw = np.empty(self.chunk, np.uint8)
+            raw.fill(0)  # its pages faulted in now, not in a call
+            view = self._views[key] = raw.view(dtype)
+        return view
+
+    def _probe(self) -> bool:
+        """Whether this rank can read every peer's info line with ``process_vm_readv``."""
+        got = np.zeros(1, np.int64)
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            try:
+                self.reader.read(int(self.info[j, _PID]), got.ctypes.data,
+                                 int(self.info[j, _SELF]), 8)
+            except OSError:
+                return False
+            if got[0] != self.info[j, _PID]:
+                return False
+        return True
+
+    def _agree_cma(self) -> bool:
+        """Single-copy reads between the ranks of the node, if every rank can make them."""
+        from mpi4py import MPI
+        if self.size == 1 or not self.comm.allreduce(self.reader is not None, op=MPI.LAND):
+            return False
+        if self.comm.allreduce(self._probe(), op=MPI.LAND):
+            return True
+        # Yama's ptrace_scope = 1 allows reads only from a declared tracer: declare, retry.
+        cma.allow_peers()
+        self.comm.Barrier()
+        return bool(self.comm.allreduce(self._probe(), op=MPI.LAND))
+
+    def publish(self, work, src) -> list:
+        """Show this call's input to the peers; their ``(rank, pid, input address)``s.
+
+        Collective: returns once every rank published the same call. A rank publishes its next
+        call only after every peer finished reading this one (``finish``), so the addresses a
+        peer reads stay valid for the whole call.
+        """
+        seq = self.calls + 1
+        line = self.info[self.rank]
+        line[_SRC] = src.ctypes.data
+        self.win.Sync()
+        line[_SEQ] = seq
+        seqs = self.info[:, _SEQ]
+        wait_until(work, self, lambda: seqs.min() >= seq,
+               lambda: f"rank(s) {[j for j in range(self.size) if seqs[j] < seq]} to start")
+        self.win.Sync()
+        return [(j, int(self.info[j, _PID]), int(self.info[j, _SRC]))
+                for j in range(self.size) if j != self.rank]
+
+    def finish(self, work) -> None:
+        """Say this rank is done reading its peers' buffers (raise every counter by one round),
+        then wait until every peer has finished reading this rank's."""
+        self.win.Sync()
+        self.base += 1
+        for cell in self.mine:
+            cell[0] = self.base
+        last, base = self.counters[PHASES - 1], self.base
+        wait_until(work, self, lambda: last.min() >= base,
+               lambda: f"rank(s) {self.late(PHASES - 1, base)} to finish reading")
+        self.calls += 1
+
+    def late(self, phase: int, value: int) -> list[int]:
+        """Ranks whose counter ``phase`` is below ``value`` (for messages)."""
+        return [j for j in range(self.size) if self.counters[phase][j] < value]
+
+    def close(self) -> None:
+        """Unlock and free the window and its communicator (context teardown)."""
+        if self.closed:
+            return
+        self.closed = True
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        self._views.clear()
+        self.mem.clear()
+        self.counters = self.mine = self.info = None
+        self.win.Unlock_all()
+        self.win.Free()
+        self.comm.Free()
+
+
+def window(ctx, chunk: int | None = None) -> Window:
+    """The (cached) shared window of ``ctx`` for ``chunk`` bytes per slot; collective."""
+    from mpi4py import MPI
+    # A slot holds at least one element of the widest dtype (16 bytes) per rank.
+    chunk = round_up(max(64, 16 * ctx.size, chunk or config.get("COLLECTIVES_SHM_CHUNK_BYTES")),
+                     64)
+    key = ("shm.window", chunk)
+    win = ctx.stash.get(key)
+    if win is not None:
+        return win
+    from .topology import topology
+    topo = topology(ctx)
+    shared = ctx.comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
+    if shared.Get_size() != ctx.size or not topo.single_node:
+        nodes = len(topo.nodes) if not topo.single_node else "several"
+        shared.Free()
+        raise ValueError(f"algorithm 'shm' needs every rank on one node, but the {ctx.size} "
+                         f"ranks of this communicator span {nodes} nodes ({topo.source}); use "
+                         f"'hierarchical' or a node communicator")
+    win = Window(shared, chunk)
+    ctx.stash[key] = win
+    return win
+
+
+# -- the work object ------------------------------------------------------------------------
+class ShmWork:
+    """One shm collective: run when its turn comes (see the module doc)."""
+
+    __slots__ = ("win", "fn", "args", "done", "error", "where", "call", "_claimed")
+    needs_progress = True  # moves only when a rank runs it (api._drain)
+
+    def __init__(self, win: Window, fn, args, call):
+        self.win, self.fn, self.args, self.call = win, fn, args, call
+        self.done = False
+        self.error = None
+        self.where = None
+        self._claimed = False
+        with win.cond:
+            win.queue.append(self)
+
+    def start(self):
+        """Nothing to post: the work runs in ``wait`` (or the progress thread)."""
+        return self
+
+    def _run_next(self, block: bool) -> bool:
+        """Run the oldest pending work of the window if nobody runs one; False if busy."""
+        win = self.win
+        with win.cond:
+            while True:
+                if self.done:
+                    return True
+                if not win.running and win.queue:
+                    head = win.queue[0]
+                    win.running = True
+                    head._claimed = True
+                    break
+                if not block:
+                    return False
+                win.cond.wait()
+        try:
+            head.fn(head, *head.args)
+        except BaseException as exc:  # noqa: BLE001 - stored, then raised by the waiter
+            head.error = exc
+        finally:
+            with win.cond:
+                head.done = True
+                win.queue.popleft()
+                win.running = False
+                win.cond.notify_all()
+        return True
+
+    def wait(self):
+        """Run this call (after the window's earlier ones) to completion; raise its error."""
+        while not self.done:
+            self._run_next(block=True)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def test(self) -> bool:
+        """Runs this call (and earlier pending ones) to completion if the window is free."""
+        if not self.done:
+            self._run_next(block=False)
+        if self.done and self.error is not None:
+            raise self.error
+        return self.done
+
+    @property
+    def info(self) -> str:
+        """The call in words (made when asked: a watchdog's message, not every call's cost)."""
+        return self.call.describe()
+
+    def waiting_for(self) -> str:
+        """What this call waits on now (for the watchdog)."""
+        where = self.where
+        if self.done:
+            return "nothing"
+        if where is None:
+            return f"shm {self.info}: running" if self._claimed else \
+                f"shm {self.info}: queued behind an earlier shm call"
+        if callable(where):
+            return f"shm {self.info}: waiting for {where()}"
+        done, base = where
+        waits = []
+        for p, i in enumerate(done):
+            if p and i < done[p - 1]:
+                late = self.win.late(p - 1, base + i + 1)
+                waits.append(f"rank(s) {late} to {_NAMES[p - 1]} round {i}")
+        if not waits:
+            late = self.win.late(PHASES - 1, base + done[0] - SLOTS + 1)
+            waits.append(f"rank(s) {late} to free the slot of round {done[0]}")
+        return f"shm {self.info}: waiting for " + "; ".join(waits)
+
+
+# -- waiting and the rounds ------------------------------------------------------------------
+def wait_until(work, win: Window, ready, what) -> None:
+    """Spin, then yield, until ``ready()``; ``what()`` says whom we wait for (watchdog)."""
+    if ready():
+        return
+    work.where = what
+    spins = 0
+    while not ready():
+        spins += 1
+        idle(spins, win.spin)
+    work.where = None
+
+
+def idle(spins: int, spin: int) -> None:
+    """The ``spins``-th wait of a rank with nothing to do: spin ``spin`` times, then yield the
+    core (oversubscribed ranks give it to the one we wait for), and after 65536 waits sleep
+    0.1 ms at a time (a peer far behind: stop burning a core)."""
+    if spins > spin:
+        if spins < 1 << 16:
+            os.sched_yield()
+        else:
+            threading.Event().wait(1e-4)
+
+
+def pipeline(work, win: Window, rounds: int, phases) -> None:
+    """Run ``rounds`` rounds through ``phases`` (two or three), each step as soon as it may.
+
+    Phase p of round i may run once every rank finished phase p - 1 of round i; phase 0 (which
+    writes the round's slot) once every rank finished the last phase of round i - SLOTS, the
+    previous user of that slot. A rank runs whatever step is allowed, reductions first (the
+    others wait for them), so a rank that has the core copies in rounds ahead while a peer is
+    descheduled: ranks meet at a round, not at every step. The last phase raises the later
+    counters too, so the slot guard (counter 2) works whatever the phase count.
+    """
+    base = win.base
+    depth = len(phases)
+    counters, mine, sync = win.counters, win.mine, win.win.Sync
+    done = [0] * depth            # rounds this rank finished, per phase
+    order = sorted(range(depth), key=lambda p: (p != 1, p))  # reduce, copy in, copy out
+    spins, spin = 0, win.spin
+    while done[-1] < rounds:
+        moved = False
+        for p in order:
+            i = done[p]
+            if i >= rounds or (p and i >= done[p - 1]):
+                continue
+            if p == 0:
+                ready = counters[PHASES - 1].min() >= base + i - SLOTS + 1
+            else:
+                ready = counters[p - 1].min() >= base + i + 1
+            if not ready:
+                continue
+            sync()  # see the others' data only after their counters
+            phases[p](i, (base + i) % SLOTS)
+            sync()  # our data is visible before our counter
+            done[p] = i + 1
+            for q in range(p, PHASES if p == depth - 1 else p + 1):
+                mine[q][0] = base + i + 1
+            moved = True
+            break
+        if moved:
+            spins = 0
+            work.where = None
+            continue
+        spins += 1
+        if spins == 1:
+            work.where = (done[:], base)
+        idle(spins, spin)
+    work.where = None
+    win.base = base + rounds
