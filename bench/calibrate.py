@@ -228,7 +228,8 @@ def _ring_hop(comm, laps=200) -> float:
 
 def main(argv=None) -> int:
     """``mpiexec -n 2 python -m bench calibrate [-o FILE]``."""
-    from bench.harness import abort_on_error, parse_rate, parse_time
+    from bench.harness import abort_on_error
+    from bench.units import parse_rate, parse_time
     p = argparse.ArgumentParser(prog="python -m bench calibrate",
                                 description="measure alpha, beta, gamma and the executor's "
                                             "overheads for the cost model (mpiexec -n 2)")

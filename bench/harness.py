@@ -31,8 +31,7 @@ import numpy as np
 
 from bench.collective import Collective, busbw_factor, rank_data
 from bench.stats import Result
-# bench.model and bench.calibrate read these from here.
-from bench.units import byte_sizes, format_size, parse_rate, parse_size, parse_time  # noqa: F401
+from bench.units import format_size
 
 __all__ = ["ROUNDS", "BLOCK_S", "MAX_CALLS", "Sweep", "default_algorithms", "membw",
            "max_over_ranks", "abort_on_error"]

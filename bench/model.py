@@ -36,7 +36,7 @@ def schedule_algorithms(collective: str) -> list[str]:
 
 def model_from_args(args):
     """The calibrated (or default) model with the link options of ``args`` applied."""
-    from bench.harness import parse_rate, parse_time
+    from bench.units import parse_rate, parse_time
     from collectives import costmodel
     model = costmodel.CostModel.load(args.params)
     links = {}
@@ -97,14 +97,13 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.validate:
         return validate(args)
-    from bench.harness import busbw_factor, format_size, parse_size
-    from collectives import costmodel
+    import numpy as np
+
+    from bench.collective import busbw_factor  # its module registers bfloat16 with numpy
+    from bench.units import format_size, parse_size
     from collectives.topology import simulated
     if args.ranks is None:
         raise SystemExit("--ranks is required (or --validate under mpiexec)")
-    import numpy as np
-
-    import bench.harness  # noqa: F401 - registers bfloat16 with numpy
     itemsize = np.dtype(args.datatype).itemsize
     model = model_from_args(args)
     topo = simulated(args.ranks, args.ranks_per_node, args.ranks_per_numa, args.cores_per_node)

@@ -74,6 +74,10 @@ def _groups(ids) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(out[g]) for g in sorted(out))
 
 
+def _rebuild(node, numa, source, cores_per_node) -> Topology:
+    return Topology(node, numa, source=source, cores_per_node=cores_per_node)
+
+
 class Topology:
     """Node and NUMA domain of every rank of one communicator (immutable; see the module doc)."""
 
@@ -102,6 +106,9 @@ class Topology:
 
     def __setattr__(self, name, value):
         raise AttributeError("Topology is immutable")
+
+    def __reduce__(self):  # pickled by the cost model's worker processes
+        return (_rebuild, (self.node, self.numa, self.source, self.cores_per_node))
 
     # -- the table --------------------------------------------------------------------------
     @property
