@@ -157,6 +157,8 @@ def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     algo = memo[1].get(key)
     if algo is None:
         name = select.auto(collective, nbytes, ctx.size, lambda: _single_node(ctx), inplace)
+        if len(memo[1]) >= 1024:  # the sizes a program uses are few; a bound all the same
+            memo[1].clear()
         algo = memo[1][key] = REGISTRY[collective][name]
     return algo
 
@@ -186,13 +188,55 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
 
 
 # -- steps 3 and 4: validate, run -------------------------------------------------------------
-def _start(call: Call, algorithm, check, result, finalize=None):
-    """Choose, validate and run ``call``; returns the result or a ``Request``."""
+def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=None):
+    """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``
+    (``bound``: the call bound to its buffers already, ``native.bind``); returns the result or
+    a ``Request``. The check comes before the choice: ranks whose arguments differ may choose
+    differently, and a choice may ask the topology (collective on first use)."""
+    ctx, collective = call.ctx, call.collective
+    call.algorithm = algorithm if algo is None else algo.name
+    call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
+    ctx.seq = seq + 1
+    if ctx.pending:
+        _drain(ctx)
+    checking = config.get("COLLECTIVES_CHECK") if check is None else check
+    entry = None
+    if ctx.size > 1 and config.get("COLLECTIVES_TIMEOUT"):
+        entry = _watchdog.watch(ctx, call, phase="check" if checking else "run")
     try:
-        algo = _choose(call, algorithm)
-    except (TypeError, ValueError) as exc:
-        raise _check.failed(call.ctx, call.collective, check, exc)
-    return _go(call, algo, check, result, finalize)
+        if checking:
+            # allgather's ranks may differ in length: its counts (agreed already) are compared;
+            # an allreduce is in place on every rank or on none
+            asked = f"{algorithm} in place" if call.inplace and collective == "allreduce" \
+                else algorithm
+            _check.verify(ctx.comm, collective=collective,
+                          elements=None if collective == "allgather" else call.x.count,
+                          dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
+                          root=call.root, algorithm=asked, counts=call.counts, sequence=seq)
+            if entry is not None:
+                entry.phase = "run"
+        if algo is None:
+            algo = _choose(call, algorithm)
+            call.algorithm = algo.name
+        work = _run(call, algo) if bound is None else bound()
+        if entry is not None:
+            entry.work = work  # what the watchdog asks where this rank waits
+        if call.blocking:
+            if work is not _DONE:
+                work.wait()
+        elif getattr(work, "needs_progress", False):
+            ctx.pending.append(work)
+    except BaseException as exc:
+        if entry is not None:
+            _watchdog.unwatch(entry, exc)
+        raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
+    if call.blocking:
+        if entry is not None:
+            _watchdog.unwatch(entry)
+        if finalize is not None:
+            finalize()
+        return result
+    return Request(work, result, finalize, description=call.describe())
 
 
 def _choose(call: Call, algorithm) -> select.Algorithm:
@@ -205,50 +249,6 @@ def _choose(call: Call, algorithm) -> select.Algorithm:
         raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
                          f"communicator of {ctx.size} ranks spans nodes")
     return algo
-
-
-def _go(call: Call, algo: select.Algorithm, check, result, finalize, bound=None):
-    """Validate across ranks where asked, and run ``call`` with ``algo`` (or ``bound``: the
-    call bound to its buffers already, ``native.bind``)."""
-    ctx, collective = call.ctx, call.collective
-    call.algorithm = algo.name
-    call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
-    ctx.seq = seq + 1
-    if ctx.pending:
-        _drain(ctx)
-    checking = config.get("COLLECTIVES_CHECK") if check is None else check
-    entry = None
-    if ctx.size > 1 and config.get("COLLECTIVES_TIMEOUT"):
-        entry = _watchdog.watch(ctx, call, phase="check" if checking else "run")
-    try:
-        if checking:
-            # allgather's ranks may differ in length: its counts (agreed already) are compared
-            _check.verify(ctx.comm, collective=collective,
-                          elements=None if collective == "allgather" else call.x.count,
-                          dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
-                          root=call.root, algorithm=algo.name, counts=call.counts, sequence=seq)
-            if entry is not None:
-                entry.phase = "run"
-        work = _run(call, algo) if bound is None else bound()
-        if call.blocking:
-            if work is not _DONE:
-                work.wait()
-        else:
-            if getattr(work, "needs_progress", False):
-                ctx.pending.append(work)
-            if entry is not None:
-                entry.work = work
-    except BaseException as exc:
-        if entry is not None:
-            _watchdog.unwatch(entry, exc)
-        raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
-    if call.blocking:
-        if entry is not None:
-            _watchdog.unwatch(entry)
-        if finalize is not None:
-            finalize()
-        return result
-    return Request(work, result, finalize, description=call.describe())
 
 
 def _run(call: Call, algo: select.Algorithm):
@@ -308,9 +308,10 @@ def _avg(call: Call):
 # -- the collectives --------------------------------------------------------------------------
 # Small calls repeat with the same arrays (a training loop's scalars and flags). Checking,
 # wrapping and choosing for them is most of a small call's Python, so for numpy calls with
-# ``out`` of at most SMALL_BYTES the outcome is kept per (x, out, op, comm, algorithm), holding
-# x, out and comm so that their ids stay theirs (small, so holding them costs little). A hit
-# checks what can change on the same objects: x's dtype, out's write flag, the tuning table.
+# ``out`` of at most SMALL_BYTES, what a blocking call that succeeded worked out is kept per
+# (x, out, op, comm, algorithm), holding x, out and comm so that their ids stay theirs (small,
+# so holding them costs little). A hit checks what can change on the same objects: x's dtype,
+# out's write flag, the tuning table.
 SMALL_BYTES = 8 << 10
 _CHECKED: dict = {}
 
@@ -326,30 +327,27 @@ def _allreduce(x, op, out, comm, algorithm, check, blocking):
         if not blocking or call.ctx is not ctx:  # a blocking call's Call is done with on return
             call, bound = _fill(_blank(Call), "allreduce", ctx, xb, outb, opr, 0, None,
                                 inplace, blocking), None
-        return _go(call, algo, check, out, _avg(call) if opr.is_avg else None, bound)
+        return _start(call, algorithm, check, out, _avg(call) if opr.is_avg else None, algo,
+                      bound)
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
         outb, inplace = _output(xb, out, xb.shape)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allreduce", check, exc)
-    call = _fill(_blank(Call), "allreduce", ctx, xb, outb, opr, 0, None, inplace, True)
-    try:
-        algo = _choose(call, algorithm)
-    except (TypeError, ValueError) as exc:
-        raise _check.failed(ctx, "allreduce", check, exc)
-    if fast and type(out) is np.ndarray and type(x) is np.ndarray and \
+    call = _fill(_blank(Call), "allreduce", ctx, xb, outb, opr, 0, None, inplace, blocking)
+    result = _start(call, algorithm, check, outb.obj, _avg(call) if opr.is_avg else None)
+    if blocking and fast and type(out) is np.ndarray and type(x) is np.ndarray and \
             xb.flat.nbytes <= SMALL_BYTES:
-        if len(_CHECKED) >= 256:
-            _CHECKED.clear()
+        algo = REGISTRY["allreduce"][call.algorithm]
         # MPI's own on more than one rank: the call bound to its buffers once
         bound = native.bind(call) if algo.kind is NATIVE and ctx.size > 1 and xb.count else None
+        if len(_CHECKED) >= 256:
+            _CHECKED.clear()
         _CHECKED[(id(x), id(out), op, id(comm), algorithm)] = \
             (x, out, comm, xb, outb, inplace, opr, algo, call, bound,
              config.get("COLLECTIVES_TUNING"))
-    if not blocking:
-        call = _fill(_blank(Call), "allreduce", ctx, xb, outb, opr, 0, None, inplace, False)
-    return _go(call, algo, check, outb.obj, _avg(call) if opr.is_avg else None)
+    return result
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):

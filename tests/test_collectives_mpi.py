@@ -8,24 +8,24 @@ import pytest
 
 import collectives as coll
 from collectives.buffers import DTYPES
-from collectives.executor import set_segment_bytes
+from collectives import api, config, select
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests.mpiutil import assert_all, world, op_inputs
 
 pytestmark = pytest.mark.mpi
 
 
-def use_tuning(monkeypatch, tmp_path, name: str, rules: dict) -> None:
+def use_tuning(setting, tmp_path, name: str, rules: dict) -> None:
     """``COLLECTIVES_TUNING`` names a table of ``rules`` ({collective: rules}) for this
-    communicator's size and every other, one file a rank, with trials on."""
+    communicator's size and every other, one file a rank (``setting``: the conftest fixture)."""
     import json
     comm = world()
     size = comm.Get_size()
     table = tmp_path / f"{name}-{comm.Get_rank()}.json"
     table.write_text(json.dumps({"version": 1, "tables": {
         c: {"default": r, str(size): r} for c, r in rules.items()}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1")
+    setting("COLLECTIVES_TUNING", str(table))
+
 
 LENGTHS = (0, 1, 5, 97)
 
@@ -33,9 +33,9 @@ LENGTHS = (0, 1, 5, 97)
 @pytest.fixture(autouse=True, scope="module")
 def small_segments():
     """Tiny segments so short arrays walk the multi-segment paths (STYLE 13)."""
-    old = set_segment_bytes(24)
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 24)
     yield
-    set_segment_bytes(old)
+    config.set("COLLECTIVES_SEGMENT_BYTES", old)
 
 
 inputs = op_inputs
@@ -234,11 +234,11 @@ def test_allgather_auto_agrees_on_ragged_lengths():
     rank, size = comm.Get_rank(), comm.Get_size()
     lengths = [(1 << 20, 0, 300_000, 1, 7)[r % 5] for r in range(size)]
     x = np.full(lengths[rank], rank + 1, np.float32)
-    old = set_segment_bytes(4 << 20)  # this module's 24-byte segments: 10^5 steps a call
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 4 << 20)  # 24-byte segments: 10^5 steps a call
     try:
         got = coll.allgather(x)
     finally:
-        set_segment_bytes(old)
+        config.set("COLLECTIVES_SEGMENT_BYTES", old)
     want = np.concatenate([np.full(n, r + 1, np.float32) for r, n in enumerate(lengths)])
     assert_all(got.shape == want.shape and np.array_equal(got, want), "ragged auto")
 
@@ -277,14 +277,14 @@ def test_non_blocking_out_of_order():
     assert_all(ok, "non-blocking")
 
 
-def test_auto_follows_the_table_in_force(monkeypatch, tmp_path):
+def test_auto_follows_the_table_in_force(setting, tmp_path):
     """auto runs what the tuning table says for the size, and a table named afterwards takes
     effect on the next call (auto's picks are memoized per communicator and table)."""
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     ran = []
     for name in ("tree", "ring", "tree"):
-        use_tuning(monkeypatch, tmp_path, name, {"allreduce": [[64, "native"], [None, name]]})
+        use_tuning(setting, tmp_path, name, {"allreduce": [[64, "native"], [None, name]]})
         small = coll.iallreduce(np.ones(4, np.float32))        # 16 bytes: native
         req = coll.iallreduce(np.full(100, rank + 1, np.int64))   # 800 bytes: the table's
         ran.append((small.description, req.description))
@@ -295,14 +295,14 @@ def test_auto_follows_the_table_in_force(monkeypatch, tmp_path):
     assert_all(ok, f"auto ran {ran}")
 
 
-def test_auto_repeats_a_plan_only_for_a_call_like_it(monkeypatch, tmp_path):
+def test_auto_repeats_a_plan_only_for_a_call_like_it(setting, tmp_path):
     """An auto call repeats the last auto call's plan only when nothing its pick depends on
     changed: an allgather whose rank 0 passes the same length again, while the others pass
     more, picks from the new mean (a plan keyed by rank 0's own bytes ran native there while
     the others ran ring: a hang), and the same with every length as before picks as before."""
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    use_tuning(monkeypatch, tmp_path, "plan", {"allgather": [[64, "native"], [None, "ring"]]})
+    use_tuning(setting, tmp_path, "plan", {"allgather": [[64, "native"], [None, "ring"]]})
     ran, ok = [], True
     for others in (4, 100, 100, 4):  # float32 elements of ranks > 0; rank 0 passes 4
         n = 4 if rank == 0 else others
@@ -316,7 +316,7 @@ def test_auto_repeats_a_plan_only_for_a_call_like_it(monkeypatch, tmp_path):
     assert_all(ok, f"auto ran {ran}")
 
 
-def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
+def test_auto_in_place_has_rules_of_its_own(setting, tmp_path):
     """An allreduce in place on every rank runs the table's in-place rule for its size, out of
     place the other; both give the right sum."""
     import json
@@ -326,7 +326,7 @@ def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
     table.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
         "default": [[None, "ring"]], str(size): [[None, "ring"]],
         "in-place": {"default": [[None, "tree"]], str(size): [[None, "tree"]]}}}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
+    setting("COLLECTIVES_TUNING", str(table))
     want = np.full(100, size * (size + 1) // 2)
     x = np.full(100, rank + 1, np.int64)
     out = coll.iallreduce(x)
@@ -337,418 +337,101 @@ def test_auto_in_place_has_rules_of_its_own(monkeypatch, tmp_path):
     assert_all(ok, f"auto ran {out.description} / {inplace.description}")
 
 
-@pytest.mark.parametrize("trials", ["on", "off", "default"])
-def test_auto_measures_the_algorithms_of_a_rule(monkeypatch, tmp_path, trials):
-    """A rule naming several algorithms: where the choice cannot change a result (2 ranks, or a
-    collective that only moves data) auto runs them in blocks, in turn, in a race of 5 to 30
-    rounds, then every rank runs the winner by the slowest rank's times (by default too where
-    a node runs more of the ranks than it has cores); elsewhere, and with
-    COLLECTIVES_AUTO_TRIAL=0, the rule's first. Non-blocking
-    calls run the first meanwhile and do not count; a float min/max always runs the first.
-    Results are right all along."""
-    import json
-
-    from collectives import api
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    names = ["ring", "recursive_doubling", "native"]
-    table = tmp_path / f"trial-{rank}.json"
-    table.write_text(json.dumps({"version": 1, "tables": {
-        "allreduce": {"default": [[None] + names], str(size): [[None] + names]},
-        "allgather": {"default": [[None, "ring", "native"]],
-                      str(size): [[None, "ring", "native"]]}}}))
-    monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    if trials == "default":
-        monkeypatch.delenv("COLLECTIVES_AUTO_TRIAL", raising=False)
-    else:
-        monkeypatch.setenv("COLLECTIVES_AUTO_TRIAL", "1" if trials == "on" else "0")
-    allowed = trials != "off"
-    x = np.full(1000, rank + 1, np.float32)
-    want = size * (size + 1) // 2
-    bad = []
-    for collective, rule, exact in (("allreduce", names, size == 2),
-                                    ("allgather", ["ring", "native"], True)):
-        measured = allowed and size > 1 and exact
-        if collective == "allreduce":
-            call, check = (lambda: coll.allreduce(x, comm=comm)), (lambda y: (y == want).all())
-            req = coll.iallreduce(x, comm=comm)
-            if "(ring, 1000" not in req.description or not (req.wait() == want).all():
-                bad.append(f"non-blocking: {req.description}")
-        else:
-            call = lambda: coll.allgather(x, comm=comm)  # noqa: E731
-            check = lambda y: np.array_equal(y, np.repeat(np.arange(1, size + 1), 1000))  # noqa
-        calls = 0
-        while calls < 20000 and (calls == 0 or api.auto_pick(collective, x.nbytes, comm) is None):
-            if calls < len(rule) * (2 + 3 * api._Trial.MIN_ROUNDS) and \
-                    (api.auto_pick(collective, x.nbytes, comm) is None) != measured:
-                bad.append(f"{collective} call {calls}: "
-                           f"{api.auto_pick(collective, x.nbytes, comm)}")
-            if not check(call()):
-                bad.append(f"{collective} call {calls}: wrong result")
-            calls += 1
-        pick = api.auto_pick(collective, x.nbytes, comm)
-        picks = comm.allgather(pick)
-        if pick not in rule or len(set(picks)) > 1 or not (measured or pick == rule[0]):
-            bad.append(f"{collective}: picks {picks}")
-        trial = api.auto_trial(collective, x.nbytes, comm)
-        if (sorted(trial or ()) != sorted(rule)) if measured else trial is not None:
-            bad.append(f"{collective}: measured {trial}")
-        if not check(call()):
-            bad.append(f"{collective} after: wrong result")
-        if collective == "allreduce":
-            # after the trial, a non-blocking call runs the pick too; a float max, whose -0.0
-            # against +0.0 depends on the operands' order, the rule's first
-            after, peak = coll.iallreduce(x, comm=comm), coll.iallreduce(x, "max", comm=comm)
-            if f"({pick}, " not in after.description or "(ring, " not in peak.description \
-                    or not (after.wait() == want).all() or not (peak.wait() == size).all():
-                bad.append(f"after: {after.description} / {peak.description}")
-            # and blocking: a float max right after a sum that ran the pick runs the rule's
-            # first (auto's plan path repeats a pick other than the first only for calls
-            # that every algorithm gives alike, _exact; on one rank every call is a copy, and
-            # no schedule runs)
-            ran, real = [], api._run_schedule
-            monkeypatch.setattr(api, "_run_schedule",
-                                lambda c, name, b: (ran.append(name), real(c, name, b))[1])
-            sums, peaks = call(), coll.allreduce(x, "max", comm=comm)
-            monkeypatch.setattr(api, "_run_schedule", real)
-            if not check(sums) or not (peaks == size).all() or size > 1 and (
-                    ran[-1:] != ["ring"] or (pick != "native") != (len(ran) == 2)):
-                bad.append(f"blocking after: ran {ran}, pick {pick}")
-    assert_all(not bad, f"trials {trials}: {bad[:4]}")
+def _single_node(comm) -> bool:
+    from collectives.topology import topology
+    return topology(comm).single_node
 
 
-@pytest.mark.parametrize("order", ["tree", "ring"])
-def test_auto_races_the_algorithms_that_give_the_same_bits(monkeypatch, tmp_path, order):
-    """On 3 ranks and more a reduction's rule races only the algorithms that combine in its
-    first's order (select.bits): tree and shm (its allreduce up to shm.WHOLE_MAX_BYTES, and
-    its reduce); ring and shm (its allreduce above that bound, lowered here, and its
-    reduce-scatter); a rule led by another runs its first; hierarchical_shm, shm itself on
-    one node, does not race shm. Every call gives the rule's first's bits, the same on every
+@pytest.mark.parametrize("collective", select.COLLECTIVES)
+def test_auto_runs_the_tables_pick(collective):
+    """``auto`` runs what ``select.auto`` reads from the tuning table in force (the default
+    table here) for every rule's sizes, out of place and in place, and ``api.auto_pick`` names
+    it; the result is right and bitwise the one the named pick gives, the same on every
     rank."""
-    from collectives import api, shm
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    if size < 3:
-        pytest.skip("at 2 ranks every algorithm gives the same bits")
-    if order == "ring":
-        monkeypatch.setattr(shm, "WHOLE_MAX_BYTES", {None: 1024})
-    rules = {"allreduce": [[4000, "native", "shm", "tree"],
-                           [None, "shm", "hierarchical_shm", "ring", "tree"]],
-             "reduce": [[4000, "native", "shm", "tree"], [None, "tree", "native", "shm"]],
-             "reduce_scatter": [[4000, "native", "shm", "ring"],
-                                [None, "ring", "tree", "shm", "native"]]}
-    use_tuning(monkeypatch, tmp_path, "same" + order, rules)
-    raced_by = {"allreduce": {"tree", "shm"} if order == "tree" else {"ring", "shm"},
-                "reduce": {"tree", "shm"}, "reduce_scatter": {"ring", "shm"}}
+    rules = select.load_table()[collective]
+    limits = sorted({limit for rule in rules.values() if isinstance(rule, list)
+                     for limit, _ in rule if limit is not None and limit <= 4 << 20})
+    nbytes = sorted({4 * size} | {max(4 * size, limit - limit % (4 * size)) for limit in limits}
+                    | {limit + 4 * size for limit in limits})
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 1 << 20)  # this module's 24 B: too slow here
     bad = []
-    for n, raced in ((501, False), (5001, True)):
-        n -= n % size  # a reduce-scatter's blocks alike
-        x = (np.random.default_rng(rank).standard_normal(n) * 10.0 ** rank).astype(np.float32)
-        for c in rules:
-            first = rules[c][raced][1]  # its bits, and when raced its partners' alike
-            want = getattr(coll, c)(x, comm=comm, algorithm=first)
-            for call in range(20000):
-                got = getattr(coll, c)(x, comm=comm)
-                if (rank == 0 or c != "reduce") and got.tobytes() != want.tobytes():
-                    bad.append(f"{c} {n}: call {call} not {first}'s bits")
-                    break
-                if api.auto_pick(c, x.nbytes, comm) is not None:
-                    break
-            trial = api.auto_trial(c, x.nbytes, comm)
-            if (set(trial or ()) != raced_by[c]) if raced else trial is not None:
-                bad.append(f"{c} {n}: measured {trial}")
-            if c == "allreduce" and len({bytes(b) for b in comm.allgather(got.tobytes())}) > 1:
-                bad.append(f"{c} {n}: ranks differ")
-    assert_all(not bad, str(bad[:4]))
-
-
-def test_a_race_steps_straight_through_calls_like_the_last(monkeypatch, tmp_path):
-    """While a race runs, a blocking call like the last goes straight to the race's next step
-    (``_Trial.step``), not through ``_auto_plan`` again; a call unlike it (another length, a
-    non-blocking one) takes the full path and runs what it would have; after the race, calls
-    like the last run the pick from the plan kept for them. Results right all along."""
-    from collectives import api
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size < 2:
-        pytest.skip("no race on one rank")
-    use_tuning(monkeypatch, tmp_path, "step", {"allgather": [[None, "ring", "native"]]})
-    planned, stepped = [], []
-    plan, step = api._auto_plan, api._Trial.step
-    monkeypatch.setattr(api, "_auto_plan",
-                        lambda call, *a, **k: (planned.append(call.x.count), plan(call, *a, **k))[1])
-    monkeypatch.setattr(api._Trial, "step",
-                        lambda self, call: (stepped.append(call.x.count), step(self, call))[1])
-    x, y = np.full(64, rank, np.int32), np.full(3, rank, np.int32)
-    want = np.repeat(np.arange(size, dtype=np.int32), 64)
-    bad, calls = [], 0
-    while api.auto_pick("allgather", x.nbytes, comm) is None and calls < 20000:
-        if not np.array_equal(coll.allgather(x, comm=comm), want):
-            bad.append(f"call {calls}: wrong")
-        calls += 1
-        if calls == 7:  # unlike the last: a non-blocking call, another length, then back
-            other = planned[:]
-            req = coll.iallgather(x, comm=comm)
-            if "(ring, " not in req.description or not np.array_equal(req.wait(), want):
-                bad.append(f"non-blocking in the race: {req.description}")
-            if not np.array_equal(coll.allgather(y, comm=comm),
-                                  np.repeat(np.arange(size, dtype=np.int32), 3)):
-                bad.append("another length: wrong")
-            if len(planned) != len(other) + 2:
-                bad.append(f"unlike calls planned {len(planned) - len(other)}, not 2")
-    races = [n for n in planned if n == 64]
-    # the first call and the one after the two unlike it; and once more where the race's
-    # ending call is the last one in the loop (the next call would take the plan's pick)
-    if calls < 20 or len(races) > 3 or len(stepped) < calls - 3 or set(stepped) != {64}:
-        bad.append(f"{calls} calls: {len(races)} planned, {len(stepped)} stepped")
-    before = len(stepped)
-    for _ in range(50):
-        if not np.array_equal(coll.allgather(x, comm=comm), want):
-            bad.append("after the race: wrong")
-    last = api._context(comm).auto_last
-    pick = api.auto_pick("allgather", x.nbytes, comm)
-    if len(stepped) != before or last[5] is None or last[5][0] != pick:
-        bad.append(f"after the race: stepped {len(stepped) - before}, plan {last[5]}")
-    assert_all(not bad, str(bad[:4]))
-
-
-def test_auto_measures_again_as_the_machine_changes(monkeypatch, tmp_path):
-    """A decided trial races again after its calls are used up (seconds at the pick's pace):
-    every rank at the same call, results right all along, the picks the same on every rank;
-    while the pick stays, the wait doubles; COLLECTIVES_AUTO_RETRIAL=0 races once."""
-    from collectives import api
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        pytest.skip("one rank has nothing to choose")
-    use_tuning(monkeypatch, tmp_path, "retrial", {"allgather": [[None, "ring", "native"]],
-                                                   "reduce": [[None, "tree", "shm"]]})
-    monkeypatch.setattr(api._Trial, "RETRIAL_SHARE", 0)
-    monkeypatch.setattr(api._Trial, "RETRIAL_S", 2e-3)  # a few calls after each race
-    x = np.full(100, rank + 1, np.float32)
-    want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 100)
-    bad, races, waits, deciding = [], 0, [], True
-    for call in range(200000):  # a race takes 1000-6000 calls here
-        if not np.array_equal(coll.allgather(x, comm=comm), want):
-            bad.append(f"call {call}: wrong result")
-        undecided = api.auto_pick("allgather", x.nbytes, comm) is None
-        if deciding and not undecided:
-            races += 1
-            hit = api._context(comm).auto["allgather"][x.nbytes]
-            waits.append((hit.decided[0], hit.every))
-        deciding = undecided
-        if races == 4:
-            break
-    seen = comm.allgather(waits)
-    if races < 4 or any(w != waits for w in seen):
-        bad.append(f"{races} races, waits {seen}")
-    for (p0, e0), (p1, e1) in zip(waits, waits[1:]):
-        if e1 != (2 * e0 if p1 == p0 else api._Trial.RETRIAL_S):
-            bad.append(f"waits {waits}")
-    from mpi4py import MPI
-
-    # A race that picks another algorithm: every call after it runs the new pick, on every
-    # rank, whichever way its calls take (rank 0 alternates in place and not, which breaks
-    # the plan kept for calls like the last; the others repeat one kind of call).
-    decide, turns = api._Trial._decide, [0]
-
-    def alternate(self):
-        done = decide(self)
-        if done:
-            turns[0] += 1
-            i = turns[0] % len(self.names)
-            self.decided = (self.names[i], self.builders[i])
-        return done
-    monkeypatch.setattr(api._Trial, "_decide", alternate)
-    z = np.full(300, rank + 1, np.float32)
-    hit, races, stale = None, 0, []
-    for call in range(200000):
-        if rank == 0 and call % 2:
-            w = z.copy()
-            coll.reduce(w, out=w)
-        else:
-            coll.reduce(z)
-        hit = hit or api._context(comm).auto["reduce"].get(z.nbytes)
-        last = api._context(comm).auto_last
-        if hit is not None and hit.decided and last[7] is hit and last[5][0] != hit.decided[0]:
-            stale.append((call, last[5][0], hit.decided[0]))
-        races = comm.allreduce(turns[0], op=MPI.MIN) if call % 100 == 0 else races
-        if races >= 3:
-            break
-    if stale or races < 3:
-        bad.append(f"after {races} races, calls ran a stale plan: {stale[:3]}")
-    monkeypatch.setattr(api._Trial, "_decide", decide)
-    monkeypatch.setattr(api._Trial, "RETRIAL_S", 0.0)
-    y = np.full(50, rank + 1, np.float32)
-    for call in range(20000):  # the race
-        coll.allgather(y, comm=comm)
-        if api.auto_pick("allgather", y.nbytes, comm) is not None:
-            break
-    picked = 0
-    for call in range(3000):
-        coll.allgather(y, comm=comm)
-        picked += api.auto_pick("allgather", y.nbytes, comm) is not None
-    if picked < 3000:
-        bad.append(f"COLLECTIVES_AUTO_RETRIAL=0: decided at {picked} calls of 3000 after")
-    assert_all(not bad, str(bad[:4]))
-
-
-def race_on_a_test_clock(monkeypatch, tmp_path, name: str, seconds) -> None:
-    """allgather's rule races ring and recursive doubling, once (no races again but the
-    probes'), on the test's clock: every call of algorithm ``a`` takes ``seconds(a)``."""
-    from collectives import api
-    use_tuning(monkeypatch, tmp_path, name,
-               {"allgather": [[None, "ring", "recursive_doubling"]]})
-    monkeypatch.setattr(api._Trial, "RETRIAL_S", 1e6)
-    clock, real = [0.0], api._run_schedule
-
-    def run(call, algorithm, builder):
-        clock[0] += seconds(algorithm)
-        return real(call, algorithm, builder)
-    monkeypatch.setattr(api, "_run_schedule", run)
-    monkeypatch.setattr(api, "perf_counter", lambda: clock[0])
-
-
-@pytest.mark.parametrize("when", ["later", "at once", "stale", "crowded", "everyone",
-                                  "still the fastest"])
-def test_auto_races_again_when_its_pick_slows_down(monkeypatch, tmp_path, when):
-    """After a race, probes time a block of the pick's calls every so often; when they find it
-    slower than its reference (its race time, or the first probe's if lower) by more than TRIP,
-    TRIP_PROBES times in a row, a duel times the race's runner-up against the pick, and where
-    the runner-up now runs faster against it than in the race, by more than DUEL, a race
-    starts at the next call, on every rank at the same call, and picks the runner-up; a pick
-    that holds its pace never races again (regular races off here). The clock is the test's:
-    every call of an algorithm takes ``dt[name]``, in the race and after it; the pick (ring:
-    the two tie, and the rule's first stays) slows down 20000 calls in, or right after the
-    race (before any probe). "stale": the race ran in a slow phase of the machine (every call
-    3x), which ends before the first probe, and the pick slows down later to 2x, still faster
-    than the others' race times: the duel still finds the runner-up faster now, and the race
-    follows. Where a node runs more ranks than it has cores ("crowded"), the first probe is
-    the last, and nothing races again. Where every algorithm slows down alike ("everyone": the
-    machine), the duel finds the runner-up as slow: no race, and the pick's reference becomes
-    its new pace. "still the fastest": the runner-up ran 3x the pick's time in the race, and
-    the pick slows down past TRIP but stays faster than it: no race (it would keep the pick),
-    the pick's reference becomes its new pace."""
-    from collectives import api
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        pytest.skip("one rank has nothing to choose")
-    dt = {"ring": 1e-5, "recursive_doubling": 1e-5}
-    if when == "still the fastest":
-        dt["recursive_doubling"] = 3e-5
-    if when == "stale":
-        dt = {name: 3 * t for name, t in dt.items()}
-    race_on_a_test_clock(monkeypatch, tmp_path, "probe", lambda name: dt[name])
-    monkeypatch.setattr(api._Trial, "PROBE_S", 1e-9)  # a probe every 2 blocks' calls
-    crowded = float(when == "crowded" and rank == size - 1)  # one crowded node is enough
-    monkeypatch.setattr(api._Trial, "_crowded", lambda self: crowded)
-    monkeypatch.setattr(api._Trial, "CROWDED_MIN", 0)  # small calls race there too
-    x = np.full(10, rank + 1, np.float32)
-    want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
-    bad, races, deciding, slow = [], [], True, None
-    for call in range(40000):
-        if when == "stale" and not deciding and call < 20000:
-            dt.update(ring=1e-5, recursive_doubling=1e-5)  # the slow phase ended
-        if when == "stale" and call == 20000:
-            dt["ring"] *= 2  # the pick slows down, still faster than the race timed the other
-            slow = call
-        if slow is None and (call == 20000 or when == "at once" and not deciding):
-            dt["ring"] *= api._Trial.TRIP * 1.5  # the pick slows down for good
-            if when == "everyone":
-                dt["recursive_doubling"] *= api._Trial.TRIP * 1.5  # and so does the other
-            slow = call
-        if not np.array_equal(coll.allgather(x, comm=comm), want):
-            bad.append(f"call {call}: wrong result")
-        undecided = api.auto_pick("allgather", x.nbytes, comm) is None
-        if undecided and not deciding:
-            races.append(call)
-        deciding = undecided
-    hit = api._context(comm).auto["allgather"][x.nbytes]
-    pick = api.auto_pick("allgather", x.nbytes, comm)
-    # one race (the first, at call 0, is not counted), soon after the slow-down: TRIP_PROBES
-    # probes find it slower, and the duel's blocks find the runner-up faster
-    if when == "crowded":
-        if races or hit.probe < 10 ** 11:
-            bad.append(f"crowded: races at calls {races}, next probe in {hit.probe} calls")
-    elif when in ("everyone", "still the fastest"):
-        if races or hit._over or hit.probe > 10 ** 11 or pick != "ring":
-            bad.append(f"{when}: races at calls {races}, {hit._over} probes over, next "
-                       f"probe in {hit.probe} calls, running {pick}")
-        if hit._ref < api._Trial.TRIP * 1e-5:
-            bad.append(f"{when}: the pick's reference stayed at {hit._ref}")
-    else:
-        duel = 2 * api._Trial.DUEL_BLOCKS * hit._probe_len
-        soon = slow + (api._Trial.TRIP_PROBES + 1) * (hit._probe_every + hit._probe_len) + duel
-        if len(races) != 1 or not slow <= races[0] <= soon:
-            bad.append(f"races at calls {races}, expected one in {slow}-{soon}")
-        if pick != "recursive_doubling" or hit._need != api._Trial.TRIP_PROBES:
-            bad.append(f"after a race that changed the pick: {pick}, {hit._need} probes needed")
-    seen = comm.allgather(races)
-    if any(r != races for r in seen):
-        bad.append(f"ranks raced at different calls: {seen}")
-    assert_all(not bad, str(bad[:4]))
-
-
-@pytest.mark.parametrize("crowded", [False, True])
-def test_auto_keeps_the_rule_on_a_crowded_node_for_small_calls(monkeypatch, tmp_path, crowded):
-    """Where a node runs more ranks than it has cores, calls under CROWDED_MIN bytes run the
-    rule's first once the race's first round has shown it, and never race again; elsewhere the
-    race picks the faster. The clock is the test's: ring's calls take twice as long as
-    recursive doubling's."""
-    from collectives import api
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        pytest.skip("one rank has nothing to choose")
-    race_on_a_test_clock(monkeypatch, tmp_path, "crowded",
-                         lambda name: 2e-5 if name == "ring" else 1e-5)
-    flag = float(crowded and rank == 0)  # one crowded node is enough
-    monkeypatch.setattr(api._Trial, "_crowded", lambda self: flag)
-    x = np.full(10, rank + 1, np.float32)
-    want = np.repeat(np.arange(1, size + 1, dtype=np.float32), 10)
-    bad, picks, first = [], set(), None
-    for call in range(6000):
-        if not np.array_equal(coll.allgather(x, comm=comm), want):
-            bad.append(f"call {call}: wrong result")
-        pick = api.auto_pick("allgather", x.nbytes, comm)
-        if pick is not None:
-            first = call if first is None else first
-            picks.add(pick)
-    if crowded:
-        # the first round: two calls of each algorithm
-        if first != 3 or picks != {"ring"} or api.auto_trial("allgather", x.nbytes, comm):
-            bad.append(f"crowded: decided at call {first}, picks {picks}")
-    elif first is None or first <= 3 or picks != {"recursive_doubling"}:
-        bad.append(f"not crowded: decided at call {first}, picks {picks}")
-    seen = comm.allgather((first, sorted(picks)))
-    if any(s != seen[0] for s in seen):
-        bad.append(f"ranks decided differently: {seen}")
-    assert_all(not bad, str(bad[:4]))
-
-
-def test_a_mismatched_call_in_a_trial_raises_on_every_rank(monkeypatch, tmp_path):
-    """A call whose lengths differ across ranks, made at a trial's timed step with the check on:
-    every rank raises MismatchError (the trial's barrier waits until after the check; before it
-    did not, and one rank sat in the barrier while the other checked, until the watchdog)."""
-    from collectives import api
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1:
-        pytest.skip("needs two ranks to disagree")
-    use_tuning(monkeypatch, tmp_path, "mismatch",
-               {"broadcast": [[100, "native"], [None, "binomial", "native"]]})
-    x = np.ones(1000, np.float32)
-    for _ in range(3):  # binomial's call, timed; native's first: the next is timed, a barrier
-        coll.broadcast(x, comm=comm)
-    assert api.auto_pick("broadcast", x.nbytes, comm) is None
-    y = np.ones(1000 if rank == 0 else 10, np.float32)
     try:
-        coll.broadcast(y, comm=comm, check=True)
-        got = "no error"
-    except coll.MismatchError as e:
-        got = "mismatch" if "1000" in str(e) and "10 elements" in str(e) else str(e)
-    assert_all(got == "mismatch", f"rank {rank}: {got}")
+        for n in nbytes:
+            x = (np.random.default_rng(rank).standard_normal(n // 4) * 10.0 ** rank
+                 ).astype(np.float32)
+            for inplace in ((False, True) if collective == "allreduce" else (False,)):
+                pick = api.auto_pick(collective, x.nbytes, comm, inplace=inplace)
+                want = select.auto(collective, x.nbytes, size, lambda: _single_node(comm),
+                                   inplace)
+                if pick != want or pick not in coll.algorithms(collective):
+                    bad.append(f"{n} B in place {inplace}: auto_pick {pick}, select.auto {want}")
+                    continue
+                run = getattr(coll, "i" + collective)
+                if inplace:  # in place on every rank: out is x
+                    y = x.copy()
+                    req = run(y, out=y, comm=comm)
+                else:
+                    req = run(x, comm=comm)
+                got = req.wait()
+                if f"({pick}, " not in req.description:
+                    bad.append(f"{n} B in place {inplace}: ran {req.description}, not {pick}")
+                y = x.copy()
+                named = getattr(coll, collective)(y, comm=comm, algorithm=pick, **(
+                    dict(out=y) if inplace else {}))
+                if got is None or named is None:  # reduce off the root
+                    if (got is None) != (named is None) or (rank == 0) == (got is None):
+                        bad.append(f"{n} B: reduce gave {type(got)} / {type(named)}")
+                    continue
+                if np.asarray(got).tobytes() != np.asarray(named).tobytes():
+                    bad.append(f"{n} B in place {inplace}: not {pick}'s bits")
+                if collective not in ("reduce", "reduce_scatter") and \
+                        not identical(np.asarray(got), comm):
+                    bad.append(f"{n} B in place {inplace}: ranks differ")
+    finally:
+        config.set("COLLECTIVES_SEGMENT_BYTES", old)
+    assert_all(not bad, f"{collective}: {bad[:4]}")
+
+
+def test_auto_pick_is_the_same_on_every_rank_and_never_none():
+    """``api.auto_pick`` names a registered algorithm for every collective and size, the same
+    on every rank, and agrees with ``select.auto``."""
+    comm = world()
+    size = comm.Get_size()
+    picks, bad = [], []
+    for collective in select.COLLECTIVES:
+        for nbytes in (0, 8, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 1 << 30):
+            pick = api.auto_pick(collective, nbytes, comm)
+            picks.append(pick)
+            if pick is None or pick not in coll.algorithms(collective) or pick != \
+                    select.auto(collective, nbytes, size, lambda: _single_node(comm)):
+                bad.append(f"{collective} {nbytes}: {pick}")
+    seen = comm.allgather(picks)
+    assert_all(not bad and all(p == picks for p in seen), f"{bad[:4]} {seen[0] != picks}")
+
+
+@pytest.mark.timeout(30)
+def test_a_mismatched_auto_call_raises_on_every_rank():
+    """Lengths that differ across ranks, with ``algorithm="auto"`` (whose pick each rank makes
+    from its own length: with the default table, native on the short ranks and a single-node
+    algorithm on rank 0, which asks the topology, collective on a communicator's first use)
+    and the check on: every rank raises MismatchError, none waits for the others. On a new
+    communicator, so that its topology is not known yet."""
+    comm = world().Dup()
+    try:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if size == 1:
+            pytest.skip("needs two ranks to disagree")
+        y = np.ones((16 << 20) // 4 if rank == 0 else 10, np.float32)
+        try:
+            coll.broadcast(y, comm=comm, check=True)
+            got = "no error"
+        except coll.MismatchError as e:
+            got = "mismatch" if "elements" in str(e) else str(e)
+        assert_all(got == "mismatch", f"rank {rank}: {got}")
+    finally:
+        comm.Free()
 
 
 def test_torch_tensors_round_trip():

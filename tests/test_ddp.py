@@ -347,16 +347,16 @@ def test_torch_ddp_on_the_collectives_backend():
 @pytest.mark.mpi
 def test_watchdog_names_the_bucket_and_its_parameters(monkeypatch):
     """A bucket's allreduce is registered with the watchdog under its bucket and parameters."""
-    import collectives.api as api
+    from collectives import watchdog
     seen = []
-    watch = api._watchdog.watch
+    watch = watchdog.watch
 
     def spy(ctx, call=None, what="", phase="run"):
         entry = watch(ctx, call, what, phase)
         seen.append(entry.describe())
         return entry
 
-    monkeypatch.setattr(api._watchdog, "watch", spy)
+    monkeypatch.setattr(watchdog, "watch", spy)
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
     ddp(torch.randn(4, 8)).sum().backward()

@@ -17,9 +17,9 @@ COLLECTIVES = [c for c in select.COLLECTIVES]
 def _builders():
     for collective in COLLECTIVES:
         for name in select.algorithms(collective):
-            builder = select.get(collective, name)
-            if builder != select.NATIVE and not hasattr(builder, "launch"):
-                yield collective, name, builder
+            algo = select.get(collective, name)
+            if algo.kind == select.SCHEDULE:
+                yield collective, name, algo.build[collective]
 
 
 def _build(collective, builder, r, n, count, seg):
@@ -75,7 +75,7 @@ def _tmp_reduces(s):
 
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_ring_allreduce_needs_no_scratch_out_of_place(n):
-    s = select.get("allreduce", "ring")(0, n, 1000, seg=64)
+    s = select.get("allreduce", "ring").build["allreduce"](0, n, 1000, seg=64)
     assert _tmp_reduces(s) > 0 and s.tmp > 0
     d = s.direct()
     assert _tmp_reduces(d) == 0 and d.tmp == 0

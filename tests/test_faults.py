@@ -211,17 +211,21 @@ def self_ctx():
 
 
 def test_timeout_setting():
-    from collectives import watchdog
-    assert watchdog._parse("0") == 0 and watchdog._parse("2.5") == 2.5
-    for bad in ("soon", "-1", "nan"):
-        with pytest.raises(ValueError, match="COLLECTIVES_TIMEOUT"):
-            watchdog._parse(bad)
-    old = watchdog.set_timeout(42)
+    from collectives import config, watchdog
+    old = watchdog.set_timeout("2.5")
     try:
+        assert watchdog.timeout() == 2.5 and watchdog.enabled()
+        assert watchdog.set_timeout("0") == 2.5 and not watchdog.enabled()
+        for bad in ("soon", "-1", "nan"):
+            with pytest.raises(ValueError, match="COLLECTIVES_TIMEOUT"):
+                watchdog.set_timeout(bad)
+        assert watchdog.timeout() == 0  # a refused value changes nothing
+        watchdog.set_timeout(42)
         assert watchdog.timeout() == 42
     finally:
         assert watchdog.set_timeout(old) == 42
-    assert watchdog.DEFAULT_TIMEOUT == 300 and watchdog.EXIT_CODE == WATCHDOG_EXIT
+    assert config.SETTINGS["COLLECTIVES_TIMEOUT"].default == 300
+    assert watchdog.EXIT_CODE == WATCHDOG_EXIT
 
 
 def test_labels_nest_and_reset(self_ctx):

@@ -50,12 +50,12 @@ def _kind(dtype) -> str:
 
 
 def schedule_algorithms(collective: str) -> list[str]:
-    """The algorithms that are plain schedule builders (the simulator runs those)."""
+    """The algorithms that are schedules needing nothing of the communicator (the simulator
+    runs those; the hierarchical ones, which take its topology, have their own tests)."""
     names = []
     for name in coll.algorithms(collective):
-        builder = select.get(collective, name)
-        if builder != select.NATIVE and callable(builder) and not hasattr(builder, "launch") \
-                and not hasattr(builder, "context_kwargs"):
+        algo = select.get(collective, name)
+        if algo.kind == select.SCHEDULE and algo.needs != select.TOPOLOGY:
             names.append(name)
     return names
 
@@ -134,7 +134,7 @@ def test_fuzz_schedules(collective, data):
     if case is None:
         pytest.skip(f"no schedule algorithm for {collective}")
     name, n, dtype, op, seg, counts, root, inplace, seed = case
-    builder = select.get(collective, name)
+    builder = select.get(collective, name).build[collective]
     rng = np.random.default_rng(seed)
     where = f"{collective}/{name} n={n} {dtype.name} {op} seg={seg} counts={counts} " \
             f"root={root} inplace={inplace}"
@@ -188,14 +188,14 @@ def _rank_input(seed, rank, dtype, op, count):
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_fuzz_mpi():
-    from collectives.executor import set_segment_bytes
+    from collectives import config
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(FUZZ_SEED)   # the same draws on every rank
     seen = set()
     from collectives.topology import topology
     skip = set() if topology(comm).single_node else ONE_NODE
-    old = set_segment_bytes(1 << 22)
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 1 << 22)
     try:
         for i in range(FUZZ_CALLS):
             collective = str(rng.choice(select.COLLECTIVES))
@@ -216,12 +216,12 @@ def test_fuzz_mpi():
                     f"count={count} counts={counts} root={root} inplace={inplace} " \
                     f"blocking={blocking}"
             seen.add((collective, name))
-            set_segment_bytes(seg * dtype.itemsize)
+            config.set("COLLECTIVES_SEGMENT_BYTES", seg * dtype.itemsize)
             ok = _one_call(collective, name, dtype, "sum" if op == "avg" else op, op, count,
                            counts, root, inplace, blocking, seed, rank, size)
             assert_all(ok is True, f"{where}: {ok}")
     finally:
-        set_segment_bytes(old)
+        config.set("COLLECTIVES_SEGMENT_BYTES", old)
     # Every algorithm of every collective ran at least once over the seeds we use in CI.
     assert_all(len(seen) > 10, f"only {len(seen)} (collective, algorithm) pairs drawn")
 

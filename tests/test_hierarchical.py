@@ -208,11 +208,11 @@ MPI_SHAPES = [(None, None), (2, None), (3, None), (4, 2), (3, 1)]
 @pytest.mark.parametrize("k,j", MPI_SHAPES)
 def test_mpi_every_collective(monkeypatch, k, j):
     import collectives as coll
-    from collectives.executor import set_segment_bytes
+    from collectives import config
     from tests.mpiutil import assert_all
     comm = _fresh_comm(monkeypatch, k, j)
     rank, size = comm.Get_rank(), comm.Get_size()
-    old = set_segment_bytes(40)
+    old = config.set("COLLECTIVES_SEGMENT_BYTES", 40)
     bad = []
     try:
         for count in (0, 1, 7, 97):
@@ -247,7 +247,7 @@ def test_mpi_every_collective(monkeypatch, k, j):
         if not (req.wait() == size * (size - 1) // 2).all():
             bad.append(("iallreduce",))
     finally:
-        set_segment_bytes(old)
+        config.set("COLLECTIVES_SEGMENT_BYTES", old)
         comm.Free()
     assert_all(not bad, f"k={k} j={j}: {bad[:5]}")
 

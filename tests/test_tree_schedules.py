@@ -349,14 +349,18 @@ def test_scratch_is_linear_and_input_read_only():
 
 
 def test_registered():
-    for name, build in ALLREDUCE.items():
-        assert select.get("allreduce", name) is build
+    def build(collective, name):
+        algo = select.get(collective, name)
+        assert algo.kind == select.SCHEDULE and algo.needs == select.ANY, algo
+        return algo.build[collective]
+
+    for name, fn in ALLREDUCE.items():
+        assert build("allreduce", name) is fn
     for name in REDUCE:
-        assert select.get("reduce", name) is REDUCE[name]
-        assert select.get("broadcast", name) is BROADCAST[name]
-    assert select.get("reduce_scatter", "recursive_halving") is \
-        tree.recursive_halving_reduce_scatter
-    assert select.get("allgather", "recursive_doubling") is tree.recursive_doubling_allgather
+        assert build("reduce", name) is REDUCE[name]
+        assert build("broadcast", name) is BROADCAST[name]
+    assert build("reduce_scatter", "recursive_halving") is tree.recursive_halving_reduce_scatter
+    assert build("allgather", "recursive_doubling") is tree.recursive_doubling_allgather
 
 
 # -- property -----------------------------------------------------------------------------------

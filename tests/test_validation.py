@@ -12,6 +12,7 @@ import pytest
 
 import collectives as coll
 from collectives import check as _check
+from collectives import config
 from collectives.errors import MismatchError
 
 from mpiutil import assert_all, world
@@ -116,9 +117,8 @@ CASES = [
 
 @pytest.mark.parametrize("check", [False, True], ids=["check-off", "check-on"])
 @pytest.mark.parametrize("name,call,exc,fragment", CASES, ids=[c[0] for c in CASES])
-def test_bad_call_raises_and_leaves_buffers_intact(name, call, exc, fragment, check,
-                                                   monkeypatch):
-    monkeypatch.setenv("COLLECTIVES_CHECK", "1" if check else "0")
+def test_bad_call_raises_and_leaves_buffers_intact(name, call, exc, fragment, check, setting):
+    setting("COLLECTIVES_CHECK", "1" if check else "0")
     x = _x()
     out = np.full(12, -7, np.float32)
     with pytest.raises(exc) as info:
@@ -156,8 +156,13 @@ def test_reduce_ignores_a_valid_out_off_the_root_but_checks_it():
                                           ("1", True), ("yes", True), ("on", True)])
 def test_check_enabled(env, expected, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_CHECK", env)
-    assert _check.enabled() is expected
-    assert _check.enabled(True) is True and _check.enabled(False) is False
+    config.reload()  # settings are read once: read the environment again
+    try:
+        assert _check.enabled() is expected
+        assert _check.enabled(True) is True and _check.enabled(False) is False
+    finally:
+        monkeypatch.undo()
+        config.reload()
 
 
 def test_fingerprint_codes_are_rank_independent():
@@ -188,9 +193,9 @@ def _all_raise(fn, exc_type, comm=None):
 @pytest.mark.parametrize("name,call,exc,fragment",
                          [c for c in CASES if c[0] not in ("root too large",)],
                          ids=[c[0] for c in CASES if c[0] not in ("root too large",)])
-def test_symmetric_bad_call_raises_on_every_rank(name, call, exc, fragment, check, monkeypatch):
+def test_symmetric_bad_call_raises_on_every_rank(name, call, exc, fragment, check, setting):
     # The same mistake on every rank: the same local verdict everywhere, before any message.
-    monkeypatch.setenv("COLLECTIVES_CHECK", "1" if check else "0")
+    setting("COLLECTIVES_CHECK", "1" if check else "0")
     comm = world()
     size = comm.Get_size()
     x = _x(12 * size if name.startswith("counts") else 12)
@@ -318,92 +323,3 @@ def test_every_rank_fails_its_own_check_gives_the_local_error():
     msgs = _all_raise(lambda: coll.allreduce(_x(), out=np.zeros(3, np.float32), check=True),
                       ValueError)
     assert_all(all("out has shape [3], expected [12]" in m for m in msgs), str(msgs))
-
-
-def test_trial_tick_counts_as_one_counter_per_call():
-    """A decided trial's ``tick`` lets the calls it knows will run the pick through with one
-    counter (``_Trial._arm``) and gives, call for call, what counting ``left`` and ``probe``
-    on every call gives: True while neither a probe (``probe`` reaching 0) nor a race again
-    (``left`` below 0, where races again are on) is due; the counters agree after."""
-    import types
-
-    from collectives import api
-    for retrial in (1.0, 0.0):
-        for left, probe in ((0, 1), (5, 3), (3, 5), (7, 7), (0, 0), (-1, 4), (10, 1), (2, 40)):
-            trial = object.__new__(type("Trial", (api._Trial,), {"RETRIAL_S": retrial}))
-            trial.ctx = types.SimpleNamespace(auto_last=(None,) * 8)
-            trial.names = ("a", "b")
-            trial._reset()
-            assert not trial.tick()  # not decided: no call of a pick to count
-            trial.decided = ("a", None)
-            trial.left, trial.probe = left, probe
-            trial._arm()
-            want_left, want_probe, got, want = left, probe, [], []
-            for _ in range(50):
-                want_left, want_probe = want_left - 1, want_probe - 1
-                want.append(want_probe > 0 and (want_left >= 0 or not retrial))
-                got.append(trial.tick())
-                if not got[-1]:  # counted exactly from here on
-                    assert (trial.left, trial.probe) == (want_left, want_probe)
-            assert got == want, (retrial, left, probe)
-
-
-def test_a_race_leaves_the_first_only_for_a_clear_gap():
-    """At a race's end the pick is the fastest where it beats the rule's first by more than
-    ``SWITCH`` (6%), however tight its blocks; else the first (over five benchmark runs, the
-    switches for 3-6% were wrong 9 times in 16)."""
-    import types
-
-    from collectives import api
-
-    def race(first, other, spread=0.01):  # blocks at the two medians, scattered by +-spread
-        trial = object.__new__(api._Trial)
-        trial.ctx = types.SimpleNamespace(auto_last=(None,) * 8, auto_trials={})
-        trial.collective, trial.key, trial.names = "broadcast", 1 << 23, ("binomial", "native")
-        trial.builders, trial.runs = [None, None], [None, None]
-        trial.every, trial._last = api._Trial.RETRIAL_S, None
-        trial._need, trial._tripped, trial._buf = api._Trial.TRIP_PROBES, False, np.zeros(2)
-        trial._reset()
-        scatter = np.exp(np.tile([-spread, 0.0, spread], api._Trial.MAX_ROUNDS // 3))
-        trial.blocks = [list(first * scatter), list(other * scatter[::-1])]
-        trial._lengths = [3, 3]
-        assert trial._decide()
-        return trial.decided[0]
-
-    assert race(1.34e-3, 1.29e-3) == "binomial"      # 4% ahead, tight: the first stays
-    assert race(1.34e-3, 1.29e-3, 0.10) == "binomial"
-    assert race(1.40e-3, 1.29e-3) == "native"        # 8% ahead: it wins
-    assert race(1.5e-3, 1.3e-3, 0.10) == "native"
-    assert race(1.29e-3, 1.34e-3) == "binomial"      # the first the faster
-
-
-def test_a_race_block_leaves_out_the_callers_gaps():
-    """A race's block is timed from its barrier to its last call's end, the short time between
-    its calls included; a gap of more than ``GAP_S`` between two of its calls (the caller did
-    other work: the benchmark's rows of other algorithms, a training step) is left out."""
-    import time
-    import types
-
-    from collectives import api
-    trial = object.__new__(api._Trial)
-    trial.ctx = types.SimpleNamespace(auto_last=(None,) * 8, auto_trials={},
-                                      comm=types.SimpleNamespace(Barrier=lambda: None))
-    trial.names, trial.builders, trial.runs = ("a", "b"), [None, None], [None, None]
-    trial._reset()
-    trial._first, trial._lengths = False, [4, 4]
-    block = [(i, k > 0, k == 3) for i in (0, 1) for k in range(4)]
-    trial.plan, trial._step = block + block, 0  # a round not over after these two blocks
-    call, gap = 2e-3, 60e-3
-    for i, pause in ((0, gap), (1, 0.0)):
-        trial.next(True)                      # the block's first call: untimed
-        for k in range(1, 4):
-            trial.next(True)
-            assert trial.timing
-            trial.start()
-            time.sleep(call)
-            trial.record()
-            if k == 1:
-                time.sleep(pause)             # block 0: the caller away between two calls
-    got = trial._round[:2]
-    assert all(call <= t < call + gap / 6 for t in got), got    # with the gap: call + gap / 3
-    assert abs(got[0] - got[1]) < gap / 6
