@@ -194,6 +194,12 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
     a ``Request``. The check comes before the choice: ranks whose arguments differ may choose
     differently, and a choice may ask the topology (collective on first use)."""
     ctx, collective = call.ctx, call.collective
+    named = algo is None and algorithm != "auto"
+    if named:  # an unknown name is this rank's own error, told to the others by the check
+        try:
+            algo = _named(collective, algorithm)
+        except (TypeError, ValueError) as exc:
+            raise _check.failed(ctx, collective, check, exc)
     call.algorithm = algorithm if algo is None else algo.name
     call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
     ctx.seq = seq + 1
@@ -216,8 +222,11 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
             if entry is not None:
                 entry.phase = "run"
         if algo is None:
-            algo = _choose(call, algorithm)
+            algo = _auto(ctx, collective, *_auto_key(call))
             call.algorithm = algo.name
+        elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
+            raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
+                             f"communicator of {ctx.size} ranks spans nodes")
         work = _run(call, algo) if bound is None else bound()
         if entry is not None:
             entry.work = work  # what the watchdog asks where this rank waits
@@ -237,18 +246,6 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
             finalize()
         return result
     return Request(work, result, finalize, description=call.describe())
-
-
-def _choose(call: Call, algorithm) -> select.Algorithm:
-    """The algorithm record for ``call``: ``auto``'s pick, or the one named."""
-    ctx = call.ctx
-    if algorithm == "auto":
-        return _auto(ctx, call.collective, *_auto_key(call))
-    algo = _named(call.collective, algorithm)
-    if algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
-        raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
-                         f"communicator of {ctx.size} ranks spans nodes")
-    return algo
 
 
 def _run(call: Call, algo: select.Algorithm):

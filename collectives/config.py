@@ -167,7 +167,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("COLLECTIVES_PINNED_CACHE_BYTES", parse_bytes, 1 << 30, "1G", "bytes",
             "pinned host memory kept for staging device buffers"),
     Setting("COLLECTIVES_COST_MODEL", _path, None, "~/.cache/collectives/costmodel.json",
-            "a file path", "the calibrated cost model (`python -m bench calibrate` writes it)"),
+            "a file path", "the calibrated cost model (`python -m bench calibrate` writes it); a "
+            "named file must exist and parse where a model is read"),
 )}
 
 _values: dict[str, Any] = {}

@@ -182,15 +182,19 @@ class CostModel:
     @classmethod
     def load(cls, path=None) -> CostModel:
         """The calibrated model at ``path`` (default path), else ``DEFAULT_MODEL``."""
+        named = path is None and config.get("COLLECTIVES_COST_MODEL") is not None
+        where = f"COLLECTIVES_COST_MODEL={str(cls.default_path())!r}" if named else str(path)
         path = Path(path) if path is not None else cls.default_path()
         if not path.exists():
-            if path == cls.default_path() and config.get("COLLECTIVES_COST_MODEL") is None:
+            if path == cls.default_path() and not named:
                 return DEFAULT_MODEL
+            if named:
+                raise ValueError(f"{where}: no such file; `python -m bench calibrate` writes one")
             raise FileNotFoundError(f"no cost model at {path}; run python -m bench calibrate")
         try:
             return cls.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: not a cost model file ({exc!r}); run python -m bench "
+            raise ValueError(f"{where}: not a cost model file ({exc!r}); run python -m bench "
                              f"calibrate") from None
 
     def save(self, path=None) -> Path:

@@ -209,8 +209,10 @@ def test_cost_model_file_round_trip(tmp_path):
 def test_default_path_and_fallback(tmp_path, monkeypatch):
     old = config.set("COLLECTIVES_COST_MODEL", str(tmp_path / "none.json"))
     try:
-        with pytest.raises(FileNotFoundError, match="calibrate"):
+        with pytest.raises(ValueError, match="COLLECTIVES_COST_MODEL=.*no such file.*calibrate"):
             cm.CostModel.load()
+        with pytest.raises(FileNotFoundError, match="calibrate"):
+            cm.CostModel.load(tmp_path / "other.json")
         config.set("COLLECTIVES_COST_MODEL", None)
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
         assert cm.CostModel.load() is cm.DEFAULT_MODEL
