@@ -88,9 +88,6 @@ def abort_on_error(comm) -> None:
         sys.excepthook = hook
 
 
-_max, _abort_on_error = max_over_ranks, abort_on_error  # the names bench.calibrate/model use
-
-
 def membw(comm, nbytes: int = 32 << 20, reps: int = 10) -> float:
     """The machine's memory bandwidth (bytes/s) for a large ``numpy.copyto`` run by every rank
     at once: ranks x 2 x nbytes (read + write) over the slowest rank's best time of ``reps``

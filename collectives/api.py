@@ -313,19 +313,30 @@ SMALL_BYTES = 8 << 10
 _CHECKED: dict = {}
 
 
+class _Checked:
+    """A small blocking allreduce, worked out: its Call (done with when the call returns),
+    algorithm, finalizer, and the MPI call bound to its buffers (``native.bind``) if any."""
+
+    __slots__ = ("x", "out", "comm", "dtype", "tuning", "call", "algo", "finalize", "bound")
+
+
+def _keep(x, out, comm, op, algorithm, call: Call) -> None:
+    ctx = call.ctx
+    checked = _blank(_Checked)
+    checked.x, checked.out, checked.comm, checked.dtype = x, out, comm, call.x.dtype
+    checked.tuning, checked.call, checked.finalize = config.get("COLLECTIVES_TUNING"), call, \
+        _avg(call)
+    checked.algo = algo = REGISTRY["allreduce"][call.algorithm]
+    # MPI's own on more than one rank: the call bound to its buffers once
+    checked.bound = native.bind(call) if algo.kind is NATIVE and ctx.size > 1 and \
+        call.x.count else None
+    if len(_CHECKED) >= 256:
+        _CHECKED.clear()
+    _CHECKED[(id(x), id(out), op, id(comm), algorithm)] = checked
+
+
 def _allreduce(x, op, out, comm, algorithm, check, blocking):
     ctx = _context(comm)
-    fast = type(op) is str and type(algorithm) is str
-    hit = _CHECKED.get((id(x), id(out), op, id(comm), algorithm)) if fast else None
-    if hit is not None and hit[0] is x and hit[1] is out and hit[2] is comm and \
-            x.dtype is hit[3].dtype and out.flags.writeable and \
-            hit[10] is config.get("COLLECTIVES_TUNING"):
-        xb, outb, inplace, opr, algo, call, bound = hit[3:10]
-        if not blocking or call.ctx is not ctx:  # a blocking call's Call is done with on return
-            call, bound = _fill(_blank(Call), "allreduce", ctx, xb, outb, opr, 0, None,
-                                inplace, blocking), None
-        return _start(call, algorithm, check, out, _avg(call) if opr.is_avg else None, algo,
-                      bound)
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -334,21 +345,20 @@ def _allreduce(x, op, out, comm, algorithm, check, blocking):
         raise _check.failed(ctx, "allreduce", check, exc)
     call = _fill(_blank(Call), "allreduce", ctx, xb, outb, opr, 0, None, inplace, blocking)
     result = _start(call, algorithm, check, outb.obj, _avg(call) if opr.is_avg else None)
-    if blocking and fast and type(out) is np.ndarray and type(x) is np.ndarray and \
-            xb.flat.nbytes <= SMALL_BYTES:
-        algo = REGISTRY["allreduce"][call.algorithm]
-        # MPI's own on more than one rank: the call bound to its buffers once
-        bound = native.bind(call) if algo.kind is NATIVE and ctx.size > 1 and xb.count else None
-        if len(_CHECKED) >= 256:
-            _CHECKED.clear()
-        _CHECKED[(id(x), id(out), op, id(comm), algorithm)] = \
-            (x, out, comm, xb, outb, inplace, opr, algo, call, bound,
-             config.get("COLLECTIVES_TUNING"))
+    if blocking and type(op) is str and type(algorithm) is str and type(x) is np.ndarray and \
+            type(out) is np.ndarray and xb.flat.nbytes <= SMALL_BYTES:
+        _keep(x, out, comm, op, algorithm, call)
     return result
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks of ``comm``; every rank gets the result (like x)."""
+    if type(op) is str and type(algorithm) is str:  # a small call like an earlier one?
+        hit = _CHECKED.get((id(x), id(out), op, id(comm), algorithm))
+        if hit is not None and hit.x is x and hit.out is out and hit.comm is comm and \
+                x.dtype is hit.dtype and out.flags.writeable and \
+                hit.tuning is config.get("COLLECTIVES_TUNING"):
+            return _start(hit.call, algorithm, check, out, hit.finalize, hit.algo, hit.bound)
     return _allreduce(x, op, out, comm, algorithm, check, True)
 
 

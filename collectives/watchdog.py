@@ -95,8 +95,6 @@ class _Entry:
 
     __slots__ = ("ctx", "call", "what", "seq", "start", "work", "phase", "label")
 
-    def __init__(self, ctx, call, what, phase):
-        _fill(self, ctx, call, what, phase)
 
     def describe(self) -> str:
         text = self.call.describe() if self.call is not None else self.what
@@ -155,21 +153,16 @@ def watch(ctx, call=None, what: str = "", phase: str = "run") -> _Entry:
         _launch()
     if _KEY not in ctx.stash:
         _Channel(ctx)
-    # ``_Entry(...)`` filled slot by slot: this runs on every collective call, and it is 0.2 us
-    # quicker than ``__init__``.
-    entry = _fill(_blank(_Entry), ctx, call, what, phase)
+    # ``_Entry(...)`` filled slot by slot, inline: this runs on every collective call
+    entry = _blank(_Entry)
+    entry.ctx, entry.call, entry.what, entry.phase = ctx, call, what, phase
+    entry.seq = call.seq if call is not None else ctx.seq
+    entry.start, entry.work, entry.label = _monotonic(), None, _LABEL.get()
     _INFLIGHT.add(entry)
     return entry
 
 
 _blank = object.__new__
-
-
-def _fill(entry, ctx, call, what, phase):
-    entry.ctx, entry.call, entry.what, entry.phase = ctx, call, what, phase
-    entry.seq = call.seq if call is not None else ctx.seq
-    entry.start, entry.work, entry.label = _monotonic(), None, _LABEL.get()
-    return entry
 
 
 def unwatch(entry: _Entry, error: BaseException | None = None) -> None:
