@@ -109,7 +109,7 @@ def main(spec: Collective, argv=None) -> int:
               + (f", root {sweep.root}" if spec.rooted else ""))
         print(f"# {info['mpi']}")
         print(f"# {sweep.rounds} rounds per size; a round times one block of calls of every "
-              f"algorithm, in an order rotated each round; time = median over rounds of the "
+              f"algorithm, in an order shuffled each round; time = median over rounds of the "
               f"slowest rank's time per call; iqr% = interquartile range / median")
         print(f"# algorithms: {', '.join(sweep.algorithms)}"
               + "".join(f"\n# note: {n}" for n in sweep.notes))

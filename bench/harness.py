@@ -12,8 +12,10 @@ For each size (``Sweep.run_size``):
    than ``block`` seconds, a short timed block) give a per-call estimate; its maximum over
    ranks sets how many calls a block of about ``block`` seconds takes, the same on every rank
    (``iters`` fixes it instead);
-5. ``rounds`` rounds: each times one block of every algorithm and mode, in an order rotated by
-   one place each round, so that none always runs first or last. A block
+5. ``rounds`` rounds: each times one block of every algorithm and mode, in an order shuffled
+   each round (the same on every rank), so that none always runs first or last, nor always
+   after the same other one (whose after-effects, a window in cache or ranks out of step,
+   would then bias its row). A block
    starts with one untimed call (the algorithm's steady state, not the switch from the block
    before), then a barrier, then the timed calls; its time is every rank's per-call average,
    and the round's time the slowest rank's.
@@ -295,12 +297,13 @@ class Sweep:
                                        mode == "in")
 
     def _time(self, calls, results, progress=None) -> None:
-        """Block lengths, then ``rounds`` rounds of one block per key in a rotating order."""
+        """Block lengths, then ``rounds`` rounds of one block per key in a shuffled order."""
         keys = list(calls)
         iters = {key: self._calls_per_block(calls[key][0]) for key in keys}
+        rng = np.random.default_rng(len(keys))  # the same orders on every rank
         for r in range(self.rounds):
-            shift = r % len(keys) if keys else 0
-            for key in keys[shift:] + keys[:shift]:
+            for i in rng.permutation(len(keys)):
+                key = keys[i]
                 self._block(calls[key][0], iters[key], results[key])
             if progress is not None:
                 progress.step(f"{format_size(next(iter(results.values())).nbytes)} "

@@ -9,7 +9,7 @@ For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B
 - ``coll.allreduce(algorithm="auto")``: the API with the table lookup; the row names what
   ``auto`` ran, which at the larger sizes may be another algorithm than MPI's own.
 
-The three run in interleaved rounds (their order rotated by one each round); a round times one
+The three run in interleaved rounds (their order shuffled each round); a round times one
 block of ``--calls`` back-to-back calls of each, after one untimed call; a block's time is the
 slowest rank's average per call. The table shows the median over ``--rounds``, the spread
 (interquartile range / median) and ``API - bare``: the row's median minus the bare call's.
@@ -102,10 +102,10 @@ def measure(comm, sizes=SIZES, modes=("out", "in"), rounds: int = 9, calls: int 
                     fn()
             times = {row: [] for row in fns}
             keys = list(fns)
-            for r in range(rounds):
-                shift = r % len(keys)
-                for row in keys[shift:] + keys[:shift]:
-                    times[row].append(_block(comm, fns[row], calls))
+            rng = np.random.default_rng(rounds)  # the same orders on every rank
+            for _ in range(rounds):
+                for i in rng.permutation(len(keys)):
+                    times[keys[i]].append(_block(comm, fns[keys[i]], calls))
             bare = median(times["bare"])
             for row in keys:
                 out.append({"size": max(1, nbytes // 4) * 4, "mode": mode, "row": row,
@@ -120,7 +120,7 @@ def format_table(rows: list, info: dict) -> str:
     """The rows as a Markdown table, under a line saying how they were measured."""
     lines = [f"# API overhead: allreduce float32 sum, {info['ranks']} ranks on {info['host']}, "
              f"{info['mpi']}; {info['rounds']} rounds of {info['calls']} calls per row, order "
-             f"rotated each round; time = median over rounds of the slowest rank's per-call "
+             f"shuffled each round; time = median over rounds of the slowest rank's per-call "
              f"time; spread = interquartile range / median",
              "", "| size | mode | call | time (µs) | spread | API - bare (µs) |",
              "|---:|:---|:---|---:|---:|---:|"]

@@ -3,7 +3,7 @@
 
 For each collective (default all five), at each size of the grid (``-b/-e/-f``, as the
 benchmark), every registered algorithm (``native`` included) runs in interleaved rounds
-(``bench.harness.Sweep``: one block of each per round, rotating order, the slowest rank's time
+(``bench.harness.Sweep``: one block of each per round, shuffled order, the slowest rank's time
 per call, the median over ``--rounds``). Only algorithms whose results were exact compete. The
 *incumbent* at a size is the built-in table's pick (``collectives.select.DEFAULT_TABLE``); the
 fastest replaces it only when the incumbent's median is more than ``MARGIN`` slower, since

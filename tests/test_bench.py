@@ -182,21 +182,30 @@ def _bare_sweep(rounds=3, iters=5):
     return sweep
 
 
-def test_rounds_rotate_the_order_and_time_a_block_each():
-    """Round r starts at key r: no algorithm always runs first or after the same one. Each
-    block is one untimed call and ``iters`` timed ones, and each round adds one time."""
-    sweep = _bare_sweep(rounds=4, iters=5)
-    seen = []
-    calls = {(a, "out"): (lambda a=a: seen.append(a), None, None) for a in "abc"}
-    results = {key: _result(key[0], "out", 1e-3, rounds=()) for key in calls}
-    for r in results.values():
-        r.ranks_t = []
-    sweep._time(calls, results)
-    blocks = [seen[i] for i in range(0, len(seen), 6)]  # 1 + 5 calls per block
-    assert "".join(blocks) == "abc" "bca" "cab" "abc"
-    assert len(seen) == 4 * 3 * 6
-    assert all(len(r.rounds) == 4 and r.iters == 5 and min(r.rounds) > 0
-               for r in results.values())
+def test_rounds_shuffle_the_order_and_time_a_block_each():
+    """Every round runs each key once, in an order that changes: no algorithm always runs
+    first, nor always after the same one; the orders are the same on every rank (seeded).
+    Each block is one untimed call and ``iters`` timed ones, and each round adds one time."""
+    def orders():
+        sweep = _bare_sweep(rounds=12, iters=5)
+        seen = []
+        calls = {(a, "out"): (lambda a=a: seen.append(a), None, None) for a in "abcd"}
+        results = {key: _result(key[0], "out", 1e-3, rounds=()) for key in calls}
+        for r in results.values():
+            r.ranks_t = []
+        sweep._time(calls, results)
+        assert len(seen) == 12 * 4 * 6
+        assert all(len(r.rounds) == 12 and r.iters == 5 and min(r.rounds) > 0
+                   for r in results.values())
+        blocks = "".join(seen[i] for i in range(0, len(seen), 6))  # 1 + 5 calls per block
+        return [blocks[i:i + 4] for i in range(0, len(blocks), 4)]
+
+    rounds = orders()
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert len({r[0] for r in rounds}) > 1
+    before_a = {r[r.index("a") - 1] for r in rounds if r.index("a") > 0}
+    assert len(before_a) > 1
+    assert orders() == rounds
 
 
 def test_block_length_from_the_slowest_ranks_estimate(monkeypatch):
