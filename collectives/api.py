@@ -5,10 +5,11 @@ Every collective goes through the same four steps:
 1. *Check and wrap*: the arguments are checked with the facts every rank has, so a bad call
    raises the same ``ValueError``/``TypeError`` on every rank before a byte moves; ``x`` and
    ``out`` become flat zero-copy views (``collectives.buffers``).
-2. *Choose* the algorithm record (``collectives.select``): by name, or ``auto``'s lookup in the
+2. *Validate across ranks* when ``COLLECTIVES_CHECK`` is on or ``check=True``
+   (``collectives.check``), before the choice: ranks whose arguments differ could choose
+   differently.
+3. *Choose* the algorithm record (``collectives.select``): by name, or ``auto``'s lookup in the
    tuning table, memoized per communicator.
-3. *Validate across ranks* when ``COLLECTIVES_CHECK`` is on or ``check=True``
-   (``collectives.check``).
 4. *Run*, by the record's kind (``_run``, the one place that dispatches on it): a schedule is
    built once per shape and run by the executor; a direct algorithm (``shm``) or the MPI
    library's own collective (``native``) is launched as it is. Blocking calls run in the
@@ -137,7 +138,7 @@ def _root(root, size) -> int:
     return int(root)
 
 
-# -- step 2: choose ---------------------------------------------------------------------------
+# -- step 3: choose ----------------------------------------------------------------------------
 def _named(collective: str, name) -> select.Algorithm:
     try:
         algo = REGISTRY[collective].get(name)
@@ -187,7 +188,7 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
                  bool(inplace) and collective in select.IN_PLACE_RULES).name
 
 
-# -- steps 3 and 4: validate, run -------------------------------------------------------------
+# -- steps 2 to 4: validate, choose, run ----------------------------------------------------------
 def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=None):
     """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``
     (``bound``: the call bound to its buffers already, ``native.bind``); returns the result or
@@ -306,10 +307,11 @@ def _avg(call: Call):
 # Small calls repeat with the same arrays (a training loop's scalars and flags). Checking,
 # wrapping and choosing for them is most of a small call's Python, so for numpy calls with
 # ``out`` of at most SMALL_BYTES, what a blocking call that succeeded worked out is kept per
-# (x, out, op, comm, algorithm), holding x, out and comm so that their ids stay theirs (small,
-# so holding them costs little). A hit checks what can change on the same objects: x's dtype,
-# out's write flag, the tuning table.
-SMALL_BYTES = 8 << 10
+# (x, out, op, comm, algorithm), holding x, out and comm so that their ids stay theirs (small
+# and at most SMALL_CALLS of them, so holding them costs at most 8 MiB). A hit checks what can
+# change on the same objects: x's dtype, out's write flag, the tuning table.
+SMALL_BYTES = 64 << 10
+SMALL_CALLS = 64
 _CHECKED: dict = {}
 
 
@@ -330,7 +332,7 @@ def _keep(x, out, comm, op, algorithm, call: Call) -> None:
     # MPI's own on more than one rank: the call bound to its buffers once
     checked.bound = native.bind(call) if algo.kind is NATIVE and ctx.size > 1 and \
         call.x.count else None
-    if len(_CHECKED) >= 256:
+    if len(_CHECKED) >= SMALL_CALLS:
         _CHECKED.clear()
     _CHECKED[(id(x), id(out), op, id(comm), algorithm)] = checked
 

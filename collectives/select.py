@@ -136,7 +136,7 @@ def algorithms(collective: str) -> tuple[str, ...]:
 # single-node communicator: `auto` swaps it for a hierarchical composite on several nodes.
 DEFAULT_TABLE = {
     "allreduce": {
-        "2": [[32 << 10, NATIVE], [4 << 20, "recursive_doubling"], [None, "ring"]],
+        "2": [[16 << 10, NATIVE], [8 << 20, "recursive_doubling"], [None, "ring"]],
         "3": [[32 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
         "in-place": {
             "2": [[128 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
