@@ -88,14 +88,29 @@ _WORLD = []  # MPI.COMM_WORLD's Context, made on the first call (mpi4py is impor
 def _context(comm):
     if comm is None:
         if _WORLD:
-            return _WORLD[0]
-        from mpi4py import MPI
-        _WORLD.append(context(MPI.COMM_WORLD))  # lives until MPI_Finalize frees the world
-        return _WORLD[0]
+            ctx = _WORLD[0]
+        else:
+            from mpi4py import MPI
+            ctx = context(MPI.COMM_WORLD)  # lives until MPI_Finalize frees the world
+            _WORLD.append(ctx)
+    else:
+        try:
+            ctx = context(comm)
+        except AttributeError:
+            raise TypeError(f"comm must be an mpi4py.MPI.Comm, got "
+                            f"{type(comm).__name__}") from None
     try:
-        return context(comm)
-    except AttributeError:
-        raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}") from None
+        if config.validate():  # the first call, or the first since config.reload/set
+            select.load_table()  # a named tuning file must exist and parse
+    except ValueError as exc:
+        # Every rank raises here at once (the ranks met in the context's Dup); each says so
+        # on stderr too, since the first rank to exit may end the job before the others'
+        # tracebacks are printed.
+        import sys
+        print(f"[collectives] rank {ctx.rank} of {ctx.size}: ValueError: {exc}", file=sys.stderr,
+              flush=True)
+        raise
+    return ctx
 
 
 def _address(buf: Buffer) -> tuple[int, int]:

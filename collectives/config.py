@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Setting", "SETTINGS", "get", "set", "reload", "table", "parse_bool", "parse_bytes",
+__all__ = ["Setting", "SETTINGS", "get", "set", "validate", "reload", "table", "parse_bool", "parse_bytes",
            "parse_seconds", "ON_WORDS", "OFF_WORDS"]
 
 ON_WORDS = ("1", "true", "yes", "on")
@@ -172,6 +172,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 )}
 
 _values: dict[str, Any] = {}
+_complete = False  # every setting read (``validate``)
 _lock = threading.Lock()
 
 
@@ -207,18 +208,35 @@ def get(name: str):
 def set(name: str, value):  # noqa: A001 - config.set reads as what it does
     """Override setting ``name`` for the rest of the process (text or a typed value, checked
     like the environment's); None restores the default. Returns the previous value."""
+    global _complete
     setting = _setting(name)
     old = get(name)
     new = setting.default if value is None else _parse(setting, value)
     with _lock:
         _values[name] = new
+        _complete = False
     return old
+
+
+def validate() -> bool:
+    """Read every setting not read yet: a ``ValueError`` for the first bad one (``get`` raises
+    the same at that setting's first use). True when it read them now, False when nothing was
+    left to read since the last ``reload`` or ``set``."""
+    global _complete
+    if _complete:
+        return False
+    for name in SETTINGS:
+        get(name)
+    _complete = True
+    return True
 
 
 def reload() -> None:
     """Forget every value read or set: the next ``get`` reads the environment again."""
+    global _complete
     with _lock:
         _values.clear()
+        _complete = False
 
 
 def table() -> str:

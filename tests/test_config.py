@@ -212,13 +212,25 @@ def _auto_call():
     return coll.allreduce(np.ones(4, np.float32))  # algorithm="auto": reads the table
 
 
-def test_a_missing_tuning_file_fails_the_first_auto_call(environ, tmp_path):
+def _ring_call():
+    return coll.allreduce(np.ones(4, np.float32), algorithm="ring")
+
+
+def test_a_missing_tuning_file_fails_the_first_call(environ, tmp_path, capsys):
+    """The first call after the settings were (re)read checks them all, the tuning file too,
+    even where it names its algorithm; every later auto call still needs the table."""
     missing = tmp_path / "nope.json"
-    environ("COLLECTIVES_TUNING", str(missing))
-    for fail in (select.load_table, _auto_call):
-        with pytest.raises(ValueError, match=re.escape(f"COLLECTIVES_TUNING={str(missing)!r}")):
-            fail()
-    assert (coll.allreduce(np.ones(4), algorithm="ring") == 1).all()  # named: no table
+    said = re.escape(f"COLLECTIVES_TUNING={str(missing)!r}")
+    for first in (_ring_call, _auto_call):
+        environ("COLLECTIVES_TUNING", str(missing))
+        with pytest.raises(ValueError, match=said):
+            first()
+        assert re.search(r"\[collectives\] rank 0 of 1: ValueError: " + said,
+                         capsys.readouterr().err)
+        with pytest.raises(ValueError, match=said):
+            _auto_call()
+        with pytest.raises(ValueError, match=said):
+            select.load_table()
 
 
 @pytest.mark.parametrize("text", ["not json {", json.dumps({"version": 1}),
