@@ -56,8 +56,8 @@ def output_path(arg: str | None = None) -> Path:
     user cache path."""
     if arg:
         return Path(arg)
-    # The raw variable, not collectives.config: config refuses a COLLECTIVES_TUNING that names
-    # a missing file, and the file this names may be the one the tuner is about to create.
+    # The raw variable, not collectives.config: the toolkit refuses a COLLECTIVES_TUNING that
+    # names a missing file, and the file this names may be the one the tuner is about to create.
     env = os.environ.get("COLLECTIVES_TUNING", "").strip()
     if env:
         return Path(os.path.expanduser(env))
@@ -198,6 +198,10 @@ def main(argv=None) -> int:
     one_node = node.Get_size() == n
     node.Free()
     path = output_path(args.output)
+    # The tuner measures named algorithms only and compares with the built-in table: a
+    # COLLECTIVES_TUNING that names the file about to be written must not be read.
+    from collectives import config
+    config.set("COLLECTIVES_TUNING", None)
     new, report, every = {}, [], []
     for c in collectives:
         s = spec(c)
