@@ -243,11 +243,12 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
         elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
                              f"communicator of {ctx.size} ranks spans nodes")
+        # bound: MPI's own blocking call, done on return (work None, as the watchdog reads it)
         work = _run(call, algo) if bound is None else bound()
         if entry is not None:
             entry.work = work  # what the watchdog asks where this rank waits
         if call.blocking:
-            if work is not _DONE:
+            if work is not _DONE and work is not None:
                 work.wait()
         elif getattr(work, "needs_progress", False):
             ctx.pending.append(work)

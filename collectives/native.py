@@ -88,17 +88,12 @@ def launch(call):
 
 def bind(call):
     """A blocking allreduce of ``call``'s buffers, bound once: a callable that runs it and
-    returns done work (the API's small-call path repeats it for the same buffers)."""
+    returns None (the API's small-call path repeats it for the same buffers)."""
     mpitype, mpiop = mpi_type_op(call.op)
     x, out = call.x.flat, call.out.flat
     recv = [out, out.shape[0], mpitype]
-    return functools.partial(_bound, call.ctx.comm.Allreduce,
+    return functools.partial(call.ctx.comm.Allreduce,
                              _send(out if call.inplace else x, out, mpitype), recv, mpiop)
-
-
-def _bound(allreduce, send, recv, op):
-    allreduce(send, recv, op)
-    return _DONE
 
 
 def _work(request, blocking, info):
