@@ -47,7 +47,7 @@ from array import array
 from pathlib import Path
 
 from . import config
-from .schedule import RECV, REDUCE, SEND, Schedule, split
+from .schedule import RECV, REDUCE, SEND, Schedule, build, split
 from .sim import Deadlock
 from .topology import OTHER_NODE, SAME_NODE, SAME_NUMA, Topology, simulated
 
@@ -517,15 +517,9 @@ def build_schedule(collective: str, builder, rank: int, size: int, count: int, *
     """``builder``'s schedule for ``rank``, called as the API does; ``count`` is the element
     count of the per-rank input (allreduce, reduce, broadcast) or of the whole buffer
     (reduce_scatter: the input; allgather: the output), split evenly over the ranks."""
-    if collective == "allreduce":
-        return builder(rank, size, count, seg=seg, **kwargs)
-    if collective in ("reduce", "broadcast"):
-        return builder(rank, size, count, root, seg=seg, **kwargs)
-    if collective in ("reduce_scatter", "allgather"):
-        bounds = split(count, size)
-        counts = tuple(bounds[k + 1] - bounds[k] for k in range(size))
-        return builder(rank, size, counts, seg=seg, **kwargs)
-    raise ValueError(f"unknown collective {collective!r}")
+    bounds = split(count, size)
+    counts = tuple(bounds[k + 1] - bounds[k] for k in range(size))
+    return build(builder, collective, rank, size, count, counts, root, seg, **kwargs)
 
 
 def _signature(s: Schedule, g):

@@ -39,7 +39,7 @@ import numpy as np
 from . import config
 from .errors import CollectiveError, MessageSizeError, network_error
 from .progress import polite_waits
-from .schedule import RECV, REDUCE, SEND
+from .schedule import RECV, REDUCE, SEND, build
 
 __all__ = ["Context", "context", "Run", "MPITransport", "segment_elems", "schedule_for",
            "launch_schedule"]
@@ -367,16 +367,10 @@ class Run:
         return "; ".join(parts) or "nothing in flight"
 
 
-
 # -- running an API call's schedule --------------------------------------------------------------
 @functools.lru_cache(maxsize=512)
 def _build(builder, collective, rank, size, count, counts, root, seg, extra):
-    if collective == "allreduce":
-        s = builder(rank, size, count, seg=seg, **dict(extra))
-    elif collective in ("reduce", "broadcast"):
-        s = builder(rank, size, count, root, seg=seg, **dict(extra))
-    else:
-        s = builder(rank, size, counts, seg=seg, **dict(extra))
+    s = build(builder, collective, rank, size, count, counts, root, seg, **dict(extra))
     s.validate()
     s.plan()
     return s

@@ -28,7 +28,7 @@ from bisect import bisect_right
 
 __all__ = [
     "IN", "OUT", "TMP", "SEND", "RECV", "REDUCE", "COPY",
-    "Schedule", "Op", "split", "segments",
+    "Schedule", "Op", "split", "segments", "build",
 ]
 
 IN, OUT, TMP = 0, 1, 2
@@ -391,3 +391,17 @@ class _Intervals:
             new_lo.append(b), new_hi.append(hi[j1 - 1]), new_w.append(w[j1 - 1])
             new_r.append(list(r[j1 - 1]))
         lo[j0:j1], hi[j0:j1], w[j0:j1], r[j0:j1] = new_lo, new_hi, new_w, new_r
+
+
+def build(builder, collective: str, rank: int, size: int, count: int, counts, root: int,
+          seg: int | None, **kwargs) -> Schedule:
+    """``builder``'s schedule for ``rank``, called with the arguments its collective takes: the
+    per-rank element ``count`` (allreduce; reduce and broadcast also ``root``) or every rank's
+    ``counts`` (reduce_scatter, allgather)."""
+    if collective == "allreduce":
+        return builder(rank, size, count, seg=seg, **kwargs)
+    if collective in ("reduce", "broadcast"):
+        return builder(rank, size, count, root, seg=seg, **kwargs)
+    if collective in ("reduce_scatter", "allgather"):
+        return builder(rank, size, counts, seg=seg, **kwargs)
+    raise ValueError(f"unknown collective {collective!r}")
