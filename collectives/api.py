@@ -154,14 +154,6 @@ def _root(root, size) -> int:
 
 
 # -- step 3: choose ----------------------------------------------------------------------------
-def _named(collective: str, name) -> select.Algorithm:
-    try:
-        algo = REGISTRY[collective].get(name)
-    except TypeError:  # unhashable: the error below names the choices
-        algo = None
-    return algo if algo is not None else select.get(collective, name)
-
-
 def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     """The algorithm ``auto`` runs on ``ctx``'s communicator, memoized per communicator for
     the tuning table in force (``select.load_table`` reads it once)."""
@@ -179,13 +171,11 @@ def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     return algo
 
 
-def _auto_key(call: Call) -> tuple[int, bool]:
-    """``auto``'s message bytes (allgather: the mean over ranks, the same on every rank) and
-    whether its in-place rules apply."""
-    nbytes = call.x.flat.nbytes
+def _auto_bytes(call: Call) -> int:
+    """``auto``'s message bytes (allgather: the mean over ranks, the same on every rank)."""
     if call.collective == "allgather":
-        nbytes = sum(call.counts) * call.x.dtype.itemsize // call.ctx.size
-    return nbytes, call.inplace and call.collective in select.IN_PLACE_RULES
+        return sum(call.counts) * call.x.dtype.itemsize // call.ctx.size
+    return call.x.flat.nbytes
 
 
 def _single_node(ctx) -> bool:
@@ -199,8 +189,7 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
     (allgather: the mean over ranks; ``inplace``: a call with ``out=x``). Collective on a
     communicator's first use where the rule names a single-node algorithm."""
     ctx = _context(comm)
-    return _auto(ctx, collective, nbytes,
-                 bool(inplace) and collective in select.IN_PLACE_RULES).name
+    return _auto(ctx, collective, nbytes, bool(inplace)).name
 
 
 # -- steps 2 to 4: validate, choose, run ----------------------------------------------------------
@@ -213,7 +202,7 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
     named = algo is None and algorithm != "auto"
     if named:  # an unknown name is this rank's own error, told to the others by the check
         try:
-            algo = _named(collective, algorithm)
+            algo = select.get(collective, algorithm)
         except (TypeError, ValueError) as exc:
             raise _check.failed(ctx, collective, check, exc)
     call.algorithm = algorithm if algo is None else algo.name
@@ -221,9 +210,9 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
     ctx.seq = seq + 1
     if ctx.pending:
         _drain(ctx)
-    checking = config.get("COLLECTIVES_CHECK") if check is None else check
+    checking = _check.enabled(check)
     entry = None
-    if ctx.size > 1 and config.get("COLLECTIVES_TIMEOUT"):
+    if ctx.size > 1 and _watchdog.enabled():
         entry = _watchdog.watch(ctx, call, phase="check" if checking else "run")
     try:
         if checking:
@@ -238,7 +227,7 @@ def _start(call: Call, algorithm, check, result, finalize=None, algo=None, bound
             if entry is not None:
                 entry.phase = "run"
         if algo is None:
-            algo = _auto(ctx, collective, *_auto_key(call))
+            algo = _auto(ctx, collective, _auto_bytes(call), call.inplace)
             call.algorithm = algo.name
         elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
