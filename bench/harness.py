@@ -36,7 +36,7 @@ from bench.stats import Result
 from bench.units import format_size
 
 __all__ = ["ROUNDS", "BLOCK_S", "MAX_CALLS", "Sweep", "default_algorithms", "membw",
-           "max_over_ranks", "abort_on_error"]
+           "max_over_ranks", "per_call", "abort_on_error"]
 
 ROUNDS = 7
 # A timed block's length, seconds. Short: on a node with more ranks than cores, a block that the
@@ -65,6 +65,15 @@ def max_over_ranks(comm, value: float) -> float:
     buf = np.array([value], dtype=np.float64)
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     return float(buf[0])
+
+
+def per_call(comm, fn, iters: int) -> float:
+    """This rank's seconds per call over ``iters`` calls of ``fn``, from a barrier."""
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
 
 
 def _gather(comm, value: float) -> list[float]:
@@ -323,12 +332,7 @@ class Sweep:
         return int(min(MAX_CALLS, max(1, round(self.block / max(est, 1e-9)))))
 
     def _measure(self, fn, iters: int) -> float:
-        """This rank's seconds per call over ``iters`` calls, from a barrier."""
-        self.comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters
+        return per_call(self.comm, fn, iters)
 
     def _block(self, fn, iters: int, res: Result) -> None:
         """One round's block of ``fn`` into ``res``: an untimed call, then ``iters`` timed."""

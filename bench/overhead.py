@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import time
 
 import numpy as np
 
-from bench.harness import abort_on_error
+from bench.harness import abort_on_error, max_over_ranks, per_call
 from bench.stats import median, spread
 from bench.units import format_size, parse_size
 
@@ -78,15 +77,8 @@ def _check(comm, fns, results, inputs) -> None:
 
 def _block(comm, fn, calls: int) -> float:
     """The slowest rank's seconds per call over a block of ``calls`` (after one untimed)."""
-    from mpi4py import MPI
     fn()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    mine = np.array([(time.perf_counter() - t0) / calls])
-    comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-    return float(mine[0])
+    return max_over_ranks(comm, per_call(comm, fn, calls))
 
 
 def measure(comm, sizes=SIZES, modes=("out", "in"), rounds: int = 9, calls: int = 500) -> list:
