@@ -70,7 +70,7 @@ class Context:
         self.stash: dict = {}  # other modules' per-communicator state (topology, windows, ...)
         self.transport = MPITransport(self.comm)
         # Non-blocking calls that move only when a rank runs them (shm's), not yet done: a later
-        # call on this communicator runs them first (api._start).
+        # call on this communicator runs them first (dispatch.start).
         self.pending: list = []
 
     def next_seq(self) -> int:
@@ -377,7 +377,7 @@ def _build(builder, collective, rank, size, count, counts, root, seg, extra):
 
 
 def schedule_for(call, builder, extra: tuple = ()):
-    """The schedule ``builder`` makes for ``call`` (an API call: ``collectives.api.Call``),
+    """The schedule ``builder`` makes for ``call`` (an API call: ``collectives.dispatch.Call``),
     built once per shape and segment size; ``extra``: further keyword arguments as pairs."""
     counts = None if call.counts is None else tuple(call.counts)
     return _build(builder, call.collective, call.ctx.rank, call.ctx.size, call.x.count, counts,

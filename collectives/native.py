@@ -68,7 +68,7 @@ def mpi_type_op(op: Op):
 
 
 def launch(call):
-    """Start ``call`` (a ``collectives.api.Call`` on host buffers) with the MPI library's own
+    """Start ``call`` (a ``collectives.dispatch.Call`` on host buffers) with the MPI library's own
     collective: done at once when it blocks, else the library's request as work."""
     comm, x, blocking = call.ctx.comm, call.x.flat, call.blocking
     out = None if call.out is None else call.out.flat

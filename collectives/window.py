@@ -236,7 +236,7 @@ class ShmWork:
     """One shm collective: run when its turn comes (see the module doc)."""
 
     __slots__ = ("win", "fn", "args", "done", "error", "where", "call", "_claimed")
-    needs_progress = True  # moves only when a rank runs it (api._drain)
+    needs_progress = True  # moves only when a rank runs it (dispatch._drain)
 
     def __init__(self, win: Window, fn, args, call):
         self.win, self.fn, self.args, self.call = win, fn, args, call

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                 "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"],
                 "mpi": MPI.Get_library_version().strip().splitlines()[0],
                 "cuda_aware": aware, "how": how,
-                "segment_bytes": __import__("collectives.executor").executor.SEGMENT_BYTES}
+                "segment_bytes": config.get("COLLECTIVES_SEGMENT_BYTES")}
         if isinstance(info["gpu"], bytes):
             info["gpu"] = info["gpu"].decode()
         text = table(rows, info)
