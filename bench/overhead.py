@@ -7,7 +7,10 @@ For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B
 - ``coll.allreduce(algorithm="native")``: the same MPI collective through the API (argument
   checks, buffer wrapping, dispatch);
 - ``coll.allreduce(algorithm="auto")``: the API with the table lookup; the row names what
-  ``auto`` ran, which at the larger sizes may be another algorithm than MPI's own.
+  ``auto`` ran, which at the larger sizes may be another algorithm than MPI's own;
+- with ``--watchdog``, ``coll.allreduce(algorithm="native")`` once more with the watchdog off
+  (``COLLECTIVES_TIMEOUT=0``, ``COLLECTIVES_STALL_WARNING=0``): its gap to the native row is
+  what the always-on watchdog costs per call.
 
 The three run in interleaved rounds (their order shuffled each round); a round times one
 block of ``--calls`` back-to-back calls of each, after one untimed call; a block's time is the
@@ -33,7 +36,10 @@ __all__ = ["SIZES", "ROWS", "measure", "format_table", "main"]
 SIZES = (8, 64, 512, 4 << 10, 32 << 10, 64 << 10)
 ROWS = {"bare": "mpi4py comm.Allreduce",
         "native": 'coll.allreduce(algorithm="native")',
-        "auto": 'coll.allreduce(algorithm="auto")'}
+        "auto": 'coll.allreduce(algorithm="auto")',
+        "unwatched": 'coll.allreduce(algorithm="native"), watchdog off'}
+# The settings a row runs under, set around its blocks.
+SETTINGS = {"unwatched": {"COLLECTIVES_TIMEOUT": 0, "COLLECTIVES_STALL_WARNING": 0}}
 
 
 def _calls(comm, nbytes: int, mode: str):
@@ -52,13 +58,17 @@ def _calls(comm, nbytes: int, mode: str):
                "native": lambda b=bufs["native"]: coll.allreduce(b, "sum", out=b, comm=comm,
                                                                   algorithm="native"),
                "auto": lambda b=bufs["auto"]: coll.allreduce(b, "sum", out=b, comm=comm,
-                                                              algorithm="auto")}
+                                                              algorithm="auto"),
+               "unwatched": lambda b=bufs["unwatched"]: coll.allreduce(
+                   b, "sum", out=b, comm=comm, algorithm="native")}
         return fns, bufs, bufs, auto_pick("allreduce", count * 4, comm, True)
     fns = {"bare": lambda: comm.Allreduce(x, outs["bare"], op=MPI.SUM),
            "native": lambda: coll.allreduce(x, "sum", out=outs["native"], comm=comm,
                                             algorithm="native"),
            "auto": lambda: coll.allreduce(x, "sum", out=outs["auto"], comm=comm,
-                                          algorithm="auto")}
+                                          algorithm="auto"),
+           "unwatched": lambda: coll.allreduce(x, "sum", out=outs["unwatched"], comm=comm,
+                                               algorithm="native")}
     return fns, outs, {row: x for row in ROWS}, auto_pick("allreduce", count * 4, comm, False)
 
 
@@ -75,19 +85,28 @@ def _check(comm, fns, results, inputs) -> None:
         inputs[row].fill(0)
 
 
-def _block(comm, fn, calls: int) -> float:
-    """The slowest rank's seconds per call over a block of ``calls`` (after one untimed)."""
-    fn()
-    return max_over_ranks(comm, per_call(comm, fn, calls))
+def _block(comm, fn, calls: int, settings=None) -> float:
+    """The slowest rank's seconds per call over a block of ``calls`` (after one untimed),
+    under ``settings`` ({name: value}, restored after)."""
+    from collectives import config
+    old = {name: config.set(name, value) for name, value in (settings or {}).items()}
+    try:
+        fn()
+        return max_over_ranks(comm, per_call(comm, fn, calls))
+    finally:
+        for name, value in old.items():
+            config.set(name, value)
 
 
-def measure(comm, sizes=SIZES, modes=("out", "in"), rounds: int = 9, calls: int = 500) -> list:
+def measure(comm, sizes=SIZES, modes=("out", "in"), rounds: int = 9, calls: int = 500,
+            rows=("bare", "native", "auto")) -> list:
     """One dict per (size, mode, row): median and spread of the slowest rank's per-call time,
     and the gap to the bare call (seconds; see the module doc). Collective over ``comm``."""
     out = []
     for nbytes in sizes:
         for mode in modes:
             fns, results, inputs, pick = _calls(comm, nbytes, mode)
+            fns = {row: fns[row] for row in rows}
             _check(comm, fns, results, inputs)
             for fn in fns.values():  # warm-up, untimed
                 for _ in range(max(1, calls // 10)):
@@ -97,7 +116,8 @@ def measure(comm, sizes=SIZES, modes=("out", "in"), rounds: int = 9, calls: int 
             rng = np.random.default_rng(rounds)  # the same orders on every rank
             for _ in range(rounds):
                 for i in rng.permutation(len(keys)):
-                    times[keys[i]].append(_block(comm, fns[keys[i]], calls))
+                    times[keys[i]].append(_block(comm, fns[keys[i]], calls,
+                                                 SETTINGS.get(keys[i])))
             bare = median(times["bare"])
             for row in keys:
                 out.append({"size": max(1, nbytes // 4) * 4, "mode": mode, "row": row,
@@ -135,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="out,in", help="out,in (default both)")
     p.add_argument("--rounds", type=int, default=9, help="timed rounds (default 9)")
     p.add_argument("--calls", type=int, default=500, help="calls per timed block (default 500)")
+    p.add_argument("--watchdog", action="store_true",
+                   help="add the native row with the watchdog off (what it costs per call)")
     p.add_argument("--json", default=None, help="write the rows as JSON (times in seconds)")
     args = p.parse_args(argv)
     from mpi4py import MPI
@@ -142,7 +164,8 @@ def main(argv=None) -> int:
     abort_on_error(comm)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     modes = [m for m in args.modes.split(",") if m in ("out", "in")]
-    rows = measure(comm, sizes, modes, max(1, args.rounds), max(1, args.calls))
+    rows = measure(comm, sizes, modes, max(1, args.rounds), max(1, args.calls),
+                   tuple(ROWS) if args.watchdog else ("bare", "native", "auto"))
     if comm.Get_rank() == 0:
         info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
                 "mpi": MPI.Get_library_version().splitlines()[0].strip(),

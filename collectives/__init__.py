@@ -22,6 +22,9 @@ from collectives.api import (
 )
 from collectives.errors import CollectiveError, CollectiveTimeout, MessageSizeError, MismatchError
 from collectives.progress import Request
+from collectives import abort as _abort
+
+_abort.install()  # an uncaught exception on one rank ends the whole job (collectives.abort)
 
 __all__ = [
     "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",

@@ -111,7 +111,7 @@ def _keep(x, out, comm, op, algorithm, call: Call) -> None:
 
 
 def _allreduce(x, op, out, comm, algorithm, check, blocking):
-    ctx = comm_context(comm)
+    ctx = comm_context(comm, "allreduce")
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -143,7 +143,7 @@ def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None
 
 
 def _reduce(x, op, root, out, comm, algorithm, check, blocking):
-    ctx = comm_context(comm)
+    ctx = comm_context(comm, "reduce")
     try:
         root = _root(root, ctx.size)
         xb = wrap(x, "x")
@@ -172,7 +172,7 @@ def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
 
 
 def _broadcast(x, root, comm, algorithm, check, blocking):
-    ctx = comm_context(comm)
+    ctx = comm_context(comm, "broadcast")
     try:
         root = _root(root, ctx.size)
         xb = wrap(x, "x")
@@ -214,7 +214,7 @@ def _counts(counts, size: int) -> tuple[int, ...]:
 
 
 def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking):
-    ctx = comm_context(comm)
+    ctx = comm_context(comm, "reduce_scatter")
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -285,7 +285,7 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ..
 
 
 def _allgather(x, out, comm, algorithm, check, blocking):
-    ctx = comm_context(comm)
+    ctx = comm_context(comm, "allgather")
     try:
         xb, error = wrap(x, "x"), None
     except (TypeError, ValueError) as exc:

@@ -7,7 +7,7 @@ first use, on every rank alike (every rank has the same environment under ``mpie
 ``reload`` forgets what was read and set, so that the next ``get`` reads the environment again.
 
     from collectives import config
-    config.get("COLLECTIVES_TIMEOUT")       # 300.0
+    config.get("COLLECTIVES_TIMEOUT")       # 600.0
     old = config.set("COLLECTIVES_SEGMENT_BYTES", "64K")
     config.reload()                         # after changing os.environ mid-run
 
@@ -135,9 +135,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("COLLECTIVES_CHECK", parse_bool, False, "off", "on/off",
             "compare every call's arguments across ranks (one small allreduce per call); a "
             "mismatch is a `MismatchError` on every rank"),
-    Setting("COLLECTIVES_TIMEOUT", parse_seconds, 300.0, "300", "seconds (0: never)",
-            "abort a collective that has not completed in this time, printing what each rank "
-            "waits for"),
+    Setting("COLLECTIVES_TIMEOUT", parse_seconds, 600.0, "600", "seconds (0: never)",
+            "abort the job when a collective has not completed in this time, printing what each "
+            "rank waits for"),
+    Setting("COLLECTIVES_STALL_WARNING", parse_seconds, 60.0, "60", "seconds (0: never)",
+            "warn when a collective has not completed in this time, and again at this interval, "
+            "printing what each rank waits for"),
+    Setting("COLLECTIVES_ABORT_ON_EXCEPTION", parse_bool, True, "on", "on/off",
+            "an exception that no code catches, on any rank of a job of several ranks, aborts "
+            "the whole job (as `python -m mpi4py` does); off for programs that handle it"),
     Setting("COLLECTIVES_TUNING", _path, None, "~/.cache/collectives/tuning.json if present",
             "a file path", "the tuning table `auto` reads (written by `python -m bench tune`); "
             "a named file must exist and parse"),

@@ -24,7 +24,7 @@ from . import check as _check
 from . import config, select
 from . import watchdog as _watchdog
 from .errors import network_error
-from .executor import context, launch_schedule, schedule_for
+from .executor import cached_context, context, launch_schedule, schedule_for
 from .progress import Done, Request
 from .select import NATIVE, ONE_NODE, REGISTRY, SCHEDULE, TOPOLOGY
 
@@ -72,19 +72,20 @@ def make_call(collective, ctx, x, out, op=None, root=0, counts=None, inplace=Fal
 _WORLD = []  # MPI.COMM_WORLD's Context, made on the first call (mpi4py is imported then)
 
 
-def comm_context(comm):
+def comm_context(comm, collective: str | None = None):
     """The executor's ``Context`` of ``comm`` (``MPI.COMM_WORLD`` when None), with every
-    setting and the tuning table validated on the first call after ``config.reload/set``."""
+    setting and the tuning table validated on the first call after ``config.reload/set``.
+    Made by the first ``collective`` called on ``comm``: a Dup that every rank must join."""
     if comm is None:
         if _WORLD:
             ctx = _WORLD[0]
         else:
             from mpi4py import MPI
-            ctx = context(MPI.COMM_WORLD)  # lives until MPI_Finalize frees the world
+            ctx = _create(MPI.COMM_WORLD, collective)  # lives until MPI_Finalize frees it
             _WORLD.append(ctx)
     else:
         try:
-            ctx = context(comm)
+            ctx = cached_context(comm) or _create(comm, collective)
         except AttributeError:
             raise TypeError(f"comm must be an mpi4py.MPI.Comm, got "
                             f"{type(comm).__name__}") from None
@@ -100,6 +101,18 @@ def comm_context(comm):
               flush=True)
         raise
     return ctx
+
+
+def _create(comm, collective):
+    """``comm``'s Context, made under the watchdog: a rank that never makes a collective call
+    on ``comm`` (it raised, it exited, it computes) leaves the others in this Dup."""
+    entry = _watchdog.watch_setup(comm, collective) if _watchdog.enabled() and \
+        comm.Get_size() > 1 else None
+    try:
+        return context(comm)
+    finally:
+        if entry is not None:
+            _watchdog.unwatch(entry)
 
 
 # -- choose --------------------------------------------------------------------------------------
@@ -161,8 +174,12 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         _drain(ctx)
     checking = _check.enabled(check)
     entry = None
-    if ctx.size > 1 and _watchdog.enabled():
-        entry = _watchdog.watch(ctx, call, phase="check" if checking else "run")
+    if ctx.size > 1:
+        phase = "check" if checking else "run"
+        if call.blocking:
+            entry = _watchdog.enter(ctx, call, phase)
+        elif _watchdog.enabled():
+            entry = _watchdog.watch(ctx, call, phase=phase)
     try:
         if checking:
             # allgather's ranks may differ in length: its counts (agreed already) are compared;
@@ -196,7 +213,7 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
     if call.blocking:
         if entry is not None:
-            _watchdog.unwatch(entry)
+            entry.active = False
         if finalize is not None:
             finalize()
         return result

@@ -124,6 +124,11 @@ def _delete_context(comm, keyval, ctx):
         pass
 
 
+def cached_context(comm) -> Context | None:
+    """``comm``'s ``Context`` if it has one already (``context`` makes it: a collective call)."""
+    return None if _KEYVAL is None else comm.Get_attr(_KEYVAL)
+
+
 def context(comm) -> Context:
     """The toolkit's ``Context`` for ``comm`` (created on first use, cached on the comm)."""
     global _KEYVAL

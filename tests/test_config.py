@@ -97,7 +97,7 @@ def test_defaults_are_what_the_declarations_say(monkeypatch):
     try:
         for name, setting in config.SETTINGS.items():
             assert config.get(name) == setting.default, name
-        assert config.get("COLLECTIVES_TIMEOUT") == 300.0
+        assert config.get("COLLECTIVES_TIMEOUT") == 600.0
         assert config.get("COLLECTIVES_SEGMENT_BYTES") == 4 << 20
         assert config.get("COLLECTIVES_CHECK") is False
     finally:
@@ -124,7 +124,7 @@ def test_set_overrides_checks_and_returns_the_old_value(environ):
         config.set("COLLECTIVES_TIMEOUT", "abc")
     assert config.get("COLLECTIVES_TIMEOUT") == 0.5  # a refused value changes nothing
     assert config.set("COLLECTIVES_TIMEOUT", None) == 0.5  # None: the default
-    assert config.get("COLLECTIVES_TIMEOUT") == 300.0
+    assert config.get("COLLECTIVES_TIMEOUT") == 600.0
     assert config.set("COLLECTIVES_SEGMENT_BYTES", 24) == 4 << 20  # typed values too
     assert config.set("COLLECTIVES_SEGMENT_BYTES", "1K") == 24
     config.reload()  # forgets what was set: the environment again
@@ -159,6 +159,8 @@ def test_set_through_the_watchdog_and_the_executor():
 BAD = {
     "COLLECTIVES_CHECK": ["abc", "2"],
     "COLLECTIVES_TIMEOUT": ["abc", "-1", "5 days"],
+    "COLLECTIVES_STALL_WARNING": ["soon", "-5"],
+    "COLLECTIVES_ABORT_ON_EXCEPTION": ["maybe", "2"],
     "COLLECTIVES_RANKS_PER_NODE": ["abc", "0", "-2", "1.5"],
     "COLLECTIVES_RANKS_PER_NUMA": ["abc", "0"],
     "COLLECTIVES_SEGMENT_BYTES": ["abc", "0", "-4"],

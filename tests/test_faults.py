@@ -49,33 +49,44 @@ class Job:
                 f"--- stderr\n{self.err[-5000:]}")
 
 
-def launch(script, *args, n=3, runner=True, check=False, timeout=TIMEOUT, limit=LIMIT) -> Job:
-    """Run ``tests/faults/script`` on ``n`` ranks (under ``python -m mpi4py`` if ``runner``)."""
+def start_job(script, *args, n=3, runner=True, check=False, timeout=TIMEOUT, limit=LIMIT,
+              env=None) -> subprocess.Popen:
+    """Start ``tests/faults/script`` on ``n`` ranks (under ``python -m mpi4py`` if ``runner``)
+    with ``COLLECTIVES_TIMEOUT=timeout`` (None: the default) and the settings in ``env``."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     if UNDER_MPI:
         pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
-    env.update(COLLECTIVES_TIMEOUT=str(timeout), COLLECTIVES_CHECK="1" if check else "0",
-               MPIEXEC_TIMEOUT=str(limit + 15), PYTHONUNBUFFERED="1")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    full.update(COLLECTIVES_CHECK="1" if check else "0", MPIEXEC_TIMEOUT=str(limit + 15),
+                PYTHONUNBUFFERED="1", **(env or {}))
+    if timeout is not None:
+        full["COLLECTIVES_TIMEOUT"] = str(timeout)
     cmd = [MPIEXEC, "-n", str(n), sys.executable] + (["-m", "mpi4py"] if runner else []) + \
         [str(FAULTS / script), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full, start_new_session=True)
+
+
+def launch(script, *args, limit=LIMIT, **kw) -> Job:
+    """Run ``tests/faults/script`` to its end (``start_job``'s options); a hang fails."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = start_job(script, *args, limit=limit, **kw)
+    cmd = " ".join(proc.args)
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} still running after {limit} s: a hang\n{out}\n{err}")
+        pytest.fail(f"{cmd} still running after {limit} s: a hang\n{out}\n{err}")
     return Job(proc.returncode, out, err, time.monotonic() - start)
 
 
 def watchdog_ended(job: Job) -> None:
-    """The watchdog ended ``job``: exit 124 within the timeout plus a margin."""
+    """The watchdog ended ``job``: exit 124 within the timeout plus a margin (the job's start,
+    about 1-2 s, and the other ranks' answers, at most a few)."""
     assert job.rc == WATCHDOG_EXIT, job
-    assert job.seconds < TIMEOUT + 15, job
+    assert job.seconds < TIMEOUT + 10, job
     assert "did not complete in" in job.err and "aborting the job" in job.err, job
 
 
@@ -137,22 +148,80 @@ def test_mismatch_raises_on_every_rank(kind):
 
 
 # -- exceptions and dead ranks -------------------------------------------------------------------
-def test_user_exception_aborts_under_mpi4py_runner():
-    job = launch("user_error.py")
+@pytest.mark.parametrize("runner", [True, False], ids=["mpi4py-runner", "plain-python"])
+@pytest.mark.parametrize("script", ["user_error.py", "early_error.py"])
+def test_user_exception_aborts_the_job_at_once(script, runner):
+    """Between collectives or before the first one, started either way: the job ends at once
+    (mpi4py's runner, or the excepthook ``import collectives`` installed), the traceback once."""
+    job = launch(script, runner=runner)
     assert job.rc == 1, job
-    assert "RuntimeError: rank 1: a bug in user code" in job.err, job
+    assert job.text.count("RuntimeError: rank 1: a bug") == 1, job
     assert job.seconds < 15, job
+    if not runner:
+        assert "[collectives] rank 1 of 3: uncaught RuntimeError: aborting the job" in job.err, job
 
 
-def test_user_exception_without_runner_is_ended_by_watchdog():
-    job = launch("user_error.py", runner=False)
+def test_user_exception_with_the_hook_off_is_ended_by_watchdog():
+    job = launch("user_error.py", runner=False, env={"COLLECTIVES_ABORT_ON_EXCEPTION": "0"})
     watchdog_ended(job)
     assert "RuntimeError: rank 1: a bug in user code" in job.err, job
+    assert "allreduce #1 (" in job.err, job
     assert "rank 1: no answer" in job.err and "=> rank 1 did not answer" in job.err, job
 
 
-def test_killed_rank_ends_the_job():
-    job = launch("kill.py")
+def test_exception_before_the_first_collective_with_the_hook_off_is_ended_by_watchdog():
+    """The others wait in the first call's Dup of the communicator (no side channel yet)."""
+    job = launch("early_error.py", runner=False, env={"COLLECTIVES_ABORT_ON_EXCEPTION": "0"})
+    watchdog_ended(job)
+    assert "allreduce #0 (the first collective call on this communicator) did not complete" \
+        in job.err, job
+    assert "ranks 0 and 2 are in it" in job.err, job
+    assert "=> rank 1 never joined" in job.err, job
+
+
+@pytest.mark.parametrize("where", ["between", "first"])
+def test_rank_stuck_in_compute_is_named(where):
+    job = launch("stuck.py", *(["first"] if where == "first" else []), runner=False)
+    watchdog_ended(job)
+    if where == "first":
+        assert "=> rank 1 never joined" in job.err, job
+    else:
+        assert "rank 1: has NOT started #1" in job.err, job
+        assert "rank 1 never joined #1" in job.err, job
+
+
+def test_stall_warning_by_default_then_no_abort_before_the_timeout():
+    """No COLLECTIVES_TIMEOUT (the default, 600 s): a skipped collective prints the stall
+    warning at every interval (shortened here to 1 s) and the job keeps waiting."""
+    proc = start_job("skip.py", "native", "blocking", runner=False, timeout=None,
+                     env={"COLLECTIVES_STALL_WARNING": "1"})
+    deadline = time.monotonic() + 30
+    err = ""
+    try:
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        while time.monotonic() < deadline and err.count("is stalled; what each rank says") < 2:
+            if sel.select(timeout=0.5):
+                line = proc.stderr.readline()
+                if not line:
+                    break
+                err += line
+        still_running = proc.poll() is None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert still_running, err
+    assert err.count("is stalled; what each rank says") >= 2, err
+    assert "stall warning 1, COLLECTIVES_STALL_WARNING=1; the job is aborted at " \
+           "COLLECTIVES_TIMEOUT=600 s" in err, err
+    assert "rank 2: has NOT started #1" in err and "=> rank 2 never joined #1" in err, err
+    assert "aborting the job" not in err, err
+
+
+@pytest.mark.parametrize("runner", [True, False], ids=["mpi4py-runner", "plain-python"])
+def test_killed_rank_ends_the_job(runner):
+    job = launch("kill.py", runner=runner)
     assert job.rc != 0, job
     assert "signal 9" in job.text or "Killed" in job.text, job
     assert job.seconds < 15, job
@@ -184,9 +253,18 @@ def test_lengths_ring_size_guard():
                      job.err), job
 
 
-def test_lengths_ring_errors_caught_watchdog_names_ranks():
-    # Without mpi4py's runner the failed ranks exit; rank 2 waits until the watchdog ends it.
+def test_lengths_ring_plain_python_ends_at_once():
+    # The failed ranks' uncaught MessageSizeError aborts the job (the excepthook).
     job = launch("lengths.py", "ring", 10000, runner=False)
+    assert job.rc == 1, job
+    assert "MessageSizeError" in job.err and "uncaught MessageSizeError" in job.err, job
+    assert job.seconds < 15, job
+
+
+def test_lengths_ring_with_the_hook_off_watchdog_names_ranks():
+    # The failed ranks exit; rank 2 waits until the watchdog ends it.
+    job = launch("lengths.py", "ring", 10000, runner=False,
+                 env={"COLLECTIVES_ABORT_ON_EXCEPTION": "0"})
     watchdog_ended(job)
     assert "MessageSizeError" in job.err, job
     assert "=> ranks 0 and 1 did not answer" in job.err, job
@@ -215,7 +293,10 @@ def test_timeout_setting():
     old = watchdog.set_timeout("2.5")
     try:
         assert watchdog.timeout() == 2.5 and watchdog.enabled()
-        assert watchdog.set_timeout("0") == 2.5 and not watchdog.enabled()
+        assert watchdog.set_timeout("0") == 2.5 and watchdog.enabled()  # the stall warning
+        stall = config.set("COLLECTIVES_STALL_WARNING", "0")
+        assert not watchdog.enabled()
+        config.set("COLLECTIVES_STALL_WARNING", stall)
         for bad in ("soon", "-1", "nan"):
             with pytest.raises(ValueError, match="COLLECTIVES_TIMEOUT"):
                 watchdog.set_timeout(bad)
@@ -224,7 +305,8 @@ def test_timeout_setting():
         assert watchdog.timeout() == 42
     finally:
         assert watchdog.set_timeout(old) == 42
-    assert config.SETTINGS["COLLECTIVES_TIMEOUT"].default == 300
+    assert config.SETTINGS["COLLECTIVES_TIMEOUT"].default == 600  # torch's default
+    assert config.SETTINGS["COLLECTIVES_STALL_WARNING"].default == 60  # Horovod's
     assert watchdog.EXIT_CODE == WATCHDOG_EXIT
 
 
@@ -308,6 +390,54 @@ def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
     assert "aborting the job: MPI_Abort(COMM_WORLD, 124)" in err
 
 
+def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, monkeypatch):
+    """``enter``: one entry per communicator, stamped by the watchdog thread when it first sees
+    the call running; a call that ended is not reported; a late one fires within a tick or two
+    of the timeout."""
+    from collectives import config, watchdog
+    aborted = []
+    monkeypatch.setattr(watchdog, "_abort", lambda: aborted.append(time.monotonic()))
+    monkeypatch.setattr(watchdog, "_FIRED", False)
+    monkeypatch.setattr(watchdog, "_grace", lambda: 0.1)
+
+    class Call:
+        seq = 4
+
+        def describe(self):
+            return "allreduce #4 (native, 2 x float32, sum)"
+    old = watchdog.set_timeout(0.4)
+    stall = config.set("COLLECTIVES_STALL_WARNING", 0)
+    try:
+        done = watchdog.enter(self_ctx, Call())
+        done.active = False  # a call that returned at once
+        time.sleep(0.3)
+        assert not aborted and "nothing in flight" == watchdog.report(self_ctx)
+        entry = watchdog.enter(self_ctx, Call())
+        assert entry is done  # the communicator's one entry, reused
+        entry.work = _Work()
+        start = time.monotonic()
+        while not aborted and time.monotonic() - start < 10:
+            time.sleep(0.02)
+    finally:
+        watchdog.set_timeout(old)
+        config.set("COLLECTIVES_STALL_WARNING", stall)
+        entry.active = False
+    assert aborted, "the watchdog did not fire"
+    assert 0.4 <= aborted[0] - start < 3
+    err = capsys.readouterr().err
+    assert "rank 0: allreduce #4 (native, 2 x float32, sum) did not complete" in err
+    assert "waiting for: recv from rank 7 (op 3 of 9)" in err
+    assert watchdog.enter(self_ctx, Call()) is entry
+    entry.active = False
+    old = watchdog.set_timeout(0)
+    stall = config.set("COLLECTIVES_STALL_WARNING", 0)
+    try:
+        assert watchdog.enter(self_ctx, Call()) is None  # off: nothing to do per call
+    finally:
+        watchdog.set_timeout(old)
+        config.set("COLLECTIVES_STALL_WARNING", stall)
+
+
 def test_summary_names_the_ranks_that_never_joined(self_ctx):
     from collectives import watchdog
 
@@ -334,21 +464,33 @@ def test_summary_names_the_ranks_that_never_joined(self_ctx):
 
 
 # -- the table of docs/reliability.md ------------------------------------------------------------
+HOOK_OFF = {"env": {"COLLECTIVES_ABORT_ON_EXCEPTION": "0"}}
 SCENARIOS = [
-    ("a rank skips an allreduce (ring)", "skip.py", ("ring", "blocking"), {}),
-    ("a rank skips an iallreduce (native)", "skip.py", ("native", "nonblocking"), {}),
+    ("exception on rank 1 before the first collective", "early_error.py", (),
+     {"runner": False}),
+    ("the same, `python -m mpi4py`", "early_error.py", (), {}),
+    ("the same, `COLLECTIVES_ABORT_ON_EXCEPTION=0`", "early_error.py", (),
+     {"runner": False, **HOOK_OFF}),
+    ("exception on rank 1 between collectives", "user_error.py", (), {"runner": False}),
+    ("the same, `python -m mpi4py`", "user_error.py", (), {}),
+    ("the same, `COLLECTIVES_ABORT_ON_EXCEPTION=0`", "user_error.py", (),
+     {"runner": False, **HOOK_OFF}),
+    ("a rank skips an allreduce (ring)", "skip.py", ("ring", "blocking"), {"runner": False}),
+    ("a rank skips an iallreduce (native)", "skip.py", ("native", "nonblocking"),
+     {"runner": False}),
     ("a rank skips an allreduce, checking on", "skip.py", ("ring", "blocking"),
-     {"check": True}),
+     {"check": True, "runner": False}),
+    ("rank 1 SIGKILLed mid-collective", "kill.py", (), {"runner": False}),
+    ("rank 1 stuck in compute between collectives", "stuck.py", (), {"runner": False}),
+    ("rank 1 stuck in compute before the first collective", "stuck.py", ("first",),
+     {"runner": False}),
+    ("10 vs 20 elements, checking on", "lengths.py", (), {"check": True, "runner": False}),
+    ("10 vs 20 elements, checking off (auto: native)", "lengths.py", (), {"runner": False}),
+    ("10 vs 20 elements, checking off, ring", "lengths.py", ("ring",), {"runner": False}),
+    ("10k vs 20k elements, ring, `COLLECTIVES_ABORT_ON_EXCEPTION=0`", "lengths.py",
+     ("ring", 10000), {"runner": False, **HOOK_OFF}),
     *[(f"mismatch: {k}, checking on", "mismatch.py", (k,), {"check": True})
       for k in sorted(MISMATCHES)],
-    ("exception on rank 1 (python -m mpi4py)", "user_error.py", (), {}),
-    ("exception on rank 1 (plain python)", "user_error.py", (), {"runner": False}),
-    ("rank 1 SIGKILLed mid-collective", "kill.py", (), {}),
-    ("10 vs 20 elements, checking on", "lengths.py", (), {"check": True}),
-    ("10 vs 20 elements, checking off (auto: native)", "lengths.py", (), {}),
-    ("10 vs 20 elements, checking off, ring", "lengths.py", ("ring",), {}),
-    ("10k vs 20k elements, ring, plain python", "lengths.py", ("ring", 10000),
-     {"runner": False}),
 ]
 
 
@@ -367,6 +509,8 @@ def _gist(job: Job) -> str:
 
 
 def main() -> None:
+    """Every scenario as a real job (``COLLECTIVES_TIMEOUT=3``, plain ``python`` unless the row
+    says otherwise): the table of docs/reliability.md."""
     print("| scenario | exit status | wall time | what the user sees |")
     print("| --- | --- | --- | --- |")
     for title, script, args, kw in SCENARIOS:
