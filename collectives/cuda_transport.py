@@ -124,8 +124,27 @@ class CupyDevice:
         if buf.kind != "torch":
             return []
         import torch
-        stream = torch.cuda.current_stream(self.index)
-        return [self.cp.cuda.ExternalStream(stream.cuda_stream)]
+        return [self.external_stream(torch.cuda.current_stream(self.index).cuda_stream)]
+
+    def external_stream(self, handle: int):
+        """cupy's view of another library's stream (a ``cudaStream_t`` as an int): through the
+        CUDA stream protocol where cupy has it (cupy >= 14 deprecates ``ExternalStream``)."""
+        from_external = getattr(self.cp.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            return from_external(_StreamHandle(handle))
+        return self.cp.cuda.ExternalStream(handle)
+
+
+class _StreamHandle:
+    """A raw stream handle that speaks the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
 
 
 _BACKENDS: dict = {"cuda": CupyDevice}

@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/device_check.log") 2>&1
 export PYTHONUNBUFFERED=1 HYDRA_LAUNCHER=fork
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # the machine runs us as root
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$(command -v python3)}  # absolute: a launcher may not search PATH as the shell does
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 T0=$(date +%s)
