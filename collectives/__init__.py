@@ -11,14 +11,22 @@ from collectives.api import (
     algorithms,
     allgather,
     allreduce,
+    alltoall,
+    barrier,
     broadcast,
+    gather,
     iallgather,
     iallreduce,
-    ireduce,
+    ialltoall,
+    ibarrier,
     ibroadcast,
+    igather,
+    ireduce,
     ireduce_scatter,
+    iscatter,
     reduce,
     reduce_scatter,
+    scatter,
 )
 from collectives.errors import CollectiveError, CollectiveTimeout, MessageSizeError, MismatchError
 from collectives.progress import Request
@@ -28,7 +36,9 @@ _abort.install()  # an uncaught exception on one rank ends the whole job (collec
 
 __all__ = [
     "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
+    "alltoall", "gather", "scatter", "barrier",
     "iallreduce", "ireduce", "ireduce_scatter", "iallgather", "ibroadcast",
+    "ialltoall", "igather", "iscatter", "ibarrier",
     "algorithms", "Request",
     "CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
 ]

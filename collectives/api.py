@@ -19,14 +19,15 @@ import numpy as np
 from . import check as _check
 from . import config, native, select
 from . import watchdog as _watchdog
-from .buffers import Buffer, wrap
+from .buffers import DTYPES, Buffer, wrap
 from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
 from .ops import resolve
 from .progress import Request
 from .select import NATIVE, REGISTRY
 
-__all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
-           "iallreduce", "ireduce", "ibroadcast", "ireduce_scatter", "iallgather",
+__all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
+           "gather", "scatter", "barrier", "iallreduce", "ireduce", "ibroadcast",
+           "ireduce_scatter", "iallgather", "ialltoall", "igather", "iscatter", "ibarrier",
            "algorithms", "auto_pick", "Call"]
 
 
@@ -247,7 +248,8 @@ def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm=
     return _reduce_scatter(x, op, counts, out, comm, algorithm, check, False)
 
 
-def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ...], int]:
+def _allgather_counts(ctx, xb: Buffer | None, error=None,
+                      collective="allgather") -> tuple[tuple[int, ...], int]:
     """Every rank's element count, from one small Allgather of (rows, elements per row).
 
     A rank whose ``x`` was refused (``xb`` None, ``error`` set) still joins, with rows -1, so
@@ -268,17 +270,17 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None) -> tuple[tuple[int, ..
     mine, table, send, recv = bufs
     mine[0] = rows
     mine[1] = row
-    entry = _watchdog.watch(ctx, what=f"allgather #{ctx.seq} (exchanging row counts: "
+    entry = _watchdog.watch(ctx, what=f"{collective} #{ctx.seq} (exchanging row counts: "
                                       f"MPI_Allgather)") if _watchdog.enabled() else None
     ctx.comm.Allgather(send, recv)
     if entry is not None:
         _watchdog.unwatch(entry)
     every_rows, every_row = table.T.tolist()
     if min(every_rows) < 0:
-        _check.settle(ctx.comm, "allgather", error)
+        _check.settle(ctx.comm, collective, error)
     if every_row.count(row) != ctx.size:
         shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(every_row))
-        raise ValueError(f"allgather: x's trailing axes must agree on every rank ({shapes})")
+        raise ValueError(f"{collective}: x's trailing axes must agree on every rank ({shapes})")
     if row == 1:
         return tuple(every_rows), sum(every_rows)
     return tuple(r * row for r in every_rows), sum(every_rows)
@@ -310,3 +312,245 @@ def allgather(x, *, out=None, comm=None, algorithm="auto", check=None):
 def iallgather(x, *, out=None, comm=None, algorithm="auto", check=None) -> Request:
     """Non-blocking ``allgather``."""
     return _allgather(x, out, comm, algorithm, check, False)
+
+
+# -- all-to-all, gather, scatter, barrier ------------------------------------------------------
+def _elements(counts, row: int) -> tuple[int, ...]:
+    return counts if row == 1 else tuple(c * row for c in counts)
+
+
+def _alltoall_counts(ctx, xb, send, recv, error):
+    """``(recv, matrix)`` in rows: ``recv`` as given, or learned with one small Allgather of
+    every rank's (elements per row, send counts), which also gives every rank the whole
+    ``matrix`` (rank i's send counts in row i). A rank whose arguments were refused joins with
+    -1, so that every rank raises (``check.settle``) instead of the others waiting."""
+    size = ctx.size
+    mine = np.full(size + 1, -1, np.int64)
+    if error is None:
+        mine[0] = _rows(xb)[1]
+        mine[1:] = send
+    table = np.empty((size, size + 1), np.int64)
+    entry = _watchdog.watch(ctx, what=f"alltoall #{ctx.seq} (exchanging counts: "
+                                      f"MPI_Allgather)") if _watchdog.enabled() else None
+    ctx.comm.Allgather(mine, table)
+    if entry is not None:
+        _watchdog.unwatch(entry)
+    if table[:, 0].min() < 0:
+        _check.settle(ctx.comm, "alltoall", error)
+    if (table[:, 0] != mine[0]).any():
+        shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(table[:, 0].tolist()))
+        raise ValueError(f"alltoall: x's trailing axes must agree on every rank ({shapes})")
+    matrix = table[:, 1:]
+    return tuple(matrix[:, ctx.rank].tolist()), tuple(map(tuple, matrix.tolist()))
+
+
+def _rows(xb: Buffer) -> tuple[int, int]:
+    """``(rows, elements per row)`` of ``xb``: axis 0 and the product of the others."""
+    shape = xb.shape
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
+def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking):
+    ctx = comm_context(comm, "alltoall")
+    size = ctx.size
+    recv = matrix = error = xb = send = None
+    try:
+        xb = wrap(x, "x")
+        if not xb.shape:
+            raise ValueError("alltoall: x must have an axis 0 (its rows go to the ranks)")
+        rows = xb.shape[0]
+        if counts is None:
+            if rows % size:
+                raise ValueError(f"alltoall: x has {rows} rows, which {size} ranks cannot "
+                                 f"share equally; pass counts (rows for each rank)")
+            send = (rows // size,) * size
+        else:
+            send = _counts(counts, size)
+            if sum(send) != rows:
+                raise ValueError(f"alltoall: counts add up to {sum(send)}, but x has {rows} "
+                                 f"rows")
+        if recv_counts is not None:
+            recv = _counts(recv_counts, size)
+        if algorithm == "bruck" and (counts is not None or recv_counts is not None):
+            raise ValueError("alltoall: algorithm 'bruck' needs equal blocks (counts=None)")
+        if algorithm == "hierarchical" and recv_counts is not None:
+            raise ValueError("alltoall: algorithm 'hierarchical' needs every rank's counts; "
+                             "leave recv_counts out")
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if counts is not None and recv_counts is None:  # ragged: learn what comes from whom
+        recv, matrix = _alltoall_counts(ctx, xb, send, recv, error)
+    elif error is not None:
+        raise _check.failed(ctx, "alltoall", check, error)
+    elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
+        recv, matrix = send, (send,) * size
+    row = _rows(xb)[1]
+    try:
+        outb, inplace = _output(xb, out, (sum(recv),) + tuple(xb.shape[1:]))
+        if inplace:
+            raise ValueError("alltoall cannot run in place: out must not be x")
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "alltoall", check, exc)
+    counts_e = (_elements(send, row), _elements(recv, row),
+                None if matrix is None else tuple(_elements(r, row) for r in matrix))
+    call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, blocking)
+    # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
+    algo = REGISTRY["alltoall"]["native"] if matrix is None and algorithm == "auto" else None
+    return start(call, algorithm, check, outb.obj, None, algo)
+
+
+def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
+             check=None):
+    """Split ``x``'s axis 0 into blocks for the ranks (equal, or ``counts[j]`` rows for rank
+    j); returns the rows received from every rank, concatenated in rank order."""
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, True)
+
+
+def ialltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
+              check=None) -> Request:
+    """Non-blocking ``alltoall`` (ragged counts without ``recv_counts`` are exchanged first,
+    blocking)."""
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, False)
+
+
+def _gather(x, root, out, comm, algorithm, check, blocking):
+    ctx = comm_context(comm, "gather")
+    try:
+        root = _root(root, ctx.size)
+        xb, error = wrap(x, "x"), None
+    except (TypeError, ValueError) as exc:
+        xb, error = None, exc
+    counts, rows = _allgather_counts(ctx, xb, error, "gather")
+    outb, result = None, None
+    if ctx.rank == root:
+        try:
+            outb, inplace = _output(xb, out, (rows,) + tuple(xb.shape[1:]) if xb.shape
+                                    else (rows,))
+            if inplace:
+                raise ValueError("gather cannot run in place: out must not be x")
+        except (TypeError, ValueError) as exc:
+            raise _check.failed(ctx, "gather", check, exc)
+        result = outb.obj
+    call = make_call("gather", ctx, xb, outb, None, root, counts, False, blocking)
+    return start(call, algorithm, check, result)
+
+
+def gather(x, root=0, *, out=None, comm=None, algorithm="auto", check=None):
+    """Every rank's ``x`` concatenated along axis 0 on ``root`` (ranks may differ in that
+    axis' length); None on the other ranks."""
+    return _gather(x, root, out, comm, algorithm, check, True)
+
+
+def igather(x, root=0, *, out=None, comm=None, algorithm="auto", check=None) -> Request:
+    """Non-blocking ``gather`` (the row counts are exchanged first, blocking)."""
+    return _gather(x, root, out, comm, algorithm, check, False)
+
+
+_MAX_AXES = 8  # of a scattered array, besides axis 0 (the header the root broadcasts)
+
+
+def _scatter_header(ctx, root, x, counts):
+    """The root's ``(dtype, trailing shape, counts in rows)``, told to every rank by one small
+    Bcast; a refused call on the root is a ``ValueError`` on every rank."""
+    size = ctx.size
+    head = np.zeros(3 + _MAX_AXES + size, np.int64)
+    error = None
+    if ctx.rank == root:
+        try:
+            xb = wrap(x, "x")
+            if not xb.shape or len(xb.shape) > _MAX_AXES + 1:
+                raise ValueError(f"scatter: x must have 1 to {_MAX_AXES + 1} axes, has "
+                                 f"{len(xb.shape)}")
+            rows = xb.shape[0]
+            if counts is None:
+                if rows % size:
+                    raise ValueError(f"scatter: x has {rows} rows, which {size} ranks cannot "
+                                     f"share equally; pass counts (rows for each rank)")
+                counts = (rows // size,) * size
+            else:
+                counts = _counts(counts, size)
+                if sum(counts) != rows:
+                    raise ValueError(f"scatter: counts add up to {sum(counts)}, but x has "
+                                     f"{rows} rows")
+            trailing = xb.shape[1:]
+            head[0], head[1], head[2] = 1, DTYPES.index(xb.dtype), len(trailing)
+            head[3:3 + len(trailing)] = trailing
+            head[3 + _MAX_AXES:] = counts
+        except (TypeError, ValueError) as exc:
+            error = exc
+    entry = _watchdog.watch(ctx, what=f"scatter #{ctx.seq} (the root's counts: MPI_Bcast)") \
+        if _watchdog.enabled() else None
+    ctx.comm.Bcast(head, root)
+    if entry is not None:
+        _watchdog.unwatch(entry)
+    if error is not None:
+        raise error
+    if head[0] != 1:
+        raise ValueError(f"scatter: the root (rank {root}) refused its arguments (its own "
+                         f"error says why)")
+    trailing = tuple(head[3:3 + head[2]].tolist())
+    return DTYPES[int(head[1])], trailing, tuple(head[3 + _MAX_AXES:].tolist())
+
+
+def _scatter(x, root, counts, out, comm, algorithm, check, blocking):
+    ctx = comm_context(comm, "scatter")
+    try:
+        root = _root(root, ctx.size)
+    except ValueError as exc:
+        raise _check.failed(ctx, "scatter", check, exc)
+    dtype, trailing, counts = _scatter_header(ctx, root, x, counts)
+    try:
+        if ctx.rank == root:
+            xb = wrap(x, "x")
+        elif x is not None:  # its kind and device; the root's dtype and shape
+            xb = wrap(x, "x")
+            if xb.dtype != dtype or tuple(xb.shape[1:]) != trailing:
+                raise TypeError(f"scatter: x on rank {ctx.rank} is {xb.describe()}; the root "
+                                f"scatters {dtype.name} rows of shape {list(trailing)}")
+            xb = xb.new((0,) + trailing)
+        elif out is not None:
+            xb = wrap(out, "out").new((0,) + trailing)
+        else:
+            xb = wrap(np.empty((0,) + trailing, dtype), "x")
+        outb, inplace = _output(xb, out, (counts[ctx.rank],) + trailing)
+        if inplace:
+            raise ValueError("scatter cannot run in place: out must not be x")
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "scatter", check, exc)
+    row = math.prod(trailing)
+    call = make_call("scatter", ctx, xb, outb, None, root, _elements(counts, row), False,
+                     blocking)
+    return start(call, algorithm, check, outb.obj)
+
+
+def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
+    """This rank's block of root's ``x``, split on axis 0 in equal blocks or by ``counts``
+    (given on the root); ``x`` is read on the root only (None elsewhere is fine)."""
+    return _scatter(x, root, counts, out, comm, algorithm, check, True)
+
+
+def iscatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
+             check=None) -> Request:
+    """Non-blocking ``scatter`` (the root's counts are broadcast first, blocking)."""
+    return _scatter(x, root, counts, out, comm, algorithm, check, False)
+
+
+_NOTHING = np.empty(0, np.uint8)
+
+
+def _barrier(comm, algorithm, check, blocking):
+    ctx = comm_context(comm, "barrier")
+    xb = wrap(_NOTHING, "x")
+    call = make_call("barrier", ctx, xb, xb, None, 0, None, False, blocking)
+    return start(call, algorithm, check, None)
+
+
+def barrier(comm=None, *, algorithm="auto", check=None) -> None:
+    """Block until every rank of ``comm`` has called ``barrier``."""
+    _barrier(comm, algorithm, check, True)
+
+
+def ibarrier(comm=None, *, algorithm="auto", check=None) -> Request:
+    """Non-blocking ``barrier``: ``Request.wait()`` returns once every rank has called it."""
+    return _barrier(comm, algorithm, check, False)
+

@@ -21,7 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Setting", "SETTINGS", "get", "set", "validate", "reload", "table", "parse_bool", "parse_bytes",
+__all__ = ["Setting", "SETTINGS", "get", "set", "validate", "reload", "table", "parse_bool",
+           "parse_bytes",
            "parse_seconds", "ON_WORDS", "OFF_WORDS"]
 
 ON_WORDS = ("1", "true", "yes", "on")

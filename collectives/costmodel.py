@@ -516,7 +516,12 @@ def build_schedule(collective: str, builder, rank: int, size: int, count: int, *
                    seg: int | None = None, **kwargs) -> Schedule:
     """``builder``'s schedule for ``rank``, called as the API does; ``count`` is the element
     count of the per-rank input (allreduce, reduce, broadcast) or of the whole buffer
-    (reduce_scatter: the input; allgather: the output), split evenly over the ranks."""
+    (reduce_scatter: the input; allgather, gather and scatter: the root's or output buffer),
+    split evenly over the ranks; for alltoall, the per-rank input in equal blocks."""
+    if collective == "alltoall":
+        row = (count // size,) * size
+        return build(builder, collective, rank, size, count, (row, row, (row,) * size), root,
+                     seg, **kwargs)
     bounds = split(count, size)
     counts = tuple(bounds[k + 1] - bounds[k] for k in range(size))
     return build(builder, collective, rank, size, count, counts, root, seg, **kwargs)

@@ -28,7 +28,7 @@ from .executor import cached_context, context, launch_schedule, schedule_for
 from .progress import Done, Request
 from .select import NATIVE, ONE_NODE, REGISTRY, SCHEDULE, TOPOLOGY
 
-__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer"]
+__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer", "RAGGED"]
 
 
 class Call:
@@ -133,11 +133,29 @@ def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     return algo
 
 
+# Collectives whose ranks may differ in their input's length (their counts are agreed instead).
+RAGGED = ("allgather", "alltoall", "gather", "scatter")
+
+
 def _auto_bytes(call: Call) -> int:
-    """``auto``'s message bytes (allgather: the mean over ranks, the same on every rank)."""
-    if call.collective == "allgather":
+    """``auto``'s message bytes, the same on every rank: the per-rank input, or where ranks
+    may differ (``RAGGED``), the mean over ranks of what they agreed to move."""
+    collective = call.collective
+    if collective in ("allgather", "gather", "scatter"):
         return sum(call.counts) * call.x.dtype.itemsize // call.ctx.size
+    if collective == "alltoall":
+        return sum(map(sum, call.counts[2])) * call.x.dtype.itemsize // call.ctx.size
     return call.x.flat.nbytes
+
+
+def _nothing_to_move(call: Call) -> bool:
+    """Whether no rank has a byte to move (known alike on every rank)."""
+    collective, counts = call.collective, call.counts
+    if collective == "barrier":
+        return False
+    if collective == "alltoall":
+        return counts[2] is not None and not any(map(any, counts[2]))
+    return (call.x.count if counts is None else sum(counts)) == 0
 
 
 def _single_node(ctx) -> bool:
@@ -182,14 +200,15 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
             entry = _watchdog.watch(ctx, call, phase=phase)
     try:
         if checking:
-            # allgather's ranks may differ in length: its counts (agreed already) are compared;
-            # an allreduce is in place on every rank or on none
+            # ragged collectives' ranks may differ in length: their counts (agreed already) are
+            # compared; an allreduce is in place on every rank or on none
             asked = f"{algorithm} in place" if call.inplace and collective == "allreduce" \
                 else algorithm
             _check.verify(ctx.comm, collective=collective,
-                          elements=None if collective == "allgather" else call.x.count,
+                          elements=None if collective in RAGGED else call.x.count,
                           dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
-                          root=call.root, algorithm=asked, counts=call.counts, sequence=seq)
+                          root=call.root, algorithm=asked, sequence=seq,
+                          counts=call.counts[2] if collective == "alltoall" else call.counts)
             if entry is not None:
                 entry.phase = "run"
         if algo is None:
@@ -223,7 +242,7 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
 def _run(call: Call, algo: select.Algorithm):
     """Start ``call`` with ``algo``, by its kind: the one place that dispatches on it."""
     ctx = call.ctx
-    if ctx.size == 1 or (call.x.count if call.counts is None else sum(call.counts)) == 0:
+    if ctx.size == 1 or _nothing_to_move(call):
         return _trivial(call)
     if algo.kind is SCHEDULE:
         extra = _topology_kwargs(ctx) if algo.needs is TOPOLOGY else ()

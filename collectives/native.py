@@ -16,6 +16,7 @@ from .ops import Op
 from .progress import Done, NativeWork
 
 __all__ = ["launch", "bind", "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
+           "alltoall", "gather", "scatter", "barrier",
            "mpi_type_op"]
 
 _CACHE: dict = {}
@@ -83,7 +84,17 @@ def launch(call):
         return broadcast(comm, out, call.root, blocking)
     if collective == "reduce_scatter":
         return reduce_scatter(comm, x, out, call.counts, call.op, blocking)
-    return allgather(comm, x, out, call.counts, blocking)
+    if collective == "allgather":
+        return allgather(comm, x, out, call.counts, blocking)
+    if collective == "alltoall":
+        return alltoall(comm, x, out, call.counts[0], call.counts[1], blocking)
+    if collective == "gather":
+        return gather(comm, x, out, call.counts, call.root, blocking)
+    if collective == "scatter":
+        return scatter(comm, x, out, call.counts, call.root, blocking)
+    if collective == "barrier":
+        return barrier(comm, blocking)
+    raise ValueError(f"no native {collective}")
 
 
 def bind(call):
@@ -191,3 +202,54 @@ def allgather(comm, x, out, counts, blocking: bool):
         comm.Allgatherv(send, recv)
         return _DONE
     return _work(comm.Iallgatherv(send, recv), False, "Iallgatherv")
+
+
+def alltoall(comm, x, out, send, recv, blocking: bool):
+    """``MPI_Alltoall`` when every block has one size, else ``MPI_Alltoallv`` (bytes)."""
+    from mpi4py import MPI
+    if _even(send) and _even(recv) and send[0] == recv[0]:
+        sbuf, rbuf = [x.view(np.uint8), MPI.BYTE], [out.view(np.uint8), MPI.BYTE]
+        if blocking:
+            comm.Alltoall(sbuf, rbuf)
+            return _DONE
+        return _work(comm.Ialltoall(sbuf, rbuf), False, "Ialltoall")
+    sbuf = [x.view(np.uint8), _layout(tuple(send), x.dtype.itemsize), MPI.BYTE]
+    rbuf = [out.view(np.uint8), _layout(tuple(recv), out.dtype.itemsize), MPI.BYTE]
+    if blocking:
+        comm.Alltoallv(sbuf, rbuf)
+        return _DONE
+    return _work(comm.Ialltoallv(sbuf, rbuf), False, "Ialltoallv")
+
+
+def gather(comm, x, out, counts, root: int, blocking: bool):
+    """``MPI_Gatherv`` (bytes); ``out`` is only written on ``root``."""
+    from mpi4py import MPI
+    send = [x.view(np.uint8), MPI.BYTE]
+    recv = None
+    if comm.Get_rank() == root:
+        recv = [out.view(np.uint8), _layout(tuple(counts), out.dtype.itemsize), MPI.BYTE]
+    if blocking:
+        comm.Gatherv(send, recv, root)
+        return _DONE
+    return _work(comm.Igatherv(send, recv, root), False, "Igatherv")
+
+
+def scatter(comm, x, out, counts, root: int, blocking: bool):
+    """``MPI_Scatterv`` (bytes); ``x`` is only read on ``root``."""
+    from mpi4py import MPI
+    send = None
+    if comm.Get_rank() == root:
+        send = [x.view(np.uint8), _layout(tuple(counts), x.dtype.itemsize), MPI.BYTE]
+    recv = [out.view(np.uint8), MPI.BYTE]
+    if blocking:
+        comm.Scatterv(send, recv, root)
+        return _DONE
+    return _work(comm.Iscatterv(send, recv, root), False, "Iscatterv")
+
+
+def barrier(comm, blocking: bool):
+    """``MPI_Barrier`` / ``MPI_Ibarrier``."""
+    if blocking:
+        comm.Barrier()
+        return _DONE
+    return _work(comm.Ibarrier(), False, "Ibarrier")

@@ -396,12 +396,18 @@ class _Intervals:
 def build(builder, collective: str, rank: int, size: int, count: int, counts, root: int,
           seg: int | None, **kwargs) -> Schedule:
     """``builder``'s schedule for ``rank``, called with the arguments its collective takes: the
-    per-rank element ``count`` (allreduce; reduce and broadcast also ``root``) or every rank's
-    ``counts`` (reduce_scatter, allgather)."""
+    per-rank element ``count`` (allreduce; reduce and broadcast also ``root``), every rank's
+    ``counts`` (reduce_scatter, allgather; gather and scatter also ``root``), or for alltoall
+    ``(send, recv, matrix)``: this rank's counts to and from each rank, and every rank's send
+    counts (None when not known)."""
     if collective == "allreduce":
         return builder(rank, size, count, seg=seg, **kwargs)
     if collective in ("reduce", "broadcast"):
         return builder(rank, size, count, root, seg=seg, **kwargs)
     if collective in ("reduce_scatter", "allgather"):
         return builder(rank, size, counts, seg=seg, **kwargs)
+    if collective in ("gather", "scatter"):
+        return builder(rank, size, counts, root, seg=seg, **kwargs)
+    if collective == "alltoall":  # counts: (this rank's send, its recv, every rank's or None)
+        return builder(rank, size, counts[0], counts[1], seg=seg, matrix=counts[2], **kwargs)
     raise ValueError(f"unknown collective {collective!r}")

@@ -45,10 +45,14 @@ from typing import Callable, Mapping
 from . import config
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
-           "COLLECTIVES", "REGISTRY", "register", "get", "algorithms", "auto", "rule", "load_table",
+           "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "register", "get", "algorithms", "auto",
+           "rule", "load_table",
            "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "tuning_path", "describe"]
 
-COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
+COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
+               "gather", "scatter", "barrier")
+# The collectives the shared-memory window algorithm (``shm``) runs.
+SHM_COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 SCHEDULE, DIRECT, NATIVE = "schedule", "direct", "native"
 ANY, ONE_NODE, TOPOLOGY = "any", "one node", "topology"
 
@@ -82,14 +86,17 @@ def register(algorithm: Algorithm) -> None:
 
 
 def _register_builtin() -> None:
-    from collectives import hierarchical, native, ring, shm, tree
+    from collectives import hierarchical, hierarchical_alltoall, native, ring, shm, tree
     for name, build, needs in (
         ("ring", {"allreduce": ring.allreduce, "reduce_scatter": ring.reduce_scatter,
                   "allgather": ring.allgather, "broadcast": ring.broadcast}, ANY),
         ("tree", {"allreduce": tree.allreduce, "reduce": tree.reduce,
                   "broadcast": tree.broadcast}, ANY),
         ("binomial", {"allreduce": tree.binomial_allreduce, "reduce": tree.binomial_reduce,
-                      "broadcast": tree.binomial_broadcast}, ANY),
+                      "broadcast": tree.binomial_broadcast, "gather": tree.binomial_gather,
+                      "scatter": tree.binomial_scatter}, ANY),
+        ("pairwise", {"alltoall": ring.pairwise_alltoall}, ANY),
+        ("bruck", {"alltoall": tree.bruck_alltoall}, ANY),
         ("double_binary_tree", {"allreduce": tree.double_binary_tree_allreduce}, ANY),
         ("recursive_doubling", {"allreduce": tree.recursive_doubling_allreduce,
                                 "allgather": tree.recursive_doubling_allgather}, ANY),
@@ -98,11 +105,12 @@ def _register_builtin() -> None:
         ("hierarchical", {"allreduce": hierarchical.allreduce,
                           "reduce_scatter": hierarchical.reduce_scatter,
                           "allgather": hierarchical.allgather, "reduce": hierarchical.reduce,
-                          "broadcast": hierarchical.broadcast}, TOPOLOGY),
+                          "broadcast": hierarchical.broadcast,
+                          "alltoall": hierarchical_alltoall.hierarchical_alltoall}, TOPOLOGY),
     ):
         register(Algorithm(name, SCHEDULE, tuple(build), build=build, needs=needs))
     register(Algorithm("native", NATIVE, COLLECTIVES, launch=native.launch))
-    register(Algorithm("shm", DIRECT, COLLECTIVES, launch=shm.launch, needs=ONE_NODE))
+    register(Algorithm("shm", DIRECT, SHM_COLLECTIVES, launch=shm.launch, needs=ONE_NODE))
     register(Algorithm("hierarchical_shm", DIRECT, ("allreduce",),
                        launch=hierarchical.launch_shm_nodes))
 
@@ -160,6 +168,10 @@ DEFAULT_TABLE = {
         "2": [[32 << 10, NATIVE], [None, "shm"]],
         "3": [[16 << 10, NATIVE], [None, "shm"]],
     },
+    "alltoall": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
+    "gather": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
+    "scatter": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
+    "barrier": {"2": [[None, NATIVE]]},
 }
 for _rules in DEFAULT_TABLE.values():
     _rules.setdefault("default", _rules[min((k for k in _rules if k.isdigit()), key=int)])

@@ -1,4 +1,5 @@
-"""Ring algorithms: reduce-scatter, all-gather, allreduce (= both) and pipelined broadcast.
+"""Ring algorithms: reduce-scatter, all-gather, allreduce (= both), pipelined broadcast, and the
+pairwise-exchange all-to-all (a ring of shifts).
 
 Installed as ``collectives.ring``; every function returns a ``collectives.schedule.Schedule``.
 """
@@ -10,6 +11,7 @@ if __name__ != "collectives.ring":
 from collectives.ring.allgather import allgather
 from collectives.ring.allreduce import allreduce
 from collectives.ring.broadcast import broadcast
+from collectives.ring.pairwise import pairwise_alltoall
 from collectives.ring.reduce_scatter import reduce_scatter
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "pairwise_alltoall"]

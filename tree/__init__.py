@@ -1,5 +1,5 @@
 """Tree and butterfly algorithms: binomial, pipelined binary, double binary tree, recursive
-doubling/halving, Rabenseifner.
+doubling/halving, Rabenseifner, binomial gather and scatter, Bruck's all-to-all.
 
 Installed as ``collectives.tree``; every function returns a ``collectives.schedule.Schedule``.
 """
@@ -9,6 +9,8 @@ if __name__ != "collectives.tree":
                       "from the source tree")
 
 from collectives.tree.binomial import binomial_allreduce, binomial_broadcast, binomial_reduce
+from collectives.tree.bruck import bruck_alltoall
+from collectives.tree.gather import binomial_gather, binomial_scatter
 from collectives.tree.double_binary import double_binary_tree_allreduce
 from collectives.tree.pipelined import allreduce, broadcast, reduce
 from collectives.tree.rabenseifner import rabenseifner_allreduce
@@ -22,4 +24,5 @@ __all__ = [
     "double_binary_tree_allreduce",
     "recursive_doubling_allreduce", "rabenseifner_allreduce",
     "recursive_halving_reduce_scatter", "recursive_doubling_allgather",
+    "binomial_gather", "binomial_scatter", "bruck_alltoall",
 ]
