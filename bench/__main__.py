@@ -1,6 +1,7 @@
 """``python -m bench <command> [options]``: dispatch to ``bench.<command>.main(argv)``.
 
-Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce),
+Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall,
+gather, scatter),
 ``overhead`` (the API's per-call cost against bare mpi4py), ``ddp`` (data-parallel training
 step), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and ``model`` (the
 alpha-beta-gamma cost model) and ``plot`` (redraw JSON results).
@@ -18,6 +19,9 @@ COMMANDS = {
     "allgather": "the same for all-gather",
     "broadcast": "the same for broadcast",
     "reduce": "the same for reduce",
+    "alltoall": "the same for all-to-all (mixture-of-experts token dispatch)",
+    "gather": "the same for gather",
+    "scatter": "the same for scatter",
     "overhead": "per-call cost of coll.allreduce against bare mpi4py, small sizes",
     "ddp": "data-parallel training step time (torch)",
     "tune": "measure every algorithm and write the tuning table auto reads",

@@ -4,9 +4,10 @@ size, exact rank-dependent data and the result it must give, and the bus-bandwid
 A collective module (``bench/allreduce.py``, ...) is a small ``Collective`` subclass: how many
 elements go in and out for a size, how to call it (out of place / in place, ours / gloo) and what
 the exact result is. The *size* column is the per-rank buffer for allreduce, reduce and
-broadcast and the whole buffer for reduce-scatter and all-gather, as nccl-tests prints it;
-``busbw = algbw x factor`` with factor 2(n-1)/n for allreduce, (n-1)/n for reduce-scatter and
-all-gather, 1 otherwise.
+broadcast, the whole buffer for reduce-scatter, all-gather, gather and scatter (the root's), and
+the per-rank send buffer for all-to-all, as nccl-tests prints it; ``busbw = algbw x factor``
+with factor 2(n-1)/n for allreduce, (n-1)/n for reduce-scatter, all-gather, all-to-all, gather
+and scatter, 1 otherwise.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ BUSBW = {
     "allgather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
+    "alltoall": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
 }
 
 
@@ -92,6 +96,10 @@ class Collective:
     def gloo(self, dist, tx, tout, mode, op, root):
         """A callable running torch.distributed's collective, or None if gloo has none."""
         return None
+
+    def auto_bytes(self, x_count: int, n: int) -> int:
+        """The elements ``auto`` sizes a call by, for ``x_count`` input elements per rank."""
+        return x_count
 
     def result(self, x, out, mode):
         """The array holding the result after a call."""

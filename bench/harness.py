@@ -302,8 +302,9 @@ class Sweep:
         from collectives.api import auto_pick
         for (alg, mode), res in results.items():
             if alg == "auto":
-                res.picked = auto_pick(self.spec.name, cin * self.dtype.itemsize, self.comm,
-                                       mode == "in")
+                res.picked = auto_pick(self.spec.name,
+                                       self.spec.auto_bytes(cin, self.n) * self.dtype.itemsize,
+                                       self.comm, mode == "in")
 
     def _time(self, calls, results, progress=None) -> None:
         """Block lengths, then ``rounds`` rounds of one block per key in a shuffled order."""
