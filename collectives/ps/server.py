@@ -1,0 +1,331 @@
+"""A server rank's event loop: receive requests, apply pushes, answer pulls when consistent.
+
+The loop blocks in a matched probe (``MPI_Mprobe``) for the next request header from any
+worker, so an idle server sleeps inside MPI and takes no CPU time to speak of; it receives the
+request's payload (``MPI_Mrecv`` of matched messages, so the sizes are checked before any byte
+lands in a table), then:
+
+1. a pull whose clock the slowest worker allows (``clock.ready``) is answered at once, others
+   wait in a queue, answered in order as the slowest worker's clock advances;
+2. a push is checked (table, dtype, size, keys) and acknowledged; the optimizer runs on it at
+   once, or, for a BSP table, when the slowest worker passes the push's clock
+   (``clock.PushBuffer``);
+3. a worker's clock message may advance the slowest clock: held BSP pushes are applied, then
+   the queued pulls that became consistent are answered;
+4. when every worker has sent ``finish``, what is held is applied, the queue is answered (a
+   finished worker counts as infinitely far ahead), the replies complete, and ``serve`` returns.
+
+A rejected request leaves the tables as they were and gets a reply with a status code; the
+worker raises ``TableError`` naming the table and the key. Replies are non-blocking sends,
+completed as the loop goes, so a slow reader never stalls the others.
+
+A stall monitor (a thread woken on the watchdog's settings, ``COLLECTIVES_STALL_WARNING`` and
+``COLLECTIVES_TIMEOUT``) names the workers a queued pull waits for when they have not been
+heard from for that long: it prints a warning, and past the timeout aborts the job with the
+watchdog's ``EXIT_CODE``, since the workers waiting on the laggard would otherwise hang.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+from .. import watchdog
+from . import protocol as P
+from .clock import Clocks, PushBuffer, ready
+from .store import make_shard
+
+__all__ = ["Server", "TableState"]
+
+
+class TableState:
+    """A table as a server holds it: its spec, this server's shard, held BSP pushes."""
+
+    def __init__(self, spec: dict, server: int, servers: int):
+        self.spec = spec
+        self.name = spec["name"]
+        self.staleness = spec["staleness"]
+        self.dtype = np.dtype(spec["dtype"])
+        self.dim = spec["dim"]
+        self.shard = make_shard(spec, server, servers)
+        whole = (np.arange(self.shard.lo, self.shard.hi, dtype=np.int64)
+                 if spec["kind"] == "dense" else None)
+        self.held = PushBuffer(whole)
+
+    def shard_rows(self) -> int:
+        """Rows in a whole-shard request (dense tables)."""
+        return self.shard.hi - self.shard.lo
+
+
+class Server:
+    """The event loop of one server rank over the job's communicator."""
+
+    def __init__(self, comm, workers: int, server: int, servers: int):
+        self.comm = comm
+        self.workers = workers
+        self.server = server
+        self.servers = servers
+        self.tables: list[TableState] = []
+        self.names: dict[str, int] = {}
+        self.clocks = Clocks(workers)
+        self.queue: list = []     # (worker, request id, table, keys, clock, since)
+        self.sends: list = []     # (MPI request, buffers kept alive until it completes)
+        self.warnings: list[str] = []
+        self.requests = 0
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until every worker has finished."""
+        from mpi4py import MPI
+        hdr = np.empty(P.HEADER, dtype=np.int64)
+        status = MPI.Status()
+        monitor = _Monitor(self)
+        try:
+            while not self.clocks.all_done():
+                msg = self.comm.Mprobe(MPI.ANY_SOURCE, P.TAG_REQUEST, status)
+                msg.Recv([hdr, MPI.INT64_T])
+                worker = status.Get_source()
+                self.clocks.heard(worker)
+                self.requests += 1
+                self.handle(worker, hdr.copy())
+                if len(self.sends) >= 64:
+                    self.reap()
+            self.progress()
+            MPI.Request.Waitall([r for r, _ in self.sends])
+            self.sends.clear()
+        finally:
+            monitor.stop()
+
+    def handle(self, worker: int, hdr: np.ndarray) -> None:
+        """One request from ``worker``."""
+        op, tid, rid, n, clock, flags, code = (int(v) for v in hdr[:7])
+        if op == P.Op.CLOCK:
+            if self.clocks.advance(worker, clock):
+                self.progress()
+        elif op == P.Op.FINISH:
+            if self.clocks.finish(worker):
+                self.progress()
+        elif op in (P.Op.CREATE, P.Op.LOOKUP):
+            text = self.recv_bytes(worker, n).decode()
+            if op == P.Op.CREATE:
+                self.create(worker, rid, json.loads(text))
+            else:
+                self.lookup(worker, rid, text)
+        elif op == P.Op.PULL:
+            self.pull(worker, rid, tid, n, clock, flags)
+        elif op in (P.Op.PUSH, P.Op.ASSIGN):
+            self.update(op, worker, rid, tid, n, clock, flags, code)
+        else:
+            raise RuntimeError(f"parameter server: unknown op {op} from rank {worker}")
+
+    # -- payloads ---------------------------------------------------------------------------
+    def recv_bytes(self, worker: int, n: int, tag: int = P.TAG_VALUES) -> bytes:
+        """A payload of bytes (spec or name)."""
+        buf = bytearray(n)
+        self.comm.Recv([buf, len(buf), _mpi().BYTE], source=worker, tag=tag)
+        return bytes(buf)
+
+    def recv_array(self, worker: int, tag: int, dtype, count: int):
+        """The next payload on ``tag`` as ``count`` items of ``dtype``, or (None, bytes) when
+        its size differs (it is received all the same, so the stream stays in step)."""
+        MPI = _mpi()
+        status = MPI.Status()
+        msg = self.comm.Mprobe(worker, tag, status)
+        nbytes = status.Get_count(MPI.BYTE)
+        if nbytes != count * np.dtype(dtype).itemsize:
+            msg.Recv([bytearray(nbytes), nbytes, MPI.BYTE])
+            return None, nbytes
+        out = np.empty(count, dtype=dtype)
+        msg.Recv([out.view(np.uint8), nbytes, MPI.BYTE])
+        return out, nbytes
+
+    # -- replies ----------------------------------------------------------------------------
+    def reply(self, worker: int, rid: int, status: int, detail: int = 0, data=None,
+              with_data: bool = False) -> None:
+        """Send the reply header (and the data message, when the op expects one)."""
+        MPI = _mpi()
+        h_tag, d_tag = P.reply_tags(rid)
+        head = np.array([status, rid, detail, 0 if data is None else len(data)], dtype=np.int64)
+        reqs = [(self.comm.Isend([head, MPI.INT64_T], worker, h_tag), head)]
+        if with_data:
+            body = np.empty(0, np.uint8) if data is None else np.ascontiguousarray(data)
+            view = body.reshape(-1).view(np.uint8)
+            reqs.append((self.comm.Isend([view, view.size, MPI.BYTE], worker, d_tag), body))
+        self.sends.extend(reqs)
+
+    def reap(self) -> None:
+        """Drop the replies that have completed."""
+        MPI = _mpi()
+        done = MPI.Request.Testsome([r for r, _ in self.sends]) or []
+        if done:
+            keep = set(range(len(self.sends))) - set(done)
+            self.sends = [self.sends[i] for i in sorted(keep)]
+
+    # -- ops --------------------------------------------------------------------------------
+    def create(self, worker: int, rid: int, spec: dict) -> None:
+        """Create a table, or check that the existing one of that name has the same spec."""
+        name = spec["name"]
+        if name in self.names:
+            tid = self.names[name]
+            same = self.tables[tid].spec == spec
+            data = None if same else np.frombuffer(
+                json.dumps(self.tables[tid].spec).encode(), np.uint8)
+            self.reply(worker, rid, P.Status.OK if same else P.Status.MISMATCH, tid, data,
+                       with_data=True)
+            return
+        self.names[name] = len(self.tables)
+        self.tables.append(TableState(spec, self.server, self.servers))
+        self.reply(worker, rid, P.Status.OK, self.names[name], with_data=True)
+
+    def lookup(self, worker: int, rid: int, name: str) -> None:
+        """A table's id and spec, or the names of the tables there are."""
+        if name in self.names:
+            tid = self.names[name]
+            data = json.dumps(self.tables[tid].spec).encode()
+            self.reply(worker, rid, P.Status.OK, tid, np.frombuffer(data, np.uint8), True)
+        else:
+            data = json.dumps(sorted(self.names)).encode()
+            self.reply(worker, rid, P.Status.UNKNOWN_TABLE, -1, np.frombuffer(data, np.uint8),
+                       True)
+
+    def keys_of(self, worker: int, flags: int, n: int):
+        """The request's keys (None for a whole dense shard)."""
+        if flags & P.FLAG_WHOLE:
+            return None, n == 0
+        keys, _ = self.recv_array(worker, P.TAG_KEYS, np.int64, n)
+        return keys, keys is not None
+
+    def pull(self, worker, rid, tid, n, clock, flags) -> None:
+        """Answer a pull now, or queue it until its clock is consistent."""
+        keys, ok = self.keys_of(worker, flags, n)
+        if not 0 <= tid < len(self.tables):
+            return self.reply(worker, rid, P.Status.UNKNOWN_TABLE, tid, with_data=True)
+        table = self.tables[tid]
+        if not ok or (keys is None and table.spec["kind"] != "dense"):
+            return self.reply(worker, rid, P.Status.BAD_SIZE, n, with_data=True)
+        bad = table.shard.check(keys)
+        if bad is not None:
+            return self.reply(worker, rid, P.Status.OUT_OF_RANGE, bad, with_data=True)
+        if ready(clock, table.staleness, self.clocks.slowest()):
+            self.answer(worker, rid, table, keys)
+        else:
+            self.queue.append((worker, rid, table, keys, clock, time.monotonic()))
+
+    def answer(self, worker, rid, table, keys) -> None:
+        """Send the rows of ``keys``."""
+        rows = table.shard.rows(keys)
+        if keys is None:
+            rows = rows.copy()   # a later push must not change the rows while they are sent
+        self.reply(worker, rid, P.Status.OK, 0, rows, with_data=True)
+
+    def update(self, op, worker, rid, tid, n, clock, flags, code) -> None:
+        """Check a push or assign, acknowledge it, and apply it (or hold it, for BSP)."""
+        keys, keys_ok = self.keys_of(worker, flags, n)
+        table = self.tables[tid] if 0 <= tid < len(self.tables) else None
+        dtype = table.dtype if table is not None else np.uint8
+        whole = keys is None and table is not None and table.spec["kind"] == "dense"
+        keys_ok = keys_ok and (keys is not None or whole)
+        rows = table.shard_rows() if whole else n
+        dim = table.dim if table is not None else 0
+        values, nbytes = self.recv_array(worker, P.TAG_VALUES, dtype, rows * dim)
+        if table is None:
+            return self.reply(worker, rid, P.Status.UNKNOWN_TABLE, tid)
+        if code != P.DTYPE_CODES[table.dtype]:
+            return self.reply(worker, rid, P.Status.BAD_DTYPE, code)
+        if not keys_ok or values is None:
+            return self.reply(worker, rid, P.Status.BAD_SIZE, nbytes)
+        bad = table.shard.check(keys)
+        if bad is not None:
+            return self.reply(worker, rid, P.Status.OUT_OF_RANGE, bad)
+        values = values.reshape(rows, dim)
+        if op == P.Op.ASSIGN:
+            table.shard.assign(keys, values)
+        elif table.staleness == 0:
+            table.held.add(clock, worker, keys, values)
+        else:
+            table.shard.apply(keys, values)
+        self.reply(worker, rid, P.Status.OK)
+
+    def progress(self) -> None:
+        """Apply the held pushes the slowest clock allows, then answer the queued pulls."""
+        slowest = self.clocks.slowest()
+        for table in self.tables:
+            for keys, grads in table.held.due(slowest):
+                table.shard.apply(keys, grads)
+        waiting = []
+        for item in self.queue:
+            worker, rid, table, keys, clock, _ = item
+            if ready(clock, table.staleness, slowest):
+                self.answer(worker, rid, table, keys)
+            else:
+                waiting.append(item)
+        self.queue = waiting
+
+
+class _Monitor:
+    """Names the workers a queued pull waits for, on the watchdog's stall settings."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.warn = watchdog.stall_warning()
+        self.limit = watchdog.timeout()
+        self.event = threading.Event()
+        self.thread = None
+        periods = [t for t in (self.warn, self.limit) if t > 0]
+        if periods:
+            self.tick = min(1.0, min(periods) / 8)
+            self.thread = threading.Thread(target=self.loop, name="ps-stall-monitor",
+                                           daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        """End the thread."""
+        self.event.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def loop(self) -> None:
+        """Wake every tick; warn once per stall period; abort past the timeout."""
+        warned = {}
+        while not self.event.wait(self.tick):
+            queue = list(self.server.queue)
+            if not queue:
+                warned.clear()
+                continue
+            now = time.monotonic()
+            worker, _, table, _, clock, since = min(queue, key=lambda q: q[5])
+            waited = now - since
+            clocks = self.server.clocks
+            need = clock - table.staleness
+            late = [w for w in range(len(clocks.clock))
+                    if not clocks.done[w] and clocks.clock[w] < need]
+            if not late:
+                continue
+            quiet = min(now - clocks.seen[w] for w in late)
+            names = ", ".join(f"worker rank {w} (at clock {clocks.clock[w]}, silent "
+                              f"{now - clocks.seen[w]:.1f} s)" for w in late)
+            text = (f"collectives.ps: server rank {self.server.comm.Get_rank()}: worker rank "
+                    f"{worker} has waited {waited:.1f} s in a pull of table {table.name!r} at "
+                    f"clock {clock} (staleness {table.staleness}) for {names}")
+            if self.limit > 0 and quiet >= self.limit:
+                self.say(text + f"; aborting after the {self.limit:g} s timeout")
+                from mpi4py import MPI
+                MPI.COMM_WORLD.Abort(watchdog.EXIT_CODE)
+            if self.warn > 0 and quiet >= self.warn:
+                key = (worker, clock)
+                if now - warned.get(key, -1e18) >= self.warn:
+                    warned[key] = now
+                    self.say(text)
+
+    def say(self, text: str) -> None:
+        """Print a line on stderr and keep it in ``Server.warnings``."""
+        self.server.warnings.append(text)
+        print(text, file=sys.stderr, flush=True)
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
