@@ -15,7 +15,8 @@ non-blocking collective and returns a ``Work`` built on a ``torch.futures.Future
 so torch's C++ Reducer can chain its callbacks on them as it does with gloo.
 
 Supported: all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter,
-reduce_scatter_tensor, barrier, send and recv, on CPU tensors (and CUDA ones once the toolkit
+reduce_scatter_tensor (and their coalesced forms), all_to_all_single (even and uneven splits),
+all_to_all, gather, scatter, barrier, send and recv, on CPU tensors (and CUDA ones once the toolkit
 accepts them). Limits (see docs/torch.md): a comm hook registered on torch's DDP whose future
 callbacks start further collectives (torch's PowerSGD) would start them from the completer
 thread, out of order with the main thread's; use ``collectives.torch.DistributedDataParallel``
@@ -75,6 +76,26 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch names every group it creates (``_set_group_name``) and its clients look groups up
+    # by name (DeviceMesh, FSDP2, functional collectives). The base class keeps the name on
+    # its C++ backends, which a Python group has none of, so the group keeps it itself.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "undefined")
+
     def __repr__(self):
         return f"<ProcessGroupCollectives rank {self.rank()} of {self.size()}>"
 
@@ -92,8 +113,11 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._completer.put((wait, fut, result))
         return _work_from_future(fut)
 
-    def _kw(self):
-        return {"comm": self._comm, "algorithm": self._algorithm}
+    def _kw(self, collective: str = "allreduce"):
+        """The keyword arguments of a call: the group's communicator, and its algorithm where
+        ``collective`` has one of that name (else ``auto``)."""
+        algorithm = self._algorithm if self._algorithm in coll.algorithms(collective) else "auto"
+        return {"comm": self._comm, "algorithm": algorithm}
 
     # -- collectives ----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -103,19 +127,26 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        reqs = [coll.ibroadcast(t, root, **self._kw()) for t in tensors]
+        reqs = [coll.ibroadcast(t, root, **self._kw("broadcast")) for t in tensors]
         return self._submit(reqs, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = op_name(opts.reduceOp if opts is not None else "sum")
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        req = coll.iallreduce(flat, op, out=flat, **self._kw())
+        return self._submit([req], tensors, _unpack(flat, tensors))
 
     def reduce(self, tensors, opts=None):
         op = op_name(opts.reduceOp)
         root = opts.rootRank
-        # The toolkit's reduce is blocking only; run it now, hand back a completed Work.
-        for t in tensors:
-            coll.reduce(t, op, root, out=t if self.rank() == root else None, **self._kw())
-        return self._submit([], tensors)
+        reqs = [coll.ireduce(t, op, root, out=t if self.rank() == root else None,
+                             **self._kw("reduce")) for t in tensors]
+        return self._submit(reqs, tensors)
 
     def all_gather_single(self, output, input, opts=None):
-        req = coll.iallgather(input.reshape(-1), out=output.view(-1), **self._kw())
+        # FSDP2 gathers in place: its input is this rank's slot of the output (as NCCL allows)
+        req = coll.iallgather(_apart(input, output).reshape(-1), out=output.view(-1),
+                              **self._kw("allgather"))
         return self._submit([req], [output])
 
     _allgather_base = all_gather_single  # the name before torch 2.12
@@ -124,7 +155,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         reqs, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors):
             flat = inp.new_empty(self.size() * inp.numel())
-            reqs.append(coll.iallgather(inp.reshape(-1), out=flat, **self._kw()))
+            reqs.append(coll.iallgather(inp.reshape(-1), out=flat, **self._kw("allgather")))
             copies.append((outs, flat, inp.numel()))
 
         def unpack():
@@ -137,7 +168,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         counts = (output.numel(),) * self.size()
-        req = coll.ireduce_scatter(input, op, counts=counts, out=output.view(-1), **self._kw())
+        req = coll.ireduce_scatter(_apart(input, output), op, counts=counts,
+                                   out=output.view(-1), **self._kw("reduce_scatter"))
         return self._submit([req], [output])
 
     _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.12
@@ -149,12 +181,63 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             flat = torch.cat([t.reshape(-1) for t in ins])
             counts = tuple(t.numel() for t in ins)
             reqs.append(coll.ireduce_scatter(flat, op, counts=counts, out=out.view(-1),
-                                             **self._kw()))
+                                             **self._kw("reduce_scatter")))
         return self._submit(reqs, output_tensors)
 
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        reqs = [coll.iallgather(_apart(i, o).reshape(-1), out=o.view(-1),
+                                **self._kw("allgather")) for o, i in zip(outputs, inputs)]
+        return self._submit(reqs, outputs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = op_name(opts.reduceOp if opts is not None else "sum")
+        reqs = [coll.ireduce_scatter(i, op, counts=(o.numel(),) * self.size(), out=o.view(-1),
+                                     **self._kw("reduce_scatter"))
+                for o, i in zip(outputs, inputs)]
+        return self._submit(reqs, outputs)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        n = self.size()
+        counts = list(input_split_sizes) or None
+        recv = list(output_split_sizes) or None
+        if counts is not None and recv is None:
+            recv = [output.shape[0] // n] * n if output.dim() else None
+        req = coll.ialltoall(input, counts, recv_counts=recv, out=output, **self._kw("alltoall"))
+        return self._submit([req], [output])
+
+    alltoall_base = all_to_all_single  # the name before torch 2.12
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        flat = torch.cat([t.reshape(-1) for t in input_tensors])
+        out = flat.new_empty(sum(t.numel() for t in output_tensors))
+        req = coll.ialltoall(flat, [t.numel() for t in input_tensors],
+                             recv_counts=[t.numel() for t in output_tensors], out=out,
+                             **self._kw("alltoall"))
+        return self._submit([req], output_tensors, _unpack(out, output_tensors))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        inp = input_tensors[0]
+        out = None
+        if self.rank() == root:
+            out = inp.new_empty(sum(t.numel() for t in output_tensors[0]))
+        req = coll.igather(inp.reshape(-1), root, out=out, **self._kw("gather"))
+        then = _unpack(out, output_tensors[0]) if out is not None else None
+        return self._submit([req], output_tensors, then)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        out = output_tensors[0]
+        flat = counts = None
+        if self.rank() == root:
+            flat = torch.cat([t.reshape(-1) for t in input_tensors[0]])
+            counts = [t.numel() for t in input_tensors[0]]
+        req = coll.iscatter(flat, root, counts=counts, out=out.view(-1), **self._kw("scatter"))
+        return self._submit([req], output_tensors)
+
     def barrier(self, opts=None):
-        token = torch.zeros(1, dtype=torch.int32)
-        return self._submit([coll.iallreduce(token, out=token, **self._kw())], [])
+        return self._submit([coll.ibarrier(self._comm)], [])
 
     def send(self, tensors, dst, tag=0):
         from collectives.buffers import wrap
@@ -165,6 +248,26 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         from collectives.buffers import wrap
         reqs = [self._p2p.Irecv(wrap(t).flat.view("u1"), src, tag) for t in tensors]
         return self._submit([_MPIWait(r) for r in reqs], tensors)
+
+
+def _apart(x, out):
+    """``x``, or a copy of it where it shares memory with ``out`` (the toolkit's all-gather and
+    reduce-scatter take separate buffers; torch's clients may pass a slot of the other)."""
+    if x.numel() and out.numel():
+        xs = x.untyped_storage().data_ptr()
+        if xs == out.untyped_storage().data_ptr():
+            return x.clone()
+    return x
+
+
+def _unpack(flat, tensors):
+    """A callable copying consecutive pieces of ``flat`` into ``tensors``."""
+    def unpack():
+        at = 0
+        for t in tensors:
+            t.view(-1).copy_(flat[at:at + t.numel()])
+            at += t.numel()
+    return unpack
 
 
 class _MPIWait:
