@@ -28,6 +28,7 @@ COMMANDS = {
     "calibrate": "measure alpha, beta, gamma of this machine for the cost model",
     "model": "predict every algorithm's time at any scale (--validate: against measurement)",
     "plot": "draw busbw vs size from JSON results",
+    "ps": "parameter server: straggler study (BSP, SSP, ASP), bytes against allreduce",
 }
 
 
