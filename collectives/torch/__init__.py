@@ -14,8 +14,12 @@ from .functional import (
     Work,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all,
+    all_to_all_single,
     broadcast,
+    gather,
     reduce_scatter_tensor,
+    scatter,
     wait_future,
 )
 from .hooks import (
@@ -32,6 +36,7 @@ from .hooks import (
 __all__ = [
     "DistributedDataParallel", "CommStats", "GradBucket",
     "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "Work",
+    "all_to_all_single", "all_to_all", "gather", "scatter",
     "wait_future",
     "DefaultState", "PowerSGDState", "allreduce_hook", "fp16_compress_hook",
     "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper", "powerSGD_hook",

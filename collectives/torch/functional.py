@@ -24,7 +24,8 @@ from collections import deque
 import collectives as coll
 
 __all__ = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-           "Work", "wait_future", "progress", "op_name"]
+           "all_to_all_single", "all_to_all", "gather", "scatter", "Work", "wait_future",
+           "progress", "op_name"]
 
 _TORCH_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg",
               "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -222,3 +223,97 @@ def reduce_scatter_tensor(output_tensor, input_tensor, op="sum", comm=None, asyn
     coll.reduce_scatter(input_tensor, name, counts=counts, out=out, comm=comm,
                         algorithm=algorithm)
     return None
+
+
+def _run(request, outputs, async_op, then=None):
+    """A ``Work`` for ``request`` (``then`` run once it is done), or wait for it now."""
+    if then is not None:
+        request = _Then(request, then)
+    if async_op:
+        return Work(request, outputs)
+    request.wait()
+    return None
+
+
+class _Then:
+    """A request whose ``wait`` runs ``then`` once after the collective completed."""
+
+    __slots__ = ("request", "then", "ran")
+
+    def __init__(self, request, then):
+        self.request, self.then, self.ran = request, then, False
+
+    def wait(self):
+        result = self.request.wait()
+        if not self.ran:
+            self.ran = True
+            self.then()
+        return result
+
+    def test(self) -> bool:
+        return self.request.test()
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      comm=None, async_op=False, *, algorithm="auto"):
+    """Rows of ``input`` (axis 0) to every rank, equal or by ``input_split_sizes``; the rows
+    from every rank land in ``output`` in rank order (``output_split_sizes`` of them each; when
+    not given they are learned with one small exchange, or equal where the input's are)."""
+    _tensor(output, "output")
+    _tensor(input, "input")
+    counts = None if input_split_sizes is None else list(input_split_sizes)
+    recv = None if output_split_sizes is None else list(output_split_sizes)
+    req = coll.ialltoall(input, counts, recv_counts=recv, out=output, comm=comm,
+                         algorithm=algorithm)
+    return _run(req, [output], async_op)
+
+
+def _cat(tensors, what: str):
+    import torch
+    for t in tensors:
+        _tensor(t, what)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(flat, tensors):
+    def unpack():
+        at = 0
+        for t in tensors:
+            t.view(-1).copy_(flat[at:at + t.numel()])
+            at += t.numel()
+    return unpack
+
+
+def all_to_all(output_tensor_list, input_tensor_list, comm=None, async_op=False, *,
+               algorithm="auto"):
+    """``input_tensor_list[j]`` goes to rank j; rank i's lands in ``output_tensor_list[i]``
+    (sizes may differ per rank)."""
+    flat = _cat(input_tensor_list, "input_tensor_list")
+    out = flat.new_empty(sum(t.numel() for t in output_tensor_list))
+    req = coll.ialltoall(flat, [t.numel() for t in input_tensor_list],
+                         recv_counts=[t.numel() for t in output_tensor_list], out=out,
+                         comm=comm, algorithm=algorithm)
+    return _run(req, output_tensor_list, async_op, _unpack(out, output_tensor_list))
+
+
+def gather(tensor, gather_list=None, dst=0, comm=None, async_op=False, *, algorithm="auto"):
+    """Every rank's ``tensor`` into ``gather_list`` (one tensor per rank) on rank ``dst``."""
+    _tensor(tensor, "tensor")
+    out = None
+    if gather_list is not None:
+        out = tensor.new_empty(sum(t.numel() for t in gather_list))
+    req = coll.igather(tensor.reshape(-1), dst, out=out, comm=comm, algorithm=algorithm)
+    then = None if out is None else _unpack(out, gather_list)
+    return _run(req, list(gather_list or []), async_op, then)
+
+
+def scatter(tensor, scatter_list=None, src=0, comm=None, async_op=False, *, algorithm="auto"):
+    """``scatter_list[r]`` of rank ``src`` into ``tensor`` on every rank r."""
+    _tensor(tensor, "tensor")
+    flat = counts = None
+    if scatter_list is not None:
+        flat = _cat(scatter_list, "scatter_list")
+        counts = [t.numel() for t in scatter_list]
+    req = coll.iscatter(flat, src, counts=counts, out=_flat(tensor, "tensor"), comm=comm,
+                        algorithm=algorithm)
+    return _run(req, [tensor], async_op)

@@ -1,0 +1,235 @@
+"""torch's own clients on the "collectives" backend, against gloo and against one process.
+
+Every test starts the default group on the toolkit's backend with a TCP store, so that a gloo
+group of the same ranks can run beside it (``dist.new_group(backend="gloo")``) and give the
+reference results. Training tests run 5 steps and compare every parameter with one process
+training the same model on the whole batch.
+"""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from mpiutil import assert_all  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def groups():
+    """The default group on "collectives" and a gloo group of the same ranks."""
+    from mpi4py import MPI
+
+    import collectives.torch.backend as cb
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    comm = MPI.COMM_WORLD
+    store = None
+    if comm.Get_rank() == 0:
+        store = dist.TCPStore("127.0.0.1", 0, comm.Get_size(), True, wait_for_workers=False)
+    port = comm.bcast(None if store is None else store.port, root=0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, comm.Get_size(), False)
+    cb.init_process_group(store=store)
+    gloo = dist.new_group(backend="gloo")
+    yield gloo
+    dist.destroy_process_group()
+
+
+def _same_as_gloo(fn, gloo, what):
+    ours, theirs = fn(None), fn(gloo)
+    ok = len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert_all(ok, f"{what}: {ours} vs gloo's {theirs}")
+
+
+@pytest.mark.mpi
+def test_clients_give_gloos_results(groups):
+    r, p = dist.get_rank(), dist.get_world_size()
+
+    def even(g):
+        x = torch.arange(p * 2, dtype=torch.float32) + 100 * r
+        o = torch.empty_like(x)
+        dist.all_to_all_single(o, x, group=g)
+        return [o]
+
+    def uneven(g):
+        ins, outs = [(r + j) % 3 for j in range(p)], [(i + r) % 3 for i in range(p)]
+        x = torch.arange(sum(ins) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r
+        o = torch.empty(sum(outs), 2)
+        dist.all_to_all_single(o, x, outs, ins, group=g)
+        return [o]
+
+    def a2a(g):
+        ins = [torch.full((2,), float(r * 10 + j)) for j in range(p)]
+        outs = [torch.empty(2) for _ in range(p)]
+        dist.all_to_all(outs, ins, group=g)
+        return outs
+
+    def gather(g):
+        x = torch.full((3,), float(r))
+        rows = [torch.empty(3) for _ in range(p)] if r == 0 else None
+        dist.gather(x, rows, dst=0, group=g)
+        return rows or [x]
+
+    def scatter(g):
+        src = p - 1
+        o = torch.empty(2)
+        rows = [torch.full((2,), float(i * 7)) for i in range(p)] if r == src else None
+        dist.scatter(o, rows, src=src, group=g)
+        return [o]
+
+    def reduce(g):
+        x = torch.full((4,), float(r + 1))
+        dist.reduce(x, dst=0, group=g, async_op=True).wait()
+        return [x] if r == 0 else []
+
+    def objects(g):
+        out = [None] * p
+        dist.all_gather_object(out, {"rank": r, "name": f"r{r}"}, group=g)
+        got = [None]
+        dist.broadcast_object_list(got if r else [("from", 0)], src=0, group=g)
+        return [torch.tensor([o["rank"] for o in out])]
+
+    def p2p(g):
+        if p < 2:
+            return []
+        t, o = torch.full((3,), float(r)), torch.empty(3)
+        ops = [dist.P2POp(dist.isend, t, (r + 1) % p, group=g),
+               dist.P2POp(dist.irecv, o, (r - 1) % p, group=g)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return [o]
+
+    for fn in (even, uneven, a2a, gather, scatter, reduce, objects, p2p):
+        _same_as_gloo(fn, groups, fn.__name__)
+    dist.barrier()
+
+
+@pytest.mark.mpi
+def test_ragged_all_to_all_beyond_gloo(groups):
+    """gloo's all_to_all wants one size; the toolkit's takes any (mixture of experts)."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    ins = [torch.full((r + j + 1,), float(10 * r + j)) for j in range(p)]
+    outs = [torch.empty(i + r + 1) for i in range(p)]
+    dist.all_to_all(outs, ins)
+    ok = all(torch.equal(o, torch.full((i + r + 1,), float(10 * i + r)))
+             for i, o in enumerate(outs))
+    assert_all(ok, f"{outs}")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def _batches(p, steps=5, per_rank=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(p * per_rank, 6, generator=g), torch.randn(p * per_rank, 3, generator=g))
+            for _ in range(steps)]
+
+
+def _reference(p, opt_cls, **kw):
+    """One process on the whole batch: the parameters after each step."""
+    model = _model()
+    opt = opt_cls(model.parameters(), **kw)
+    after = []
+    for x, y in _batches(p):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        after.append([q.detach().clone() for q in model.parameters()])
+    return after
+
+
+def _mine(x, r, per_rank=4):
+    return x[r * per_rank:(r + 1) * per_rank]
+
+
+def _close(params, reference, what):
+    ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(params, reference))
+    worst = max(float((a - b).abs().max()) for a, b in zip(params, reference))
+    assert_all(ok, f"{what}: largest difference {worst}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_fsdp2_fully_shard_trains_like_one_process(groups, opt):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    r, p = dist.get_rank(), dist.get_world_size()
+    opt_cls, kw = (torch.optim.SGD, {"lr": 0.1}) if opt == "sgd" else \
+        (torch.optim.AdamW, {"lr": 0.01})
+    reference = _reference(p, opt_cls, **kw)
+    model = _model()
+    mesh = init_device_mesh("cpu", (p,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = opt_cls(model.parameters(), **kw)
+    for step, (x, y) in enumerate(_batches(p)):
+        torch.nn.functional.mse_loss(model(_mine(x, r)), _mine(y, r)).backward()
+        optim.step()
+        optim.zero_grad()
+        full = [q.full_tensor().detach() for q in model.parameters()]
+        _close(full, reference[step], f"FSDP2 {opt} step {step}")
+
+
+@pytest.mark.mpi
+def test_zero_redundancy_optimizer_trains_like_one_process(groups):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    r, p = dist.get_rank(), dist.get_world_size()
+    reference = _reference(p, torch.optim.AdamW, lr=0.01)
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                    lr=0.01)
+    for step, (x, y) in enumerate(_batches(p)):
+        torch.nn.functional.mse_loss(model(_mine(x, r)), _mine(y, r)).backward()
+        optim.step()
+        optim.zero_grad()
+        _close([q.detach() for q in model.parameters()], reference[step],
+               f"ZeroRedundancyOptimizer step {step}")
+
+
+@pytest.mark.mpi
+def test_torch_ddp_trains_like_one_process(groups):
+    r, p = dist.get_rank(), dist.get_world_size()
+    reference = _reference(p, torch.optim.SGD, lr=0.1)
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(_batches(p)):
+        torch.nn.functional.mse_loss(model(_mine(x, r)), _mine(y, r)).backward()
+        optim.step()
+        optim.zero_grad()
+        _close([q.detach() for q in model.parameters()], reference[step], f"DDP step {step}")
+
+
+@pytest.mark.mpi
+def test_drop_in_functions():
+    import collectives.torch as ct
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    r, p = comm.Get_rank(), comm.Get_size()
+    ins, outs = [(r + j) % 3 for j in range(p)], [(i + r) % 3 for i in range(p)]
+    x = torch.arange(sum(ins), dtype=torch.float64) + 100 * r
+    o = torch.empty(sum(outs), dtype=torch.float64)
+    ct.all_to_all_single(o, x, outs, ins)
+    want = torch.cat([torch.arange(sum((i + j) % 3 for j in range(p)), dtype=torch.float64)
+                      [sum((i + j) % 3 for j in range(r)):][:outs[i]] + 100 * i
+                      for i in range(p)])
+    ok = torch.equal(o, want)
+    o2 = torch.empty(sum(outs), dtype=torch.float64)
+    ct.all_to_all_single(o2, x, None, ins, async_op=True).wait()  # splits learned
+    ok &= torch.equal(o2, want)
+    rows = [torch.empty(2) for _ in range(p)]
+    ct.all_to_all(rows, [torch.full((2,), float(10 * r + j)) for j in range(p)])
+    ok &= all(torch.equal(t, torch.full((2,), float(10 * i + r))) for i, t in enumerate(rows))
+    lst = [torch.empty(3) for _ in range(p)] if r == 0 else None
+    work = ct.gather(torch.full((3,), float(r)), lst, dst=0, async_op=True)
+    work.wait()
+    ok &= r != 0 or all(torch.equal(t, torch.full((3,), float(i))) for i, t in enumerate(lst))
+    t = torch.empty(2)
+    ct.scatter(t, [torch.full((2,), float(i)) for i in range(p)] if r == 0 else None, src=0)
+    ok &= torch.equal(t, torch.full((2,), float(r)))
+    assert_all(bool(ok), "drop-in all_to_all_single / all_to_all / gather / scatter")
