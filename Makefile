@@ -28,6 +28,8 @@ demo: $(STAMP)
 	$(MPIEXEC) -n 2 $(BIN)/python -m bench allreduce -b 8 -e 64M -f 8 --plot busbw.png
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_numpy.py
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_ddp.py
+	$(MPIEXEC) -n 3 $(BIN)/python examples/train_moe.py
+	$(MPIEXEC) -n 3 $(BIN)/python examples/train_fsdp.py
 
 test: test-inprocess test-mpi
 
