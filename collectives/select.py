@@ -171,7 +171,7 @@ DEFAULT_TABLE = {
     "alltoall": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
     "gather": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
     "scatter": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
-    "barrier": {"2": [[None, NATIVE]]},
+    "barrier": {"2": [[None, NATIVE]], "3": [[None, NATIVE]]},
 }
 for _rules in DEFAULT_TABLE.values():
     _rules.setdefault("default", _rules[min((k for k in _rules if k.isdigit()), key=int)])
