@@ -253,11 +253,36 @@ def _one(coll, collective, name, dtype, n, blocking, rank, size, kind, check, wh
         b = split(n, size)
         got = run(coll.reduce_scatter, coll.ireduce_scatter, x)
         check(got, reference(xs, "sum", dtype)[b[rank]:b[rank + 1]], dtype, where, x)
-    else:
+    elif collective == "allgather":
         counts = [n + r % 2 for r in range(size)]
         parts = [data(r, counts[r], dtype) for r in range(size)]
         got = run(coll.allgather, coll.iallgather, to_device(parts[rank], kind))
         check(got, np.concatenate(parts).astype(np.float64), dtype, where, x)
+    elif collective == "alltoall":  # block (i, j) of m[i][j] elements from rank i to rank j
+        m = [[n // size + (0 if name == "bruck" else (i + j) % 3) for j in range(size)]
+             for i in range(size)]
+        blocks = [[data(i * size + j, m[i][j], dtype) for j in range(size)] for i in range(size)]
+        mine = to_device(np.concatenate(blocks[rank]), kind)
+        counts = None if name == "bruck" else m[rank]
+        got = run(coll.alltoall, coll.ialltoall, mine, counts)
+        want = np.concatenate([blocks[i][rank] for i in range(size)])
+        check(got, want.astype(np.float64), dtype, where, x)
+    elif collective == "gather":
+        root = size - 1
+        parts = [data(r, n + r % 2, dtype) for r in range(size)]
+        got = run(coll.gather, coll.igather, to_device(parts[rank], kind), root)
+        if rank == root:
+            check(got, np.concatenate(parts).astype(np.float64), dtype, where, x)
+    elif collective == "scatter":
+        counts = [n + r % 2 for r in range(size)]
+        parts = [data(r, counts[r], dtype) for r in range(size)]
+        src = to_device(np.concatenate(parts), kind) if rank == 0 else None
+        like = to_device(parts[rank][:0], kind)
+        got = run(coll.scatter, coll.iscatter, src, 0, counts=counts if rank == 0 else None,
+                  out=to_device(np.zeros_like(parts[rank]), kind) if rank else None)
+        check(got, parts[rank].astype(np.float64), dtype, where, like)
+    else:
+        run(coll.barrier, coll.ibarrier)
 
 
 @pytest.mark.mpi
