@@ -85,7 +85,7 @@ def stragglers(opts, runs: list) -> None:
           f"(median [min-max])")
     print(f"# transient: --straggle {opts.straggle} --slowdown {opts.slowdown}; persistent: "
           f"--straggler 1 --slowdown {opts.slowdown}")
-    print(f"{'scenario':<11}{'staleness':>10}{'to target s':>22}{'x BSP':>7}"
+    print(f"{'scenario':<11}{'staleness':>10}{'to target s':>24}{'x BSP':>7}"
           f"{'final loss':>28}{'x BSP':>7}{'wall s':>22}")
     for sc in scenarios:
         base = results[(sc, "0")]
@@ -96,7 +96,7 @@ def stragglers(opts, runs: list) -> None:
             tt = [x["time_to_target_s"] for x in rs]
             tmed = statistics.median([t if t is not None else float("inf") for t in tt])
             fl = [x["final_loss"] for x in rs]
-            print(f"{sc:<11}{s:>10}{_fmt(tt):>22}{tmed / t0:>7.2f}{_fmt(fl, 5):>28}"
+            print(f"{sc:<11}{s:>10}{_fmt(tt):>24}{tmed / t0:>7.2f}{_fmt(fl, 5):>28}"
                   f"{statistics.median(fl) / l0:>7.3f}{_fmt([x['wall_s'] for x in rs]):>22}")
 
 

@@ -75,7 +75,7 @@ class Table:
         self.dim = spec["dim"]
         self.dtype = np.dtype(spec["dtype"])
         self.staleness = spec["staleness"]
-        self._ids = ids
+        self.server_ids = ids   # the id each server gave the table
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.name!r}, dim={self.dim}, dtype={self.dtype}, "
@@ -164,7 +164,7 @@ class Table:
             reqs.append(job.comm.Irecv([view, view.size, MPI.BYTE], rank, d_tag))
             job.received += view.size
         n = 0 if keys is None else len(keys)
-        hdr = np.array([op, self._ids[server], rid, n, job.clock_value, flags,
+        hdr = np.array([op, self.server_ids[server], rid, n, job.clock_value, flags,
                         P.DTYPE_CODES[self.dtype], 0], dtype=np.int64)
         reqs.append(job.comm.Isend([hdr, MPI.INT64_T], rank, P.TAG_REQUEST))
         sent = hdr.nbytes
