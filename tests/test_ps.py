@@ -427,3 +427,29 @@ def test_hybrid_example_moves_fewer_bytes_than_allreduce():
     assert abs(hybrid["final_loss"] - dense["final_loss"]) < 0.5 * dense["final_loss"]
     for r in (hybrid, dense):
         assert r["steps"] == 12 and r["wall_s"] > 0 and r["final_loss"] > 0
+
+
+@pytest.mark.mpi
+def test_empty_and_one_row_tables_with_more_servers_than_rows():
+    job = _job(2, 2) if _world_size() >= 4 else _job(1, 1)
+    ok, msg = True, ""
+    if job is not None and job.is_server:
+        job.serve()
+    elif job is not None:
+        e = job.sparse_table("e", 3, staleness=None)
+        d = job.dense_table("d", (1,), "float64", staleness=None, optimizer="momentum", lr=1.0,
+                            momentum=0.5)
+        shapes = [e.pull(np.array([], np.int64)).shape, e.pull(np.zeros((2, 0), int)).shape]
+        e.push(np.array([], np.int64), np.zeros((0, 3), np.float32))
+        d.push(np.ones(1))
+        d.push(np.array([0]), np.ones(1))
+        job.flush()
+        job.workers.Barrier()
+        pushes = 2 * job.num_workers
+        want = -sum(sum(0.5 ** j for j in range(k + 1)) for k in range(pushes))
+        got = d.pull(), d.pull([0, 0]), d.pull(np.array([[0]]))
+        ok = (shapes == [(0, 3), (2, 0, 3)] and got[0].tolist() == [want]
+              and got[1].tolist() == [want, want] and got[2].shape == (1, 1))
+        msg = f"{shapes} {got} want {want}"
+        job.finish()
+    _agree(ok, msg)
