@@ -90,8 +90,10 @@ def test_busbw_factors():
     assert busbw_factor("allgather", 2) == 0.5
     assert busbw_factor("broadcast", 8) == 1
     assert busbw_factor("reduce", 8) == 1
+    assert busbw_factor("alltoall", 4) == busbw_factor("gather", 4) == 0.75
+    assert busbw_factor("scatter", 2) == 0.5
     with pytest.raises(ValueError, match="unknown collective"):
-        busbw_factor("alltoall", 2)
+        busbw_factor("allscatter", 2)
 
 
 def test_counts_follow_nccl_tests():
