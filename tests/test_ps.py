@@ -453,3 +453,17 @@ def test_empty_and_one_row_tables_with_more_servers_than_rows():
         msg = f"{shapes} {got} want {want}"
         job.finish()
     _agree(ok, msg)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
+@pytest.mark.timeout(300)
+def test_bench_ps_prints_the_bytes_table(tmp_path):
+    out = tmp_path / "runs.json"
+    p = subprocess.run([sys.executable, "-m", "bench", "ps", "--no-stragglers", "--workers", "2",
+                        "--ids", "50000", "--bytes-steps", "3", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "hybrid (1 server, MLP allreduce)" in p.stdout and "x fewer bytes" in p.stdout
+    runs = json.loads(out.read_text())
+    assert [r["mode"] for r in runs] == ["ps", "allreduce"]
+    assert runs[0]["bytes_per_step"] * 10 <= runs[1]["bytes_per_step"]
