@@ -24,6 +24,11 @@ It works the way torch's Reducer does, over the toolkit's collectives:
    gradients actually became ready (rank 0's order, broadcast, so the same on every rank).
 
 ``no_sync()`` accumulates gradients locally (the flag is restored in ``finally``);
+``join()`` lets ranks run out of batches at different steps: a rank that left its loop keeps
+answering the others' collectives with zeros, and the average divides by the ranks that still
+train (torch's ``Join``). ``static_graph=True`` fixes the buckets and how many times each
+parameter's gradient accumulates after the first iteration, so activation checkpointing
+(reentrant or not) and parameters used twice train correctly.
 ``find_unused_parameters=True`` lets parameters that got no gradient take part with zeros
 (a parameter unused on every rank keeps ``grad=None``, as in one process). Hooks hold weak
 references to the DDP object, never strong ones (STYLE 10). ``state_dict()`` is the module's
@@ -104,6 +109,49 @@ def _first(fut):
     return fut.value()[0]
 
 
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the forward's outputs whose backward runs first in the *outer* backward.
+
+    With reentrant activation checkpointing a gradient hook may fire inside a nested backward,
+    whose end callback would come too early; queueing DDP's callback from here puts it on the
+    outer backward, the one that ends last (torch's ``_DDPSink``).
+    """
+
+    @staticmethod
+    def forward(ctx, ref, *tensors):
+        ctx.ref = ref
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ddp = ctx.ref()
+        if ddp is not None:
+            ddp._start_backward()
+        return (None, *grads)
+
+
+def _through_backward_start(ref, out):
+    """``out`` with its tensors that need gradients passed through ``_BackwardStart``."""
+    if isinstance(out, torch.Tensor):
+        return _BackwardStart.apply(ref, out)[0] if out.requires_grad else out
+    if isinstance(out, (tuple, list)):
+        picks = [k for k, t in enumerate(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not picks:
+            return out
+        passed = _BackwardStart.apply(ref, *(out[k] for k in picks))
+        items = list(out)
+        for k, t in zip(picks, passed):
+            items[k] = t
+        return type(out)(items) if isinstance(out, list) else tuple(items)
+    return out
+
+
+def _last_occurrences(seq) -> list:
+    """Each distinct item of ``seq`` once, ordered by where it occurs last."""
+    last = {x: k for k, x in enumerate(seq)}
+    return sorted(last, key=last.get)
+
+
 def _remove_handles(handles) -> None:
     for h in handles:
         h.remove()
@@ -137,7 +185,7 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module, comm=None, bucket_cap_mb=25, algorithm="auto",
                  find_unused_parameters=False, gradient_as_bucket_view=True,
-                 broadcast_buffers=True, comm_hook=None):
+                 broadcast_buffers=True, comm_hook=None, static_graph=False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -159,6 +207,7 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.static_graph = bool(static_graph)
         self.stats = CommStats()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -187,6 +236,14 @@ class DistributedDataParallel(nn.Module):
         self._order: list[int] = []
         self._used = bytearray(len(self._params))   # got a gradient since the last sync
         self._none_before: list[int] = []            # unused here and grad was None
+        # static_graph: gradient accumulations per parameter in one backward (None until the
+        # first synchronized backward has counted them), and the order of this one's.
+        self._expected = None
+        self._static_order: list[int] = []
+        # join(): None outside; else whether the average divides by the initial world size.
+        self._join_initial = None
+        self._active = self.size          # ranks that train this step (join)
+        self._zero_flats = None           # a joined rank's stand-in buckets
         self._reset_iteration()
         self.register_comm_hook(None, allreduce_hook)
         if comm_hook is not None:
@@ -219,8 +276,8 @@ class DistributedDataParallel(nn.Module):
                                  f"the same model")
         raise AssertionError("parameter digests differ but the signatures agree")
 
-    def _broadcast_coalesced(self, tensors) -> None:
-        """Rank 0's values into ``tensors`` on every rank, one broadcast per dtype and chunk."""
+    def _broadcast_coalesced(self, tensors, root: int = 0) -> None:
+        """``root``'s values into ``tensors`` on every rank, one broadcast per dtype and chunk."""
         if self.size == 1 or not tensors:
             return
         groups: dict = {}
@@ -235,7 +292,7 @@ class DistributedDataParallel(nn.Module):
                     nbytes += t.numel() * t.element_size()
                     continue
                 flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                functional.broadcast(flat, 0, comm=self.comm)
+                functional.broadcast(flat, root, comm=self.comm)
                 offset = 0
                 for c in chunk:
                     c.detach().copy_(flat[offset:offset + c.numel()].view(c.shape))
@@ -250,6 +307,7 @@ class DistributedDataParallel(nn.Module):
                         [(p.dtype, p.device) for p in params],
                         max(1, int(self.bucket_cap_mb * (1 << 20))), order)
         buckets = [Bucket(k, members, params) for k, members in enumerate(groups)]
+        self._zero_flats = None
         slots = [None] * len(params)
         for b in buckets:
             for pos, i in enumerate(b.members):
@@ -273,12 +331,83 @@ class DistributedDataParallel(nn.Module):
         """Run the module (after broadcasting rank 0's buffers if ``broadcast_buffers``)."""
         if self._in_backward:  # the last backward raised before its end callback ran
             self._reset_iteration()
+        root = 0
+        if self._join_initial is not None:
+            active, root, _ = self._agree_join(True)
+            self._active = active
+        self._sync_buffers(root)
+        out = self.module(*args, **kwargs)
+        if self.static_graph and self._require_sync and torch.is_grad_enabled():
+            out = _through_backward_start(weakref.ref(self), out)
+        return out
+
+    def _sync_buffers(self, root: int) -> None:
         if self.broadcast_buffers and self.size > 1:
             buffers = list(self.module.buffers())
             if buffers:
                 with torch.no_grad():
-                    self._broadcast_coalesced(buffers)
-        return self.module(*args, **kwargs)
+                    self._broadcast_coalesced(buffers, root)
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = False, enable: bool = True):
+        """Train on uneven inputs: a rank whose loop ends waits here for the others.
+
+        Every forward inside agrees (one small allreduce) on which ranks still train and
+        whether a synchronized backward follows; a rank that has left its loop answers each
+        step with zeros: the bucket collectives (through the comm hook, so compressing hooks
+        match), the unused-parameter flags and the buffer broadcast, which comes from the
+        lowest rank still training. The average divides by the ranks that still train (by
+        the initial rank count with ``divide_by_initial_world_size=True``, as torch's
+        default). Every rank of ``comm`` must enter the context.
+        """
+        if not enable or self.size == 1:
+            yield
+            return
+        if self._join_initial is not None:
+            raise RuntimeError("DistributedDataParallel.join() is already active")
+        self._join_initial = bool(divide_by_initial_world_size)
+        try:
+            yield
+            while True:
+                active, root, sync = self._agree_join(False)
+                if active == 0:
+                    break
+                self._sync_buffers(root)
+                if sync:
+                    self._shadow_backward()
+        finally:
+            self._join_initial = None
+            self._active = self.size
+
+    def _agree_join(self, training: bool):
+        """(ranks training, lowest of them, whether they synchronize this backward)."""
+        flags = torch.zeros(self.size + 1, dtype=torch.int32)
+        if training:
+            flags[self.rank] = 1
+            flags[self.size] = int(self._require_sync and torch.is_grad_enabled())
+        functional.all_reduce(flags, "sum", comm=self.comm)
+        active = int(flags[:self.size].sum())
+        return active, int(torch.argmax(flags[:self.size])), bool(flags[self.size])
+
+    def _shadow_backward(self) -> None:
+        """A joined rank's part of one synchronized backward: the same collectives, zeros."""
+        if self._zero_flats is None:
+            self._zero_flats = [torch.zeros_like(b.flat) for b in self._buckets]
+        hook = _sum_hook if self._prescale else self._hook
+        futures = []
+        for b, zero in zip(self._buckets, self._zero_flats):
+            zero.zero_()  # a hook may have left something in it
+            params = [self._params[i] for i in b.members]
+            futures.append(hook(self._hook_state, GradBucket(
+                b.index, zero, params, b.index == len(self._buckets) - 1)))
+        if self.find_unused_parameters:
+            functional.all_reduce(torch.zeros(len(self._params), dtype=torch.int32), "max",
+                                  comm=self.comm)
+        for f in futures:
+            functional.wait_future(f)
+        if self._rebuild_pending:
+            self._order = []
+            self._rebuild()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -299,8 +428,9 @@ class DistributedDataParallel(nn.Module):
         # The default hook's division is done by DDP itself, gradient by gradient as each one
         # lands (fused into the copy into the bucket when the gradient is fresh), as torch's
         # Reducer does without a hook: one pass over the gradients less.
+        # With static_graph a gradient may land in two parts, so the whole bucket is divided.
         self._prescale = hook is allreduce_hook and self.size > 1 and \
-            type(self._hook_state) is DefaultState
+            type(self._hook_state) is DefaultState and not self.static_graph
 
     @property
     def comm_state(self):
@@ -316,6 +446,8 @@ class DistributedDataParallel(nn.Module):
     def _reset_iteration(self) -> None:
         self._in_backward = False
         self._ready = bytearray(len(self._params))
+        self._calls = [0] * len(self._params)
+        self._static_order = []
         self._next = 0
         self._t_first = None
         for b in self._buckets:
@@ -323,20 +455,40 @@ class DistributedDataParallel(nn.Module):
             b.future = None
             b.grad_bucket = None
 
-    def _grad_ready(self, index: int) -> None:
-        """The post-accumulate-grad hook of parameter ``index``."""
+    def _start_backward(self) -> None:
+        """Queue the end-of-backward callback on the backward that runs now."""
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_on_backward_end, weakref.ref(self)))
+
+    def _grad_ready(self, index: int) -> None:
+        """The post-accumulate-grad hook of parameter ``index``."""
+        self._start_backward()
         p = self._params[index]
         b, pos = self._slots[index]
         view = b.views[pos]
         sync = self._require_sync
-        if sync and self._ready[index]:
+        complete = True
+        if sync and self.static_graph:
+            self._calls[index] += 1
+            calls = self._calls[index]
+            if self._expected is None:
+                self._static_order.append(index)
+                complete = False   # the first backward launches everything at its end
+            elif calls > self._expected[index]:
+                raise RuntimeError(
+                    f"parameter {self._names[index]!r} got a gradient {calls} times in one "
+                    f"backward, {self._expected[index]} in the first; static_graph=True needs "
+                    f"the same graph every iteration")
+            else:
+                complete = calls == self._expected[index]
+        elif sync and self._ready[index]:
             raise RuntimeError(f"parameter {self._names[index]!r} got a gradient twice in one "
-                               f"backward (reentrant backward or a shared graph); "
-                               f"DistributedDataParallel reduces each gradient once")
+                               f"backward (activation checkpointing, a parameter used twice "
+                               f"or a reentrant backward); pass static_graph=True to "
+                               f"DistributedDataParallel if the graph is the same every "
+                               f"iteration")
         self._used[index] = 1
         if self.gradient_as_bucket_view:
             if p.grad is not view:  # set_to_none zero_grad, or a grad the user replaced
@@ -346,7 +498,7 @@ class DistributedDataParallel(nn.Module):
                 view.div_(self.size)  # while this gradient is still in cache
         elif sync:
             self._into_bucket(p.grad, view, True)
-        if sync:
+        if sync and complete:
             self._mark_ready(index, b)
             functional.progress()  # without a progress thread, this is when bytes move
 
@@ -408,14 +560,18 @@ class DistributedDataParallel(nn.Module):
             return
         try:
             t_end = time.perf_counter()
+            if self.static_graph and self._expected is None:
+                self._expected = list(self._calls)
+                for i in _last_occurrences(self._static_order):
+                    self._mark_ready(i, self._slots[i][0])
             missing = [i for i, ready in enumerate(self._ready) if not ready]
-            if missing and not self.find_unused_parameters:
+            if missing and not self.find_unused_parameters and not self.static_graph:
                 names = ", ".join(repr(self._names[i]) for i in missing[:4])
                 raise RuntimeError(
                     f"rank {self.rank}: {len(missing)} of {len(self._params)} parameters got "
                     f"no gradient in this backward ({names}{', ...' if len(missing) > 4 else ''}"
                     f"); pass find_unused_parameters=True if parameters may not take part in "
-                    f"the loss")
+                    f"the loss, or static_graph=True with reentrant activation checkpointing")
             for i in missing:
                 self._mark_unused(i)
             used = None
@@ -433,6 +589,10 @@ class DistributedDataParallel(nn.Module):
                     if value.data_ptr() != b.flat.data_ptr():
                         b.flat.copy_(value.view(-1))
             t_done = time.perf_counter()
+            if self._join_initial is False and self._active < self.size:
+                # The hook averaged over every rank; joined ranks sent zeros.
+                for b in self._buckets:
+                    b.flat.mul_(self.size / self._active)
             self._write_back(used)
             self._account(t_end, t_done)
             if self._rebuild_pending:
@@ -473,10 +633,11 @@ class DistributedDataParallel(nn.Module):
     def _rebuild(self) -> None:
         """Once, after the first synchronized backward: buckets in the order grads were ready."""
         self._rebuild_pending = False
-        order = torch.tensor(self._order, dtype=torch.int64)
+        n = len(self._params)
+        # A joined rank has no order of its own; rank 0's wins anyway.
+        order = torch.tensor(self._order if len(self._order) == n else range(n - 1, -1, -1),
+                             dtype=torch.int64)
         self._order = []
-        if order.numel() != len(self._params):  # pragma: no cover - every param is marked
-            return
         functional.broadcast(order, 0, comm=self.comm)
         order = order.tolist()
         groups = assign([p.numel() * p.element_size() for p in self._params],
