@@ -344,6 +344,19 @@ def _alltoall_counts(ctx, xb, send, recv, error):
     return tuple(matrix[:, ctx.rank].tolist()), tuple(map(tuple, matrix.tolist()))
 
 
+def _row_counts(collective: str, rows: int, counts, size: int) -> tuple[int, ...]:
+    """The rows for each rank: ``counts`` checked against x's ``rows``, or equal blocks."""
+    if counts is None:
+        if rows % size:
+            raise ValueError(f"{collective}: x has {rows} rows, which {size} ranks cannot "
+                             f"share equally; pass counts (rows for each rank)")
+        return (rows // size,) * size
+    counts = _counts(counts, size)
+    if sum(counts) != rows:
+        raise ValueError(f"{collective}: counts add up to {sum(counts)}, but x has {rows} rows")
+    return counts
+
+
 def _rows(xb: Buffer) -> tuple[int, int]:
     """``(rows, elements per row)`` of ``xb``: axis 0 and the product of the others."""
     shape = xb.shape
@@ -358,17 +371,7 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking):
         xb = wrap(x, "x")
         if not xb.shape:
             raise ValueError("alltoall: x must have an axis 0 (its rows go to the ranks)")
-        rows = xb.shape[0]
-        if counts is None:
-            if rows % size:
-                raise ValueError(f"alltoall: x has {rows} rows, which {size} ranks cannot "
-                                 f"share equally; pass counts (rows for each rank)")
-            send = (rows // size,) * size
-        else:
-            send = _counts(counts, size)
-            if sum(send) != rows:
-                raise ValueError(f"alltoall: counts add up to {sum(send)}, but x has {rows} "
-                                 f"rows")
+        send = _row_counts("alltoall", xb.shape[0], counts, size)
         if recv_counts is not None:
             recv = _counts(recv_counts, size)
         if algorithm == "bruck" and (counts is not None or recv_counts is not None):
@@ -461,17 +464,7 @@ def _scatter_header(ctx, root, x, counts):
             if not xb.shape or len(xb.shape) > _MAX_AXES + 1:
                 raise ValueError(f"scatter: x must have 1 to {_MAX_AXES + 1} axes, has "
                                  f"{len(xb.shape)}")
-            rows = xb.shape[0]
-            if counts is None:
-                if rows % size:
-                    raise ValueError(f"scatter: x has {rows} rows, which {size} ranks cannot "
-                                     f"share equally; pass counts (rows for each rank)")
-                counts = (rows // size,) * size
-            else:
-                counts = _counts(counts, size)
-                if sum(counts) != rows:
-                    raise ValueError(f"scatter: counts add up to {sum(counts)}, but x has "
-                                     f"{rows} rows")
+            counts = _row_counts("scatter", xb.shape[0], counts, size)
             trailing = xb.shape[1:]
             head[0], head[1], head[2] = 1, DTYPES.index(xb.dtype), len(trailing)
             head[3:3 + len(trailing)] = trailing

@@ -26,20 +26,13 @@ from torch import nn  # noqa: E402
 
 def init(backend: str) -> None:
     """The default group on ``backend``, ranks from MPI."""
-    comm = MPI.COMM_WORLD
+    import collectives.torch.backend as cb
     if backend == "collectives":
-        import collectives.torch.backend as cb
         cb.init_process_group()
-        return
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback
-    store = None
-    if comm.Get_rank() == 0:
-        store = dist.TCPStore("127.0.0.1", 0, comm.Get_size(), True, wait_for_workers=False)
-    port = comm.bcast(None if store is None else store.port, root=0)
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, comm.Get_size(), False)
-    dist.init_process_group(backend, store=store, rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
+    else:  # gloo's ranks meet through a store; the toolkit's needs none
+        comm = MPI.COMM_WORLD
+        dist.init_process_group(backend, store=cb.tcp_store(comm), rank=comm.Get_rank(),
+                                world_size=comm.Get_size())
 
 
 def main() -> None:

@@ -5,8 +5,6 @@ group of the same ranks can run beside it (``dist.new_group(backend="gloo")``) a
 reference results. Training tests run 5 steps and compare every parameter with one process
 training the same model on the whole batch.
 """
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,17 +18,8 @@ torch.set_num_threads(1)
 @pytest.fixture
 def groups():
     """The default group on "collectives" and a gloo group of the same ranks."""
-    from mpi4py import MPI
-
     import collectives.torch.backend as cb
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    comm = MPI.COMM_WORLD
-    store = None
-    if comm.Get_rank() == 0:
-        store = dist.TCPStore("127.0.0.1", 0, comm.Get_size(), True, wait_for_workers=False)
-    port = comm.bcast(None if store is None else store.port, root=0)
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, comm.Get_size(), False)
+    store = cb.tcp_store()
     cb.init_process_group(store=store)
     gloo = dist.new_group(backend="gloo")
     yield gloo

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import collectives as coll
 
 from ..progress import Worker
-from .functional import op_name
+from .functional import op_name, unpack_into
 
-__all__ = ["ProcessGroupCollectives", "init_process_group", "register", "BACKEND"]
+__all__ = ["ProcessGroupCollectives", "init_process_group", "register", "tcp_store", "BACKEND"]
 
 BACKEND = "collectives"
 
@@ -134,7 +134,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         flat = torch.cat([t.reshape(-1) for t in tensors])
         req = coll.iallreduce(flat, op, out=flat, **self._kw())
-        return self._submit([req], tensors, _unpack(flat, tensors))
+        return self._submit([req], tensors, unpack_into(flat, tensors))
 
     def reduce(self, tensors, opts=None):
         op = op_name(opts.reduceOp)
@@ -214,7 +214,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         req = coll.ialltoall(flat, [t.numel() for t in input_tensors],
                              recv_counts=[t.numel() for t in output_tensors], out=out,
                              **self._kw("alltoall"))
-        return self._submit([req], output_tensors, _unpack(out, output_tensors))
+        return self._submit([req], output_tensors, unpack_into(out, output_tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -223,7 +223,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if self.rank() == root:
             out = inp.new_empty(sum(t.numel() for t in output_tensors[0]))
         req = coll.igather(inp.reshape(-1), root, out=out, **self._kw("gather"))
-        then = _unpack(out, output_tensors[0]) if out is not None else None
+        then = unpack_into(out, output_tensors[0]) if out is not None else None
         return self._submit([req], output_tensors, then)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -258,16 +258,6 @@ def _apart(x, out):
         if xs == out.untyped_storage().data_ptr():
             return x.clone()
     return x
-
-
-def _unpack(flat, tensors):
-    """A callable copying consecutive pieces of ``flat`` into ``tensors``."""
-    def unpack():
-        at = 0
-        for t in tensors:
-            t.view(-1).copy_(flat[at:at + t.numel()])
-            at += t.numel()
-    return unpack
 
 
 class _MPIWait:
@@ -311,6 +301,29 @@ def register() -> None:
     if not _REGISTERED and BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     _REGISTERED = True
+
+
+def tcp_store(comm=None):
+    """A ``torch.distributed.TCPStore`` shared by the ranks of ``comm`` (default
+    ``COMM_WORLD``; collective): rank 0 serves it on the loopback of a single machine, the
+    first host's name otherwise. A store that other processes reach is what a gloo group
+    created beside this backend's (``dist.new_group(backend="gloo")``) needs; this backend
+    alone needs none."""
+    import os
+    import socket
+
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    hosts = comm.allgather(socket.gethostname())
+    one_host = len(set(hosts)) == 1
+    addr = "127.0.0.1" if one_host else hosts[0]
+    if one_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = None
+    if comm.Get_rank() == 0:
+        store = dist.TCPStore(addr, 0, comm.Get_size(), True, wait_for_workers=False)
+    port = comm.bcast(None if store is None else store.port, root=0)
+    return store or dist.TCPStore(addr, port, comm.Get_size(), False)
 
 
 def init_process_group(comm=None, **kwargs) -> None:

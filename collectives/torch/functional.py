@@ -25,7 +25,7 @@ import collectives as coll
 
 __all__ = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
            "all_to_all_single", "all_to_all", "gather", "scatter", "Work", "wait_future",
-           "progress", "op_name"]
+           "progress", "op_name", "unpack_into"]
 
 _TORCH_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg",
               "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -275,7 +275,8 @@ def _cat(tensors, what: str):
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def _unpack(flat, tensors):
+def unpack_into(flat, tensors):
+    """A callable copying consecutive pieces of 1-D ``flat`` into ``tensors``, in order."""
     def unpack():
         at = 0
         for t in tensors:
@@ -293,7 +294,7 @@ def all_to_all(output_tensor_list, input_tensor_list, comm=None, async_op=False,
     req = coll.ialltoall(flat, [t.numel() for t in input_tensor_list],
                          recv_counts=[t.numel() for t in output_tensor_list], out=out,
                          comm=comm, algorithm=algorithm)
-    return _run(req, output_tensor_list, async_op, _unpack(out, output_tensor_list))
+    return _run(req, output_tensor_list, async_op, unpack_into(out, output_tensor_list))
 
 
 def gather(tensor, gather_list=None, dst=0, comm=None, async_op=False, *, algorithm="auto"):
@@ -303,7 +304,7 @@ def gather(tensor, gather_list=None, dst=0, comm=None, async_op=False, *, algori
     if gather_list is not None:
         out = tensor.new_empty(sum(t.numel() for t in gather_list))
     req = coll.igather(tensor.reshape(-1), dst, out=out, comm=comm, algorithm=algorithm)
-    then = None if out is None else _unpack(out, gather_list)
+    then = None if out is None else unpack_into(out, gather_list)
     return _run(req, list(gather_list or []), async_op, then)
 
 
