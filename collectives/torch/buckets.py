@@ -86,13 +86,19 @@ class Bucket:
 class GradBucket:
     """What a comm hook receives: one bucket's flat gradient buffer and its parameters."""
 
-    __slots__ = ("_index", "_buffer", "_params", "_last")
+    __slots__ = ("_index", "_buffer", "_params", "_last", "_joined")
 
-    def __init__(self, index: int, buffer, params, last: bool):
+    def __init__(self, index: int, buffer, params, last: bool, joined: bool = False):
         self._index = index
         self._buffer = buffer
         self._params = params
         self._last = last
+        self._joined = joined
+
+    def joined(self) -> bool:
+        """True when a rank that ran out of data stands in with zeros (``DDP.join``): hooks
+        keep their error-feedback memory out of it."""
+        return self._joined
 
     def index(self) -> int:
         """The bucket's position in launch order (0 is launched first)."""

@@ -399,7 +399,7 @@ class DistributedDataParallel(nn.Module):
             zero.zero_()  # a hook may have left something in it
             params = [self._params[i] for i in b.members]
             futures.append(hook(self._hook_state, GradBucket(
-                b.index, zero, params, b.index == len(self._buckets) - 1)))
+                b.index, zero, params, b.index == len(self._buckets) - 1, joined=True)))
         if self.find_unused_parameters:
             functional.all_reduce(torch.zeros(len(self._params), dtype=torch.int32), "max",
                                   comm=self.comm)
