@@ -2,6 +2,8 @@
 
     mpiexec -n 3 python examples/train_ddp.py                     # about 10 s on 2 cores
     mpiexec -n 3 python examples/train_ddp.py --hook powersgd     # or fp16, bf16
+    mpiexec -n 3 python examples/train_ddp.py --hook topk --ratio 0.01 --epochs 6
+    mpiexec -n 3 python examples/train_ddp.py --hook sign --no-error-feedback
     mpiexec -n 2 python examples/train_ddp.py --epochs 10 --width 64 --samples 12288
 
 The data set is made here (nothing is downloaded): 16 x 16 grayscale images of six shapes --
@@ -11,7 +13,8 @@ split into one shard per rank, and DDP averages the gradients, so N ranks train 
 as one process on the whole batch. Rank 0 prints the loss of each epoch, test accuracy,
 samples/s, the fraction of the gradient communication hidden behind backward, and the bytes
 the comm hook put on the wire per step; with a compressing hook (``--hook fp16``, ``bf16`` or
-``powersgd``), also how many times fewer than the float32 gradients.
+``powersgd``, ``topk``, ``sign``, ``qsgd``: error feedback on unless ``--no-error-feedback``),
+also how many times fewer than the float32 gradients.
 
 Where the ranks of a node have no core to spare (ranks x torch threads >= cores), the example
 turns the progress thread off (``config.set("COLLECTIVES_PROGRESS_THREAD", "off")``) unless the
@@ -34,7 +37,7 @@ from torch import nn  # noqa: E402
 
 from collectives import config  # noqa: E402
 from collectives.progress import use_thread  # noqa: E402
-from collectives.torch import DistributedDataParallel, all_reduce, hooks  # noqa: E402
+from collectives.torch import DistributedDataParallel, all_reduce, compression, hooks  # noqa: E402,E501
 
 SHAPES = ("horizontal", "vertical", "diagonal", "anti-diagonal", "square", "cross")
 
@@ -84,8 +87,17 @@ class CNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def make_hook(name, comm):
-    """``(state, hook)`` for ``--hook``."""
+def make_hook(name, comm, args=None):
+    """``(state, hook)`` for ``--hook`` (``args``: ``--ratio``, ``--bits``, error feedback)."""
+    ef = args is None or not args.no_error_feedback
+    if name == "topk":
+        return (compression.TopKState(comm, ratio=args.ratio if args else 0.01,
+                                      error_feedback=ef), compression.topk_hook)
+    if name == "sign":
+        return compression.SignState(comm, error_feedback=ef), compression.sign_hook
+    if name == "qsgd":
+        return (compression.QSGDState(comm, bits=args.bits if args else 4, error_feedback=ef),
+                compression.qsgd_hook)
     if name == "allreduce":
         return hooks.DefaultState(comm), hooks.allreduce_hook
     if name == "fp16":
@@ -114,8 +126,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32, help="images per rank and step (32)")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--width", type=int, default=32, help="CNN channels (32)")
-    p.add_argument("--hook", choices=("allreduce", "fp16", "bf16", "powersgd"),
-                   default="allreduce")
+    p.add_argument("--hook", choices=("allreduce", "fp16", "bf16", "powersgd", "topk", "sign",
+                                      "qsgd"), default="allreduce")
+    p.add_argument("--ratio", type=float, default=0.01, help="topk: fraction sent (0.01)")
+    p.add_argument("--bits", type=int, default=4, help="qsgd: bits per level (4)")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="topk, sign, qsgd: drop what compression leaves out")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="bucket cap (0.1 MB: this small model still gets two buckets)")
     p.add_argument("--algorithm", default="auto")
@@ -142,7 +158,7 @@ def main(argv=None):
     module = CNN(args.width)
     model = DistributedDataParallel(module, comm=comm, bucket_cap_mb=args.bucket_cap_mb,
                                     algorithm=args.algorithm,
-                                    comm_hook=make_hook(args.hook, comm))
+                                    comm_hook=make_hook(args.hook, comm, args))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     n_params = sum(q.numel() for q in module.parameters())
     grad_bytes = sum(q.numel() * q.element_size() for q in module.parameters())

@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 from collectives.torch import DistributedDataParallel as DDP  # noqa: E402
 from collectives.torch.buckets import GradBucket  # noqa: E402
 from collectives.torch.compression import (  # noqa: E402
+    CHUNK,
     QSGDState,
     SignState,
     TopKState,
@@ -125,20 +126,21 @@ def test_topk_average_closed_form_and_bytes(m):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("bits", [1, 4, 7])
-def test_qsgd_one_entry_per_parameter_is_exact(bits):
+def test_qsgd_one_entry_per_chunk_is_exact(bits):
     comm = world()
     n, r = comm.Get_size(), comm.Get_rank()
-    # One non-zero per parameter: |g| / norm = 1, so the level is exactly the top one.
-    g = torch.zeros(9)
+    # One non-zero per chunk: |g| / norm = 1, so the level is exactly the top one.
+    m = CHUNK + 88
+    g = torch.zeros(m)
     g[2] = -(r + 1.0)
-    g[6] = 2.0 * (r + 1)
+    g[CHUNK + 38] = 2.0 * (r + 1)
     state = QSGDState(comm, bits=bits)
-    out = _call(qsgd_hook, state, g.clone(), [(4,), (5,)])
-    want = torch.zeros(9)
+    out = _call(qsgd_hook, state, g.clone(), [(4,), (m - 4,)])
+    want = torch.zeros(m)
     want[2] = -(n + 1) / 2
-    want[6] = float(n + 1)
-    assert_all(torch.allclose(out, want, rtol=1e-6, atol=0), f"{out.tolist()}")
-    assert_all(state.wire_bytes == 8 + 16, f"{state.wire_bytes} bytes")
+    want[CHUNK + 38] = float(n + 1)
+    assert_all(torch.allclose(out, want, rtol=1e-6, atol=0), f"{out[[2, CHUNK + 38]].tolist()}")
+    assert_all(state.wire_bytes == 8 + m, f"{state.wire_bytes} bytes")  # 2 norms, m levels
 
 
 class _Net(nn.Module):

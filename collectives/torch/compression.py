@@ -10,9 +10,10 @@ reduced) and decompresses the n contributions into their average:
 * ``topk_hook``: the k = ceil(ratio x elements) entries largest in magnitude, as int32 indices
   and values in the bucket's dtype (4 + itemsize bytes each); 2/ratio x fewer bytes in fp32.
 * ``sign_hook``: EF-signSGD / 1-bit SGD (Karimireddy et al. 2019): one bit per element, packed,
-  and one float32 scale per parameter (its mean magnitude); about 32x fewer bytes.
-* ``qsgd_hook``: QSGD (Alistarh et al. 2017): each parameter's L2 norm, and per element a sign
-  and a level in 0..2^bits-1 drawn by stochastic rounding, one int8 each (bits <= 7).
+  and one float32 scale (the mean magnitude) per ``CHUNK`` elements; about 31x fewer bytes.
+* ``qsgd_hook``: QSGD (Alistarh et al. 2017): the L2 norm of each ``CHUNK`` elements, and per
+  element a sign and a level in 0..2^bits-1 drawn by stochastic rounding, one int8 each
+  (bits <= 7); about 4x fewer bytes. Chunks keep a norm from drowning small entries.
 
 *Error feedback* (``error_feedback=True``, the default): the hook compresses the gradient plus
 what earlier rounds left out (the *residual*, one per bucket and rank) and keeps the new
@@ -34,7 +35,7 @@ import collectives as coll
 from .functional import Work
 from .hooks import DefaultState
 
-__all__ = ["CompressionState", "TopKState", "SignState", "QSGDState", "topk_hook",
+__all__ = ["CHUNK", "CompressionState", "TopKState", "SignState", "QSGDState", "topk_hook",
            "sign_hook", "qsgd_hook"]
 
 
@@ -127,8 +128,14 @@ def _world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _sizes(bucket):
-    return torch.tensor([p.numel() for p in bucket.parameters()], dtype=torch.int64)
+CHUNK = 512  # elements per scale or norm (QSGD's "bucket size"), as in the papers
+
+
+def _chunks(numel: int):
+    """The sizes of the ``CHUNK``-element pieces of a bucket (the last one may be short)."""
+    sizes = torch.full(((numel + CHUNK - 1) // CHUNK,), CHUNK, dtype=torch.int64)
+    sizes[-1] = numel - CHUNK * (sizes.numel() - 1)
+    return sizes
 
 
 def topk_hook(state: TopKState, bucket):
@@ -165,21 +172,21 @@ def topk_hook(state: TopKState, bucket):
 
 
 def sign_hook(state: SignState, bucket):
-    """1-bit: each parameter's signs, packed, and its mean magnitude; average the n of them."""
+    """1-bit: the signs, packed, and each chunk's mean magnitude; average the n of them."""
     buf = bucket.buffer()
     numel, n = buf.numel(), state.size
     if numel == 0:
         return _done(buf)
     res = state.feedback(bucket)
-    sizes = _sizes(bucket)
-    nparams = sizes.numel()
-    head = _up8(4 * nparams)
+    sizes = _chunks(numel)
+    nchunks = sizes.numel()
+    head = _up8(4 * nchunks)
     nb = (numel + 7) // 8
     payload, gathered = state.buffers(bucket, head + _up8(nb))
-    scales = payload[:4 * nparams].view(torch.float32)
-    # 1. Per parameter: scale = mean |g| (the L1 norm over the count keeps the step's size).
-    sums = torch.zeros(nparams, dtype=torch.float64)
-    sums.index_add_(0, torch.repeat_interleave(torch.arange(nparams), sizes),
+    scales = payload[:4 * nchunks].view(torch.float32)
+    # 1. Per chunk: scale = mean |g| (the L1 norm over the count keeps the step's size).
+    sums = torch.zeros(nchunks, dtype=torch.float64)
+    sums.index_add_(0, torch.repeat_interleave(torch.arange(nchunks), sizes),
                     buf.abs().to(torch.float64))
     scales.copy_(sums / sizes)
     positive = buf >= 0
@@ -193,7 +200,7 @@ def sign_hook(state: SignState, bucket):
     # 2. Average: sum over ranks of scale_r x sign_r, over n.
     def decompress(fut):
         rows = fut.value()[0].view(n, -1)
-        every_scale = rows[:, :4 * nparams].reshape(-1).view(torch.float32).view(n, nparams)
+        every_scale = rows[:, :4 * nchunks].reshape(-1).view(torch.float32).view(n, nchunks)
         bits = np.unpackbits(rows[:, head:head + nb].numpy(), axis=1, count=numel,
                              bitorder="little")
         signs = torch.from_numpy(bits).to(buf.dtype).mul_(2).sub_(1)
@@ -205,21 +212,21 @@ def sign_hook(state: SignState, bucket):
 
 
 def qsgd_hook(state: QSGDState, bucket):
-    """QSGD: per parameter its norm, per element a stochastically rounded level; average."""
+    """QSGD: per chunk its norm, per element a stochastically rounded level; average."""
     buf = bucket.buffer()
     numel, n = buf.numel(), state.size
     if numel == 0:
         return _done(buf)
     res = state.feedback(bucket)
-    sizes = _sizes(bucket)
-    nparams = sizes.numel()
+    sizes = _chunks(numel)
+    nchunks = sizes.numel()
     levels = (1 << state.bits) - 1
-    head = _up8(4 * nparams)
+    head = _up8(4 * nchunks)
     payload, gathered = state.buffers(bucket, head + _up8(numel))
-    norms = payload[:4 * nparams].view(torch.float32)
-    owner = torch.repeat_interleave(torch.arange(nparams), sizes)
+    norms = payload[:4 * nchunks].view(torch.float32)
+    owner = torch.repeat_interleave(torch.arange(nchunks), sizes)
     # 1. Norms, then |g| / norm x levels rounded up with probability of its fraction.
-    sq = torch.zeros(nparams, dtype=torch.float64)
+    sq = torch.zeros(nchunks, dtype=torch.float64)
     sq.index_add_(0, owner, buf.to(torch.float64).square())
     norms.copy_(sq.sqrt_())
     per = norms[owner].to(buf.dtype)
@@ -233,7 +240,7 @@ def qsgd_hook(state: QSGDState, bucket):
     # 2. Average: sum over ranks of norm_r x level_r / levels, over n.
     def decompress(fut):
         rows = fut.value()[0].view(n, -1)
-        every_norm = rows[:, :4 * nparams].reshape(-1).view(torch.float32).view(n, nparams)
+        every_norm = rows[:, :4 * nchunks].reshape(-1).view(torch.float32).view(n, nchunks)
         vals = rows[:, head:head + numel].view(torch.int8).to(buf.dtype)
         vals.mul_(torch.repeat_interleave(every_norm.to(buf.dtype), sizes, dim=1))
         torch.sum(vals, 0, out=buf)
