@@ -173,6 +173,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "hand device pointers to MPI (auto: detected from the MPI library)"),
     Setting("COLLECTIVES_PINNED_CACHE_BYTES", parse_bytes, 1 << 30, "1G", "bytes",
             "pinned host memory kept for staging device buffers"),
+    Setting("COLLECTIVES_TIMELINE", _path, None, "(off)", "a file path",
+            "write a Chrome trace of every collective, DDP bucket and training phase to this "
+            "file (rank r: `.r` before the suffix, or `{rank}` in the path), at exit"),
     Setting("COLLECTIVES_COST_MODEL", _path, None, "~/.cache/collectives/costmodel.json",
             "a file path", "the calibrated cost model (`python -m bench calibrate` writes it); a "
             "named file must exist and parse where a model is read"),

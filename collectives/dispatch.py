@@ -22,6 +22,7 @@ import numpy as np
 
 from . import check as _check
 from . import config, select
+from . import timeline as _timeline
 from . import watchdog as _watchdog
 from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
@@ -179,6 +180,8 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
     a ``Request``. The check comes before the choice: ranks whose arguments differ may choose
     differently, and a choice may ask the topology (collective on first use)."""
     ctx, collective = call.ctx, call.collective
+    if _timeline.on:
+        finalize = _traced(call, _timeline.now(), finalize)
     named = algo is None and algorithm != "auto"
     if named:  # an unknown name is this rank's own error, told to the others by the check
         try:
@@ -237,6 +240,18 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
             finalize()
         return result
     return Request(work, result, finalize, description=call.describe())
+
+
+def _traced(call: Call, t0: float, finalize):
+    """``finalize`` that first records ``call`` on the timeline, from ``t0`` to now."""
+    def record():
+        x = call.x
+        _timeline.span_event(call.collective, "collective", t0, _timeline.now(), {
+            "algorithm": call.algorithm, "bytes": 0 if x is None else x.count * x.dtype.itemsize,
+            "blocking": call.blocking, "seq": call.seq})
+        if finalize is not None:
+            finalize()
+    return record
 
 
 def _run(call: Call, algo: select.Algorithm):

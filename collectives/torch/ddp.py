@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import collectives as coll
-from collectives import watchdog
+from collectives import timeline, watchdog
 
 from . import functional
 from .buckets import Bucket, GradBucket, assign
@@ -144,6 +144,36 @@ def _through_backward_start(ref, out):
             items[k] = t
         return type(out)(items) if isinstance(out, list) else tuple(items)
     return out
+
+
+_optimizer_traced = False
+
+
+def _trace_optimizers() -> None:
+    """Timeline: every optimizer step is an ``optimizer`` span (torch's global step hooks)."""
+    global _optimizer_traced
+    if _optimizer_traced:
+        return
+    _optimizer_traced = True
+    starts = {}
+
+    def pre(opt, args, kwargs):
+        starts[id(opt)] = timeline.now()
+
+    def post(opt, args, kwargs):
+        t0 = starts.pop(id(opt), None)
+        if t0 is not None:
+            timeline.span_event("optimizer", "phase", t0, timeline.now(),
+                                {"optimizer": type(opt).__name__})
+
+    from torch.optim import optimizer
+    optimizer.register_optimizer_step_pre_hook(pre)
+    optimizer.register_optimizer_step_post_hook(post)
+
+
+def _bucket_done(index: int, t0: float, fut):
+    timeline.span_event(f"bucket {index}", "bucket", t0, timeline.now(), {"bucket": index})
+    return fut.value()
 
 
 def _last_occurrences(seq) -> list:
@@ -244,6 +274,9 @@ class DistributedDataParallel(nn.Module):
         self._join_initial = None
         self._active = self.size          # ranks that train this step (join)
         self._zero_flats = None           # a joined rank's stand-in buckets
+        self._t_backward = 0.0
+        if timeline.on:
+            _trace_optimizers()
         self._reset_iteration()
         self.register_comm_hook(None, allreduce_hook)
         if comm_hook is not None:
@@ -331,6 +364,7 @@ class DistributedDataParallel(nn.Module):
         """Run the module (after broadcasting rank 0's buffers if ``broadcast_buffers``)."""
         if self._in_backward:  # the last backward raised before its end callback ran
             self._reset_iteration()
+        t0 = timeline.now() if timeline.on else 0.0
         root = 0
         if self._join_initial is not None:
             active, root, _ = self._agree_join(True)
@@ -339,6 +373,8 @@ class DistributedDataParallel(nn.Module):
         out = self.module(*args, **kwargs)
         if self.static_graph and self._require_sync and torch.is_grad_enabled():
             out = _through_backward_start(weakref.ref(self), out)
+        if timeline.on:
+            timeline.span_event("forward", "phase", t0, timeline.now())
         return out
 
     def _sync_buffers(self, root: int) -> None:
@@ -459,6 +495,8 @@ class DistributedDataParallel(nn.Module):
         """Queue the end-of-backward callback on the backward that runs now."""
         if not self._in_backward:
             self._in_backward = True
+            if timeline.on:
+                self._t_backward = timeline.now()
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_on_backward_end, weakref.ref(self)))
 
@@ -515,6 +553,8 @@ class DistributedDataParallel(nn.Module):
             self._order.append(index)
         b.pending -= 1
         if b.pending == 0:
+            if timeline.on:
+                timeline.instant(f"bucket {b.index} ready", "bucket", {"bucket": b.index})
             buckets = self._buckets
             while self._next < len(buckets) and buckets[self._next].pending == 0:
                 self._launch(buckets[self._next])
@@ -534,6 +574,12 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(fut, torch._C.Future):  # torch.futures.Future and then()'s
             raise TypeError(f"comm hook {getattr(self._hook, '__name__', self._hook)!r} "
                             f"returned {type(fut).__name__}, expected a torch.futures.Future")
+        if timeline.on:
+            t0 = timeline.now()
+            timeline.instant(f"bucket {b.index} started", "bucket",
+                             {"bucket": b.index, "bytes": b.nbytes,
+                              "parameters": len(b.members)})
+            fut = fut.then(functools.partial(_bucket_done, b.index, t0))
         b.future = fut
 
     def _mark_unused(self, index: int) -> None:
@@ -556,6 +602,9 @@ class DistributedDataParallel(nn.Module):
     def _end_backward(self) -> None:
         """The end-of-backward callback: finish every bucket, in order, then tidy up."""
         self._in_backward = False
+        if timeline.on:
+            timeline.span_event("backward", "phase", self._t_backward, timeline.now(),
+                                {"sync": self._require_sync})
         if not self._require_sync:
             return
         try:
