@@ -16,6 +16,8 @@ parameters, batch 32 per rank, one torch thread per rank, for each variant:
 - ``no_overlap``: the same model with its gradients in one flat buffer, averaged by one
   ``collectives.torch.all_reduce`` after backward (what overlap buys);
 - ``single``: every rank steps its own model, no communication (the floor);
+- ``ours_timeline`` (not run by default): ``ours`` with the timeline recording
+  (``COLLECTIVES_TIMELINE``'s events, kept in memory; the file is written at exit): its cost;
 - ``torch_ours`` (not run by default): torch's own DDP over the ``collectives`` backend
   (``collectives.torch.backend``): torch's C++ Reducer, our allreduce.
 
@@ -39,7 +41,8 @@ import time
 
 __all__ = ["main", "mlp", "VARIANTS"]
 
-VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single", "torch_ours")
+VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single", "torch_ours",
+            "ours_timeline")
 DEFAULT_VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single")
 
 
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     from torch import nn
 
-    from collectives import config
+    from collectives import config, timeline
     from collectives.torch import DistributedDataParallel
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD
@@ -136,9 +139,12 @@ def main(argv=None) -> int:
     models, store = {}, None
     for v in variants:
         m = build()
-        if v in ("ours", "ours_nothread"):
+        if v in ("ours", "ours_nothread", "ours_timeline"):
+            traced = timeline.on
+            timeline.on = traced or v == "ours_timeline"  # registers the optimizer spans
             m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
                                         algorithm=args.algorithm)
+            timeline.on = traced
         elif v == "gloo":
             store = _gloo(comm)
             m = nn.parallel.DistributedDataParallel(m)
@@ -158,6 +164,7 @@ def main(argv=None) -> int:
     def step(v):
         # The toolkit reads COLLECTIVES_PROGRESS_THREAD as each collective starts.
         config.set("COLLECTIVES_PROGRESS_THREAD", False if v == "ours_nothread" else thread)
+        timeline.on = traced_before or v == "ours_timeline"
         opts[v].zero_grad(set_to_none=args.zero_grad == "none")
         nn.functional.mse_loss(models[v](x), y).backward()
         if v == "no_overlap":
@@ -166,6 +173,7 @@ def main(argv=None) -> int:
 
     # ``ours`` runs with the thread unless the setting says otherwise (auto: on).
     before = config.get("COLLECTIVES_PROGRESS_THREAD")
+    traced_before = timeline.on
     thread = True if before is None else before
 
     times = {v: [] for v in variants}
@@ -173,7 +181,7 @@ def main(argv=None) -> int:
     for v in variants:
         for _ in range(args.warmup):
             step(v)
-    for v in ("ours", "ours_nothread"):
+    for v in ("ours", "ours_nothread", "ours_timeline"):
         if v in models:
             models[v].stats.reset()
     for _ in range(args.rounds):
@@ -186,8 +194,9 @@ def main(argv=None) -> int:
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
                 cpu[v].append(comm.allreduce(dc, op=MPI.MAX))
     hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
-              for v in ("ours", "ours_nothread") if v in models}
+              for v in ("ours", "ours_nothread", "ours_timeline") if v in models}
     config.set("COLLECTIVES_PROGRESS_THREAD", before)
+    timeline.on = traced_before
 
     result = {"ranks": size, "params": n_params, "batch": args.batch, "threads": args.threads,
               "bucket_cap_mb": args.bucket_cap_mb, "algorithm": args.algorithm,
@@ -227,6 +236,10 @@ def _print(r) -> None:
     if "no_overlap" in med and "ours" in med:
         print(f"# overlap gain: no_overlap - ours = {med['no_overlap'] - med['ours']:.1f} ms "
               f"per step")
+    if "ours_timeline" in med and "ours" in med:
+        print(f"# timeline overhead: ours_timeline / ours = "
+              f"{med['ours_timeline'] / med['ours']:.3f} (wall), "
+              f"{r['median_cpu_ms']['ours_timeline'] / r['median_cpu_ms']['ours']:.3f} (cpu)")
     sys.stdout.flush()
 
 

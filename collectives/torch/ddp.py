@@ -158,7 +158,8 @@ def _trace_optimizers() -> None:
     starts = {}
 
     def pre(opt, args, kwargs):
-        starts[id(opt)] = timeline.now()
+        if timeline.on:
+            starts[id(opt)] = timeline.now()
 
     def post(opt, args, kwargs):
         t0 = starts.pop(id(opt), None)
