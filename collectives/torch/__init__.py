@@ -10,6 +10,7 @@ Importing this package imports torch (the core toolkit never does).
 """
 from .buckets import GradBucket
 from .ddp import CommStats, DistributedDataParallel
+from .sharded import ShardedDataParallel
 from .functional import (
     Work,
     all_gather_into_tensor,
@@ -34,7 +35,7 @@ from .hooks import (
 )
 
 __all__ = [
-    "DistributedDataParallel", "CommStats", "GradBucket",
+    "DistributedDataParallel", "CommStats", "GradBucket", "ShardedDataParallel",
     "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "Work",
     "all_to_all_single", "all_to_all", "gather", "scatter",
     "wait_future",

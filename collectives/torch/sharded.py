@@ -1,0 +1,509 @@
+"""Sharded data parallelism (ZeRO stages 1, 2 and 3) on the toolkit's collectives.
+
+Vocabulary. A *unit* is a group of parameters that share one flat buffer: for stages 1 and 2 a
+gradient bucket (``buckets.assign``, reverse parameter order, ``bucket_cap_mb``), for stage 3 one
+submodule's own parameters (a layer). A unit's flat buffer holds its parameters end to end,
+padded to a multiple of N ranks; rank r owns the *shard* ``[r*s, (r+1)*s)`` with ``s = padded/N``,
+so a parameter may straddle shards. ``parameters()`` yields the shards (one ``nn.Parameter`` per
+unit), which is all an optimizer sees.
+
+1. *Forward.* Stages 1 and 2 keep every full parameter as a view into its unit's flat buffer; the
+   first forward after an optimizer step all-gathers the shards into the flat buffers (a shard
+   whose version counter has not moved is not gathered again). Stage 3 keeps only the shard: a
+   forward pre-hook on each layer all-gathers its flat buffer (and starts the next layer's
+   all-gather), a forward hook frees it again (each parameter's ``.data`` is rebound to an empty
+   tensor; autograd saved the parameter objects, which the re-gather rebinds to a new buffer).
+2. *Backward.* A ``register_post_accumulate_grad_hook`` per parameter counts it ready; a ready
+   unit is launched in unit order (the same on every rank, so non-blocking collectives match).
+   Stage 1 averages the unit's flat gradient buffer (``param.grad`` are views into it, as DDP's
+   ``gradient_as_bucket_view``) with an all-reduce; stages 2 and 3 pack the gradients into one
+   transient flat buffer, reduce-scatter it into the shard's gradient and drop the full ones.
+   Stage 3 re-gathers a layer before its backward (a hook on the layer's outputs) and frees it
+   once its gradients are launched. At the end of backward, units with unused parameters are
+   launched with zeros for them, and every launch is waited.
+3. *State.* ``full_state_dict`` gathers full tensors (names of ``module.state_dict()``);
+   ``load_full_state_dict`` slices them into this rank's shards, so a checkpoint written at N
+   ranks loads at M. ``full_optim_state_dict`` / ``load_full_optim_state_dict`` do the same for
+   the optimizer's per-shard tensors.
+
+Flat buffers come from ``flat_buffer`` alone, so their allocation can be switched in one place.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import functional
+from .buckets import assign
+
+__all__ = ["ShardedDataParallel", "flat_buffer"]
+
+
+def flat_buffer(numel: int, dtype, device) -> torch.Tensor:
+    """A new zeroed 1-D tensor for a unit's flat parameters or gradients."""
+    return torch.zeros(int(numel), dtype=dtype, device=device)
+
+
+class _Unit:
+    """One flat buffer's layout: its parameters, their offsets, the padded size and shard."""
+
+    __slots__ = ("index", "names", "params", "offsets", "numel", "padded", "shard_numel",
+                 "flat", "grad_flat", "shard", "ready", "launched", "gathered_version",
+                 "gathered", "pending", "module", "shapes")
+
+    def __init__(self, index, names, params, nranks, module=None):
+        self.index = index
+        self.names = names
+        self.params = params
+        self.offsets = []
+        self.shapes = [p.shape for p in params]
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.shard_numel = -(-total // nranks) if total else 0
+        self.padded = self.shard_numel * nranks
+        self.flat = None
+        self.grad_flat = None
+        self.shard = None
+        self.ready = 0
+        self.launched = False
+        self.gathered_version = None
+        self.gathered = False
+        self.pending = None
+        self.module = module
+
+
+class ShardedDataParallel(torch.nn.Module):
+    """ZeRO stage 1, 2 or 3 over ``module``: ``parameters()`` yields this rank's flat shards."""
+
+    def __init__(self, module, stage: int = 1, comm=None, bucket_cap_mb: float = 25,
+                 algorithm: str = "auto"):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        self.module = module
+        self.stage = stage
+        self.comm = comm
+        self.algorithm = algorithm
+        self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._check_same_parameters(named)
+        if any(p.dtype != named[0][1].dtype or p.device != named[0][1].device for _, p in named):
+            raise TypeError("ShardedDataParallel needs one dtype and device for all parameters")
+        self._units = self._make_units(named, bucket_cap_mb)
+        # backward produces gradients last layer first: stage 3's units are in forward order
+        self._launch_order = self._units[::-1] if stage == 3 else list(self._units)
+        self._sync = True
+        self._synced_backward = False
+        self._callback_queued = False
+        self._next_launch = 0
+        self._scratch = None
+        self._forward_seen: list = []
+        self._next_in_forward: dict = {}
+        self._shards = torch.nn.ParameterList()
+        self._init_buffers()
+        self._hooks = []
+        for unit in self._units:
+            for p in unit.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, u=unit: self._on_grad(u)))
+        if stage == 3:
+            for unit in self._units:
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda m, a, u=unit: self._before_forward(u)))
+                self._hooks.append(unit.module.register_forward_hook(
+                    lambda m, a, out, u=unit: self._after_forward(u, out)))
+
+    # -- construction ---------------------------------------------------------------------------
+    def _check_same_parameters(self, named) -> None:
+        """Raise on every rank, naming parameter and ranks, if the ranks' parameters differ."""
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        every = self.comm.allgather(mine)
+        for r, theirs in enumerate(every):
+            if theirs == every[0]:
+                continue
+            for k in range(max(len(theirs), len(every[0]))):
+                a = every[0][k] if k < len(every[0]) else None
+                b = theirs[k] if k < len(theirs) else None
+                if a != b:
+                    raise ValueError(f"parameters differ across ranks: parameter {k} is {a} on "
+                                     f"rank 0 but {b} on rank {r}")
+
+    def _make_units(self, named, bucket_cap_mb):
+        if self.stage == 3:
+            units, by_module = [], {}
+            ids = {id(p): n for n, p in named}
+            for mname, mod in self.module.named_modules():
+                own = [(f"{mname}.{n}" if mname else n, p)
+                       for n, p in mod.named_parameters(recurse=False) if id(p) in ids]
+                own = [(n, p) for n, p in own if id(p) not in by_module]
+                if own:
+                    for _, p in own:
+                        by_module[id(p)] = mname
+                    units.append(_Unit(len(units), [n for n, _ in own], [p for _, p in own],
+                                       self.nranks, mod))
+            return units
+        sizes = [p.numel() * p.element_size() for _, p in named]
+        groups = assign(sizes, [0] * len(named), int(bucket_cap_mb * (1 << 20)))
+        return [_Unit(k, [named[i][0] for i in g], [named[i][1] for i in g], self.nranks)
+                for k, g in enumerate(groups)]
+
+    def _init_buffers(self) -> None:
+        """Rank 0's parameters into every rank's flat buffers; shards as views or copies."""
+        with torch.no_grad():
+            for unit in self._units:
+                p0 = unit.params[0]
+                flat = flat_buffer(unit.padded, p0.dtype, p0.device)
+                for p, off in zip(unit.params, unit.offsets):
+                    flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                functional.broadcast(flat, 0, comm=self.comm, algorithm=self.algorithm)
+                lo = self.rank * unit.shard_numel
+                if self.stage == 3:
+                    unit.shard = torch.nn.Parameter(flat[lo:lo + unit.shard_numel].clone())
+                    unit.flat = flat
+                    self._free(unit)
+                else:
+                    unit.flat = flat
+                    unit.shard = torch.nn.Parameter(flat[lo:lo + unit.shard_numel])
+                    self._point_params(unit)
+                    unit.gathered_version = unit.shard._version
+                if self.stage == 1:
+                    unit.grad_flat = flat_buffer(unit.padded, p0.dtype, p0.device)
+                    for p, off in zip(unit.params, unit.offsets):
+                        p.grad = unit.grad_flat[off:off + p.numel()].view_as(p)
+                self._shards.append(unit.shard)
+            biggest = max((u.shard_numel for u in self._units), default=0)
+            if self.stage != 3 and self.nranks > 1 and self._units:
+                self._scratch = flat_buffer(biggest, self._units[0].flat.dtype,
+                                            self._units[0].flat.device)
+
+    @staticmethod
+    def _point_params(unit) -> None:
+        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
+            p.data = unit.flat[off:off + shape.numel()].view(shape)
+
+    # -- the optimizer's view -------------------------------------------------------------------
+    def parameters(self, recurse: bool = True):
+        """This rank's flat shards, one per unit: what an optimizer steps."""
+        return iter(list(self._shards))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        """``("shard.<unit>", shard)`` for this rank's shards."""
+        return iter([(f"{prefix}shard.{k}", s) for k, s in enumerate(self._shards)])
+
+    def units(self) -> list[list[str]]:
+        """The parameter names of each unit, in unit order."""
+        return [list(u.names) for u in self._units]
+
+    # -- forward --------------------------------------------------------------------------------
+    def _gather(self, unit, async_op=False):
+        """All-gather ``unit``'s shards into its flat buffer (stage 3: reallocating it)."""
+        if self.stage == 3:
+            unit.flat = flat_buffer(unit.padded, unit.shard.dtype, unit.shard.device)
+            self._point_params(unit)
+            src = unit.shard.detach()
+        else:
+            src = self._scratch[:unit.shard_numel]
+            src.copy_(unit.shard.detach())
+        return functional.all_gather_into_tensor(unit.flat, src, comm=self.comm,
+                                                 async_op=async_op, algorithm=self.algorithm)
+
+    def forward(self, *args, **kwargs):
+        """Refresh the full parameters from the shards if they moved, then run the module."""
+        if self.stage == 3:
+            seen = self._forward_seen
+            if seen:
+                self._next_in_forward = {a.index: b for a, b in zip(seen, seen[1:])}
+            self._forward_seen = []
+        if self._synced_backward and self.stage == 1:
+            for unit in self._units:
+                unit.grad_flat.zero_()
+        self._synced_backward = False
+        if self.stage != 3 and self.nranks > 1:
+            with torch.no_grad():
+                for unit in self._units:
+                    if unit.shard._version != unit.gathered_version:
+                        self._gather(unit)
+                        unit.gathered_version = unit.shard._version
+        elif self.stage != 3:
+            for unit in self._units:
+                unit.gathered_version = unit.shard._version
+        return self.module(*args, **kwargs)
+
+    def _ensure_gathered(self, unit, prefetch=None) -> None:
+        with torch.no_grad():
+            if unit.pending is not None:
+                unit.pending.wait()
+                unit.pending = None
+            elif not unit.gathered:
+                self._gather(unit)
+            unit.gathered = True
+            if prefetch is not None and not prefetch.gathered and prefetch.pending is None:
+                prefetch.pending = self._gather(prefetch, async_op=True)
+                prefetch.gathered = True
+
+    def _free(self, unit) -> None:
+        if unit.pending is not None:
+            unit.pending.wait()
+            unit.pending = None
+        # Autograd saved the parameter objects, not their data: rebinding .data frees the
+        # full buffer and the re-gather before backward binds a new one.
+        unit.flat = None
+        for p in unit.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        unit.gathered = False
+
+    def _before_forward(self, unit) -> None:
+        # Prefetch what followed this layer in the previous forward (the same on every rank).
+        self._forward_seen.append(unit)
+        self._ensure_gathered(unit, self._next_in_forward.get(unit.index))
+
+    def _after_forward(self, unit, out) -> None:
+        self._free(unit)
+        if not torch.is_grad_enabled():
+            return
+        fired = [False]
+
+        def regather(grad):
+            if not fired[0]:
+                fired[0] = True
+                prev = self._units[unit.index - 1] if unit.index > 0 else None
+                self._ensure_gathered(unit, prev)
+            return grad
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(regather)
+
+    # -- backward -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (full size) without communicating, as DDP's no_sync."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _on_grad(self, unit) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._next_launch = 0
+            for u in self._units:
+                u.ready, u.launched = 0, False
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        unit.ready += 1
+        if self._sync:
+            self._launch_ready()
+
+    def _launch_ready(self, force=False) -> None:
+        while self._next_launch < len(self._launch_order):
+            unit = self._launch_order[self._next_launch]
+            if not force and unit.ready < len(unit.params):
+                return
+            self._launch(unit)
+            self._next_launch += 1
+
+    def _launch(self, unit) -> None:
+        unit.launched = True
+        if self.stage == 1:
+            for k, p in enumerate(unit.params):
+                base = unit.grad_flat.data_ptr() + unit.offsets[k] * p.element_size()
+                if p.grad is None or p.grad.data_ptr() != base:
+                    self._rebind_grad(unit, p)
+            unit.pending = functional.all_reduce(unit.grad_flat, "avg", comm=self.comm,
+                                                 async_op=True, algorithm=self.algorithm)
+            return
+        p0 = unit.params[0]
+        packed = flat_buffer(unit.padded, p0.dtype, p0.device)
+        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
+            if p.grad is not None:
+                packed[off:off + shape.numel()].copy_(p.grad.reshape(-1))
+            p.grad = None
+        if self.stage == 3:
+            self._free(unit)
+        out = torch.empty(unit.shard_numel, dtype=p0.dtype, device=p0.device)
+        work = functional.reduce_scatter_tensor(out, packed, "avg", comm=self.comm,
+                                                async_op=True, algorithm=self.algorithm)
+        unit.pending = (work, out, packed)
+
+    @staticmethod
+    def _rebind_grad(unit, p) -> None:
+        """Put ``p``'s gradient back into the bucket view (after a user set it to None)."""
+        k = unit.params.index(p)
+        view = unit.grad_flat[unit.offsets[k]:unit.offsets[k] + p.numel()].view_as(p)
+        if p.grad is not None:
+            view.copy_(p.grad)
+        else:
+            view.zero_()
+        p.grad = view
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        if not self._sync:
+            if self.stage == 3:
+                for unit in self._units:
+                    self._free(unit)
+            return
+        self._launch_ready(force=True)
+        lo = self.rank
+        for unit in self._launch_order:
+            pending, unit.pending = unit.pending, None
+            if self.stage == 1:
+                pending.wait()
+                s = unit.shard_numel
+                unit.shard.grad = unit.grad_flat[lo * s:(lo + 1) * s]
+                continue
+            work, out, _packed = pending
+            work.wait()
+            if unit.shard.grad is None:
+                unit.shard.grad = out
+            else:
+                unit.shard.grad.add_(out)
+        if self.stage == 3:
+            for unit in self._units:
+                self._free(unit)
+        self._synced_backward = True
+
+    # -- state ----------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict:
+        """Full tensors under ``module.state_dict()``'s names, identical on every rank."""
+        with torch.no_grad():
+            if self.stage == 3:
+                for unit in self._units:
+                    self._gather(unit)
+                sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+                for unit in self._units:
+                    self._free(unit)
+                return sd
+            self.forward_refresh()
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def forward_refresh(self) -> None:
+        """Gather every shard that moved into the full parameters (stages 1 and 2)."""
+        with torch.no_grad():
+            for unit in self._units:
+                if self.stage != 3 and unit.shard._version != unit.gathered_version:
+                    if self.nranks > 1:
+                        self._gather(unit)
+                    unit.gathered_version = unit.shard._version
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load full tensors (from a checkpoint at any number of ranks) into this rank's shards."""
+        expected = dict(self.module.state_dict())
+        for unit in self._units:  # stage 3's parameters are empty between uses
+            for n, shape in zip(unit.names, unit.shapes):
+                expected[n] = torch.empty(shape)
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        if missing or extra:
+            raise KeyError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                           f"unexpected {extra[:5]}")
+        for k, v in expected.items():
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise ValueError(f"checkpoint {k!r} has shape {tuple(state[k].shape)}, "
+                                 f"the model's is {tuple(v.shape)}")
+        names = {n for u in self._units for n in u.names}
+        with torch.no_grad():
+            for k, v in expected.items():
+                if k not in names:
+                    v.copy_(state[k])
+            for unit in self._units:
+                flat = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+                for n, shape, off in zip(unit.names, unit.shapes, unit.offsets):
+                    flat[off:off + shape.numel()].copy_(state[n].reshape(-1))
+                lo = self.rank * unit.shard_numel
+                unit.shard.copy_(flat[lo:lo + unit.shard_numel])
+
+    def _check_optimizer(self, optimizer) -> None:
+        mine = {id(s) for s in self._shards}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in mine:
+                    raise ValueError("the optimizer holds a tensor that is not one of this "
+                                     "model's shards (build it from model.parameters())")
+
+    def full_optim_state_dict(self, optimizer) -> dict:
+        """The optimizer's state consolidated: ``{name: {key: full tensor or value}}``."""
+        self._check_optimizer(optimizer)
+        out: dict = {n: {} for u in self._units for n in u.names}
+        for unit in self._units:
+            st = optimizer.state.get(unit.shard, {})
+            keys = self.comm.bcast(sorted(st), root=0)
+            for key in keys:
+                val = st[key]
+                if torch.is_tensor(val) and val.numel() == unit.shard_numel and val.dim() == 1:
+                    full = torch.empty(unit.padded, dtype=val.dtype, device=val.device)
+                    functional.all_gather_into_tensor(full, val.contiguous(), comm=self.comm,
+                                                      algorithm=self.algorithm)
+                    for n, shape, off in zip(unit.names, unit.shapes, unit.offsets):
+                        out[n][key] = full[off:off + shape.numel()].view(shape).clone()
+                else:
+                    for n in unit.names:
+                        out[n][key] = val.clone() if torch.is_tensor(val) else val
+        return out
+
+    def load_full_optim_state_dict(self, optimizer, state: dict) -> None:
+        """Slice a consolidated optimizer state (from any number of ranks) into this rank's."""
+        self._check_optimizer(optimizer)
+        names = [n for u in self._units for n in u.names]
+        if sorted(state) != sorted(names):
+            raise KeyError("optimizer checkpoint names do not match the model's parameters")
+        for unit in self._units:
+            per = state[unit.names[0]]
+            new = {}
+            for key, val in per.items():
+                if torch.is_tensor(val) and tuple(val.shape) == tuple(unit.shapes[0]) \
+                        and val.dim() > 0:
+                    full = torch.zeros(unit.padded, dtype=val.dtype)
+                    for n, shape, off in zip(unit.names, unit.shapes, unit.offsets):
+                        full[off:off + shape.numel()].copy_(state[n][key].reshape(-1))
+                    lo = self.rank * unit.shard_numel
+                    new[key] = full[lo:lo + unit.shard_numel].clone()
+                else:
+                    new[key] = val.clone() if torch.is_tensor(val) else val
+            optimizer.state[unit.shard] = new
+
+    # -- accounting -----------------------------------------------------------------------------
+    def memory_report(self, optimizer=None) -> dict:
+        """Bytes on this rank (unique storages) of parameters, gradients and optimizer state."""
+        seen: set = set()
+
+        def size(tensors):
+            total = 0
+            for t in tensors:
+                if t is None or not torch.is_tensor(t):
+                    continue
+                st = t.untyped_storage()
+                key = (st.data_ptr(), st.nbytes())
+                if st.nbytes() == 0 or key in seen:
+                    continue
+                seen.add(key)
+                total += st.nbytes()
+            return total
+        params = size([p for u in self._units for p in u.params] + list(self._shards))
+        grads = size([p.grad for u in self._units for p in u.params]
+                     + [s.grad for s in self._shards])
+        opt = 0
+        if optimizer is not None:
+            self._check_optimizer(optimizer)
+            opt = size([v for st in optimizer.state.values() for v in st.values()])
+        numel = sum(u.numel for u in self._units)
+        return {"parameters": params, "gradients": grads, "optimizer": opt,
+                "total": params + grads + opt, "numel": numel,
+                "bytes_per_parameter": (params + grads + opt) / max(numel, 1)}
+
+
+def _tensors(out):
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
