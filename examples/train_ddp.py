@@ -37,7 +37,12 @@ from torch import nn  # noqa: E402
 
 from collectives import config  # noqa: E402
 from collectives.progress import use_thread  # noqa: E402
-from collectives.torch import DistributedDataParallel, all_reduce, compression, hooks  # noqa: E402,E501
+from collectives.torch import (  # noqa: E402
+    DistributedDataParallel,
+    all_reduce,
+    compression,
+    hooks,
+)
 
 SHAPES = ("horizontal", "vertical", "diagonal", "anti-diagonal", "square", "cross")
 

@@ -157,7 +157,7 @@ class _Net(nn.Module):
 @pytest.mark.parametrize("name", sorted(HOOKS))
 def test_ddp_trains_with_each_hook_under_join(name):
     comm = world()
-    n, r = comm.Get_size(), comm.Get_rank()
+    r = comm.Get_rank()
     cls, hook, kw = HOOKS[name]
     torch.manual_seed(0)
     ddp = DDP(_Net(), comm_hook=(cls(comm, **kw), hook), bucket_cap_mb=1e-3)
