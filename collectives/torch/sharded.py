@@ -50,7 +50,7 @@ class _Unit:
 
     __slots__ = ("index", "names", "params", "offsets", "numel", "padded", "shard_numel",
                  "flat", "grad_flat", "shard", "ready", "launched", "gathered_version",
-                 "gathered", "pending", "module", "shapes")
+                 "gathered", "pending", "module", "shapes", "reducing")
 
     def __init__(self, index, names, params, nranks, module=None):
         self.index = index
@@ -72,7 +72,8 @@ class _Unit:
         self.launched = False
         self.gathered_version = None
         self.gathered = False
-        self.pending = None
+        self.pending = None    # an all-gather in flight (stage 3's prefetch), or stage 1's
+        self.reducing = None   # stages 2-3: (reduce-scatter Work, its output, packed input)
         self.module = module
 
 
@@ -105,6 +106,7 @@ class ShardedDataParallel(torch.nn.Module):
         self._next_launch = 0
         self._scratch = None
         self._forward_seen: list = []
+        self._inflight: list = []
         self._next_in_forward: dict = {}
         self._shards = torch.nn.ParameterList()
         self._init_buffers()
@@ -330,7 +332,11 @@ class ShardedDataParallel(torch.nn.Module):
         out = torch.empty(unit.shard_numel, dtype=p0.dtype, device=p0.device)
         work = functional.reduce_scatter_tensor(out, packed, "avg", comm=self.comm,
                                                 async_op=True, algorithm=self.algorithm)
-        unit.pending = (work, out, packed)
+        unit.reducing = (work, out, packed)
+        # Bound the transient packed buffers: at most two units in flight.
+        self._inflight.append(unit)
+        while len(self._inflight) > 2:
+            self._complete(self._inflight.pop(0))
 
     @staticmethod
     def _rebind_grad(unit, p) -> None:
@@ -343,6 +349,26 @@ class ShardedDataParallel(torch.nn.Module):
             view.zero_()
         p.grad = view
 
+    def _complete(self, unit) -> None:
+        """Wait for ``unit``'s launched collective and hand its result to the shard's grad."""
+        if self.stage == 1:
+            pending, unit.pending = unit.pending, None
+            if pending is None:
+                return
+            pending.wait()
+            s, lo = unit.shard_numel, self.rank
+            unit.shard.grad = unit.grad_flat[lo * s:(lo + 1) * s]
+            return
+        if unit.reducing is None:
+            return
+        work, out, _packed = unit.reducing
+        unit.reducing = None
+        work.wait()
+        if unit.shard.grad is None:
+            unit.shard.grad = out
+        else:
+            unit.shard.grad.add_(out)
+
     def _finish_backward(self) -> None:
         self._callback_queued = False
         if not self._sync:
@@ -351,20 +377,9 @@ class ShardedDataParallel(torch.nn.Module):
                     self._free(unit)
             return
         self._launch_ready(force=True)
-        lo = self.rank
         for unit in self._launch_order:
-            pending, unit.pending = unit.pending, None
-            if self.stage == 1:
-                pending.wait()
-                s = unit.shard_numel
-                unit.shard.grad = unit.grad_flat[lo * s:(lo + 1) * s]
-                continue
-            work, out, _packed = pending
-            work.wait()
-            if unit.shard.grad is None:
-                unit.shard.grad = out
-            else:
-                unit.shard.grad.add_(out)
+            self._complete(unit)
+        self._inflight = []
         if self.stage == 3:
             for unit in self._units:
                 self._free(unit)
