@@ -222,3 +222,22 @@ def test_drop_in_functions():
     ct.scatter(t, [torch.full((2,), float(i)) for i in range(p)] if r == 0 else None, src=0)
     ok &= torch.equal(t, torch.full((2,), float(r)))
     assert_all(bool(ok), "drop-in all_to_all_single / all_to_all / gather / scatter")
+
+
+@pytest.mark.mpi
+def test_bad_splits_raise_on_every_rank_untouched(groups):
+    """Splits that do not add up to the input's rows, or a negative one: torch's call raises
+    on every rank before anything moves, and the output keeps its contents."""
+    p = dist.get_world_size()
+    x = torch.arange(2 * p, dtype=torch.float32)
+    o = torch.full((2 * p,), -1.0)
+    msgs = []
+    for ins in [2] * (p - 1) + [3], [-1] + [2] * (p - 1):
+        try:
+            dist.all_to_all_single(o, x, [2] * p, ins)
+            msgs.append(None)
+        except (ValueError, RuntimeError) as e:
+            msgs.append(str(e))
+    ok = all(m is not None for m in msgs) and bool((o == -1).all())
+    assert_all(ok, f"errors {msgs}, output {o}")
+    dist.barrier()
