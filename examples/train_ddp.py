@@ -3,7 +3,7 @@
     mpiexec -n 3 python examples/train_ddp.py                     # about 10 s on 2 cores
     mpiexec -n 3 python examples/train_ddp.py --hook powersgd     # or fp16, bf16
     mpiexec -n 3 python examples/train_ddp.py --hook topk --ratio 0.01 --epochs 6
-    mpiexec -n 3 python examples/train_ddp.py --hook sign --no-error-feedback
+    mpiexec -n 3 python examples/train_ddp.py --hook sign --momentum 0 --epochs 8
     mpiexec -n 2 python examples/train_ddp.py --epochs 10 --width 64 --samples 12288
 
 The data set is made here (nothing is downloaded): 16 x 16 grayscale images of six shapes --
@@ -130,6 +130,7 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=4608, help="training images (4608)")
     p.add_argument("--batch", type=int, default=32, help="images per rank and step (32)")
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--width", type=int, default=32, help="CNN channels (32)")
     p.add_argument("--hook", choices=("allreduce", "fp16", "bf16", "powersgd", "topk", "sign",
                                       "qsgd"), default="allreduce")
@@ -164,7 +165,7 @@ def main(argv=None):
     model = DistributedDataParallel(module, comm=comm, bucket_cap_mb=args.bucket_cap_mb,
                                     algorithm=args.algorithm,
                                     comm_hook=make_hook(args.hook, comm, args))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     n_params = sum(q.numel() for q in module.parameters())
     grad_bytes = sum(q.numel() * q.element_size() for q in module.parameters())
     global_batch = args.batch * size
