@@ -200,3 +200,32 @@ def test_bad_inputs_fail_on_every_rank():
         model.load_full_state_dict(bad)
     after = model.full_state_dict()
     assert_all(all(torch.equal(after[k], v) for k, v in before.items()), "state changed")
+
+
+# -- in-process (one rank) ------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_is_plain_training_and_units_cover_every_parameter(stage):
+    model = SDP(_net(0), stage=stage, bucket_cap_mb=0.002)
+    ref = _net(0)
+    names = sorted(n for unit in model.units() for n in unit)
+    assert names == sorted(n for n, _ in ref.named_parameters())
+    opt, opt_ref = _opt("adamw", model.parameters()), _opt("adamw", ref.parameters())
+    X = torch.randn(6, IN, generator=torch.Generator().manual_seed(3))
+    for _ in range(3):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        model(X, extra=True).pow(2).mean().backward()
+        ref(X, extra=True).pow(2).mean().backward()
+        opt.step()
+        opt_ref.step()
+    got = model.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6)
+    rep = model.memory_report(opt)
+    assert rep["numel"] == sum(q.numel() for q in ref.parameters())
+    assert rep["bytes_per_parameter"] == pytest.approx(16.0, rel=0.05)  # N = 1: all formulas 16
+
+
+def test_stage_outside_one_to_three():
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 0"):
+        SDP(_net(0), stage=0)
