@@ -6,8 +6,8 @@ batch (DDP's float32 tolerance) and check they are bitwise identical on every ra
 against ZeRO's formulas, checkpoints across rank counts and bad input.
 """
 import contextlib
+import re
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -229,3 +229,48 @@ def test_one_rank_is_plain_training_and_units_cover_every_parameter(stage):
 def test_stage_outside_one_to_three():
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 0"):
         SDP(_net(0), stage=0)
+
+
+def _launch(n, *argv, limit=240):
+    """Run ``argv`` under ``mpiexec -n n`` from the repository root; its stdout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("mpiexec not found beside the interpreter")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(PYTHONUNBUFFERED="1", MPIEXEC_TIMEOUT=str(limit))
+    done = subprocess.run([str(mpiexec), "-n", str(n), sys.executable, *argv],
+                          capture_output=True, text=True, timeout=limit + 30, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_example_trains_saves_at_three_ranks_and_resumes_at_two(tmp_path):
+    ck = str(tmp_path / "zero.pt")
+    out = _launch(3, "examples/train_zero.py", "--stage", "3", "--epochs", "2",
+                  "--samples", "1536", "--checkpoint", ck)
+    assert "5.33 bytes/parameter (ZeRO's formula 5.33)" in out, out
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0], out
+    out = _launch(2, "examples/train_zero.py", "--stage", "1", "--epochs", "1",
+                  "--samples", "1536", "--resume", ck)
+    assert "12.00 bytes/parameter (ZeRO's formula 12.00)" in out, out
+    assert float(re.findall(r"loss ([0-9.]+)", out)[0]) < losses[0], out
+
+
+@pytest.mark.timeout(300)
+def test_bench_zero_prints_every_variant_at_the_formula():
+    out = _launch(2, "-m", "bench", "zero", "--params-m", "2", "--rounds", "1", "--steps", "1")
+    for v, want in (("ddp", 16.0), ("z1", 12.0), ("z2", 10.0), ("z3", 8.0)):
+        row = re.search(rf"^{v}\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)", out, re.M)
+        assert row, out
+        assert float(row.group(3)) == pytest.approx(want, rel=0.05), out
+        assert float(row.group(4)) == want
+    assert "peak RSS" in out
