@@ -77,6 +77,8 @@ def main() -> None:
         print(f"{args.backend}: {ranks} ranks, parameters on this rank {mine} of {full_bytes} "
               f"bytes", flush=True)
     dist.destroy_process_group()
+    # Rank 0 serves gloo's store: it must not exit while another rank still tears down.
+    MPI.COMM_WORLD.Barrier()
 
 
 if __name__ == "__main__":
