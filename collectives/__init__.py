@@ -28,6 +28,7 @@ from collectives.api import (
     reduce_scatter,
     scatter,
 )
+from collectives.registered import empty, is_registered
 from collectives.errors import CollectiveError, CollectiveTimeout, MessageSizeError, MismatchError
 from collectives.progress import Request
 from collectives import abort as _abort
@@ -39,7 +40,7 @@ __all__ = [
     "alltoall", "gather", "scatter", "barrier",
     "iallreduce", "ireduce", "ireduce_scatter", "iallgather", "ibroadcast",
     "ialltoall", "igather", "iscatter", "ibarrier",
-    "algorithms", "Request",
+    "algorithms", "Request", "empty", "is_registered",
     "CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
 ]
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import check as _check
-from . import config, native, select
+from . import config, native, onepass, registered, select
 from . import watchdog as _watchdog
 from .buffers import DTYPES, Buffer, wrap
 from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
@@ -135,6 +135,10 @@ def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None)
         if hit is not None and x.dtype is hit.dtype and out.flags.writeable and \
                 hit.tuning is config.get("COLLECTIVES_TUNING"):
             return start(hit.call, algorithm, check, out, hit.finalize, hit.algo, hit.bound)
+    if registered.active() and algorithm == "auto" and type(op) is str:
+        done = onepass.allreduce(x, op, out, comm)
+        if done is not None:
+            return done
     return _allreduce(x, op, out, comm, algorithm, check, True)
 
 
