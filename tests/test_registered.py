@@ -59,7 +59,8 @@ def test_mixed_and_foreign_take_the_ordinary_path():
     n = 101
     ins, ref = _reference(size, n, "int64", "sum")
     # mixed: registered on even ranks only
-    x = coll.empty(n, "int64") if rank % 2 == 0 else np.empty(n, np.int64)
+    reg = coll.empty(n, "int64")  # collective: every rank allocates
+    x = reg if rank % 2 == 0 else np.empty(n, np.int64)
     x[...] = ins[rank]
     coll.allreduce(x, out=x)
     ok = bool(np.array_equal(x, ref)) and coll.is_registered(x) == (rank % 2 == 0)
