@@ -42,16 +42,30 @@ _SCRATCH: dict = {}
 
 
 def _plain(x):
+    """``x`` as a numpy array sharing its memory, or None (a device buffer, a dtype numpy has
+    no view for): only such arrays can be registered."""
     if isinstance(x, np.ndarray):
         return x
-    return x.numpy()  # CPU torch tensor (lookup accepted it): a zero-copy view
+    try:
+        if getattr(x, "device", None) is not None and str(x.device) == "cpu":
+            return x.numpy()  # CPU torch tensor: a zero-copy view
+    except (TypeError, RuntimeError):  # torch.bfloat16 and others numpy cannot view
+        pass
+    return None
+
+
+def _nbytes(x) -> int:
+    nbytes = getattr(x, "nbytes", None)
+    if nbytes is None and hasattr(x, "element_size"):  # torch
+        nbytes = x.numel() * x.element_size()
+    return int(nbytes or 0)
 
 
 def _agree(comm, x, out):
     """The two Registrations and offsets if every rank may take the one-pass path, else None."""
     from mpi4py import MPI  # loaded already: a registered buffer exists
-    hx = registered.lookup(x)
-    ho = registered.lookup(out)
+    hx = None if x is None else registered.lookup(x)
+    ho = None if out is None else registered.lookup(out)
     ok = hx is not None and ho is not None and hx[0].comm is comm and ho[0].comm is comm \
         and hx[0].single and ho[0].single and x.flags["C_CONTIGUOUS"] \
         and out.flags["C_CONTIGUOUS"]
@@ -82,10 +96,14 @@ def allreduce(x, op: str, out, comm):
         return None
     if out is None:  # a fresh result is an ordinary array: nothing to gain
         return None
+    # Every rank passes the same size, so every rank agrees (one small Allreduce) or none does;
+    # a rank whose buffers cannot take the path says so in the agreement.
+    if _nbytes(x) < THRESHOLD:
+        return None
     xa = _plain(x)
     oa = xa if out is x else _plain(out)
-    if xa.nbytes < THRESHOLD or oa.shape != xa.shape or oa.dtype != xa.dtype:
-        return None
+    if xa is not None and oa is not None and (oa.shape != xa.shape or oa.dtype != xa.dtype):
+        oa = None
     got = _agree(comm, xa, oa)
     if got is None:
         return None
