@@ -92,7 +92,7 @@ def allreduce(x, op: str, out, comm):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD if comm is None else comm
     ufunc = _UFUNCS.get(op)
-    if ufunc is None or comm.Get_size() == 1:
+    if ufunc is None or not isinstance(comm, MPI.Comm) or comm.Get_size() == 1:
         return None
     if out is None:  # a fresh result is an ordinary array: nothing to gain
         return None
