@@ -179,6 +179,25 @@ class Table:
         job.received += head.nbytes
         return reqs, (rank, head), (hdr, keys, values, data)
 
+    def _pull_rows(self, ids, shape, out) -> Request:
+        """Pull the rows of ``ids`` (each fetched once, from its server) into a result of
+        ``shape`` (``out`` if given)."""
+        keys = self._keys(ids, "pull")
+        grouped, counts, pos = self._group(keys)
+        rows = np.empty((len(grouped), self.dim), dtype=self.dtype)
+        result = _out(out, shape, self.dtype, self.name)
+        parts, at = [], 0
+        for s, c in enumerate(counts):
+            if c:
+                parts.append(self._send(s, P.Op.PULL, grouped[at:at + c], None,
+                                        data=rows[at:at + c]))
+            at += c
+
+        def finish():
+            np.take(rows, pos, axis=0, out=result.reshape(-1, self.dim))
+            return result
+        return self._post("pull", parts, finish, (rows,))
+
     def _post(self, what, parts, finish=None, keep=()) -> Request:
         reqs, heads, bufs = [], [], list(keep)
         for r, h, b in parts:
@@ -199,22 +218,7 @@ class SparseTable(Table):
     def _pull(self, ids, out) -> Request:
         if ids is None:
             raise TableError(f"table {self.name!r}: a sparse table pulls by ids")
-        shape = np.shape(ids)
-        keys = self._keys(ids, "pull")
-        grouped, counts, pos = self._group(keys)
-        rows = np.empty((len(grouped), self.dim), dtype=self.dtype)
-        result = _out(out, shape + (self.dim,), self.dtype, self.name)
-        parts, at = [], 0
-        for s, c in enumerate(counts):
-            if c:
-                parts.append(self._send(s, P.Op.PULL, grouped[at:at + c], None,
-                                        data=rows[at:at + c]))
-            at += c
-
-        def finish():
-            np.take(rows, pos, axis=0, out=result.reshape(-1, self.dim))
-            return result
-        return self._post("pull", parts, finish, (rows,))
+        return self._pull_rows(ids, np.shape(ids) + (self.dim,), out)
 
     def _update(self, op, ids, grads) -> Request:
         what = "push" if op == P.Op.PUSH else "assign"
@@ -257,22 +261,7 @@ class DenseTable(Table):
 
     def _pull(self, ids, out) -> Request:
         if ids is not None:
-            shape = np.shape(ids) + self.shape[1:]
-            keys = self._keys(ids, "pull")
-            grouped, counts, pos = self._group(keys)
-            rows = np.empty((len(grouped), self.dim), dtype=self.dtype)
-            result = _out(out, shape, self.dtype, self.name)
-            parts, at = [], 0
-            for s, c in enumerate(counts):
-                if c:
-                    parts.append(self._send(s, P.Op.PULL, grouped[at:at + c], None,
-                                            data=rows[at:at + c]))
-                at += c
-
-            def finish():
-                np.take(rows, pos, axis=0, out=result.reshape(-1, self.dim))
-                return result
-            return self._post("pull", parts, finish, (rows,))
+            return self._pull_rows(ids, np.shape(ids) + self.shape[1:], out)
         result = _out(out, self.shape, self.dtype, self.name)
         flat = result.reshape(self.rows, self.dim)
         parts = [self._send(s, P.Op.PULL, None, None, P.FLAG_WHOLE,

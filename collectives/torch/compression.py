@@ -138,6 +138,22 @@ def _chunks(numel: int):
     return sizes
 
 
+def _chunk_sums(values, sizes):
+    """The float64 sum of ``values`` over each chunk of ``sizes``."""
+    sums = torch.zeros(sizes.numel(), dtype=torch.float64)
+    sums.index_add_(0, torch.repeat_interleave(torch.arange(sizes.numel()), sizes),
+                    values.to(torch.float64))
+    return sums
+
+
+def _every_rank_scales(rows, sizes, dtype):
+    """Each rank's float32 per-chunk scales (the head of its gathered row), spread over the
+    chunks' elements: an ``(n, numel)`` tensor of ``dtype``."""
+    n, nchunks = rows.shape[0], sizes.numel()
+    scales = rows[:, :4 * nchunks].reshape(-1).view(torch.float32).view(n, nchunks)
+    return torch.repeat_interleave(scales.to(dtype), sizes, dim=1)
+
+
 def topk_hook(state: TopKState, bucket):
     """Send the largest ``ratio`` of the bucket's entries (indices and values); average them."""
     buf = bucket.buffer()
@@ -185,10 +201,7 @@ def sign_hook(state: SignState, bucket):
     payload, gathered = state.buffers(bucket, head + _up8(nb))
     scales = payload[:4 * nchunks].view(torch.float32)
     # 1. Per chunk: scale = mean |g| (the L1 norm over the count keeps the step's size).
-    sums = torch.zeros(nchunks, dtype=torch.float64)
-    sums.index_add_(0, torch.repeat_interleave(torch.arange(nchunks), sizes),
-                    buf.abs().to(torch.float64))
-    scales.copy_(sums / sizes)
+    scales.copy_(_chunk_sums(buf.abs(), sizes) / sizes)
     positive = buf >= 0
     payload.numpy()[head:head + nb] = np.packbits(positive.numpy(), bitorder="little")
     if res is not None:
@@ -200,11 +213,10 @@ def sign_hook(state: SignState, bucket):
     # 2. Average: sum over ranks of scale_r x sign_r, over n.
     def decompress(fut):
         rows = fut.value()[0].view(n, -1)
-        every_scale = rows[:, :4 * nchunks].reshape(-1).view(torch.float32).view(n, nchunks)
         bits = np.unpackbits(rows[:, head:head + nb].numpy(), axis=1, count=numel,
                              bitorder="little")
         signs = torch.from_numpy(bits).to(buf.dtype).mul_(2).sub_(1)
-        signs.mul_(torch.repeat_interleave(every_scale.to(buf.dtype), sizes, dim=1))
+        signs.mul_(_every_rank_scales(rows, sizes, buf.dtype))
         torch.sum(signs, 0, out=buf)
         return buf.div_(n)
 
@@ -226,9 +238,7 @@ def qsgd_hook(state: QSGDState, bucket):
     norms = payload[:4 * nchunks].view(torch.float32)
     owner = torch.repeat_interleave(torch.arange(nchunks), sizes)
     # 1. Norms, then |g| / norm x levels rounded up with probability of its fraction.
-    sq = torch.zeros(nchunks, dtype=torch.float64)
-    sq.index_add_(0, owner, buf.to(torch.float64).square())
-    norms.copy_(sq.sqrt_())
+    norms.copy_(_chunk_sums(buf.to(torch.float64).square(), sizes).sqrt_())
     per = norms[owner].to(buf.dtype)
     scaled = buf.abs().div_(torch.where(per > 0, per, torch.ones_like(per))).mul_(levels)
     scaled.add_(torch.rand(numel, generator=state.generator, dtype=scaled.dtype)).floor_()
@@ -240,9 +250,8 @@ def qsgd_hook(state: QSGDState, bucket):
     # 2. Average: sum over ranks of norm_r x level_r / levels, over n.
     def decompress(fut):
         rows = fut.value()[0].view(n, -1)
-        every_norm = rows[:, :4 * nchunks].reshape(-1).view(torch.float32).view(n, nchunks)
         vals = rows[:, head:head + numel].view(torch.int8).to(buf.dtype)
-        vals.mul_(torch.repeat_interleave(every_norm.to(buf.dtype), sizes, dim=1))
+        vals.mul_(_every_rank_scales(rows, sizes, buf.dtype))
         torch.sum(vals, 0, out=buf)
         return buf.div_(n * levels)
 
