@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import check as _check
-from . import config, native, onepass, registered, select
+from . import config, native, select
 from . import watchdog as _watchdog
 from .buffers import DTYPES, Buffer, wrap
 from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
@@ -97,6 +97,8 @@ class _Checked:
 
 
 def _keep(x, out, comm, op, algorithm, call: Call) -> None:
+    if call.algorithm not in REGISTRY["allreduce"]:  # one-pass: agreed afresh on every call
+        return
     ctx = call.ctx
     checked = object.__new__(_Checked)
     checked.x, checked.out, checked.comm, checked.dtype = x, out, comm, call.x.dtype
@@ -135,10 +137,6 @@ def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None)
         if hit is not None and x.dtype is hit.dtype and out.flags.writeable and \
                 hit.tuning is config.get("COLLECTIVES_TUNING"):
             return start(hit.call, algorithm, check, out, hit.finalize, hit.algo, hit.bound)
-    if registered.active() and algorithm == "auto" and type(op) is str:
-        done = onepass.allreduce(x, op, out, comm)
-        if done is not None:
-            return done
     return _allreduce(x, op, out, comm, algorithm, check, True)
 
 

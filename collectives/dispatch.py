@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import check as _check
-from . import config, select
+from . import config, onepass, registered, select
 from . import timeline as _timeline
 from . import watchdog as _watchdog
 from .errors import network_error
@@ -215,7 +215,9 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
             if entry is not None:
                 entry.phase = "run"
         if algo is None:
-            algo = _auto(ctx, collective, _auto_bytes(call), call.inplace)
+            nbytes = _auto_bytes(call)
+            algo = onepass.ALGORITHM if registered.active() and onepass.chosen(call, nbytes) \
+                else _auto(ctx, collective, nbytes, call.inplace)
             call.algorithm = algo.name
         elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "

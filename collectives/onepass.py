@@ -1,133 +1,216 @@
-"""One-pass allreduce on registered buffers (``collectives.registered``) of a single node.
+"""One-pass collectives on registered buffers (``collectives.registered``) of a single node.
 
-Vocabulary: the buffer of ``count`` elements is cut into ``n`` *slices* (``numpy.array_split``
-sizes), slice r owned by rank r; a slice is walked in *chunks* of ``CHUNK`` bytes, small enough
-that a chunk's reads and its accumulator stay in cache.
+When every rank's buffers of a call lie in shared windows that every rank of the node maps,
+no byte has to be copied into a window or through the MPI library: each rank reads its peers'
+inputs and writes its peers' outputs directly. Vocabulary: a buffer of ``count`` elements is cut
+into ``n`` *slices* (``numpy.array_split`` sizes), slice r owned by rank r; a slice is walked in
+*chunks* of ``CHUNK`` bytes, small enough that a chunk and its partial result stay in cache.
 
-Walk through n = 4: every rank's input x_j and output out_j are segments of shared windows that
-every rank maps. Rank 2 takes its slice, and for each chunk c copies x_0[c] into a private
-accumulator, adds x_1[c], x_2[c], x_3[c] in that order (so the result is the same bits on every
-rank and in every run), then writes the accumulator into out_0[c] .. out_3[c]. Each rank reads
-its slice of every input once and writes its slice of every output once: 2N bytes per rank,
-the memory-traffic bound of an allreduce. In place (out = x) is safe: rank r only writes slice
-r, which no other rank reads, and it has read all of slice c's inputs before writing it.
+Walk through an allreduce at n = 4: rank 2 takes slice 2, and for each chunk c computes
+x_0[c] op x_1[c] into out_0[c], folds x_2[c] and x_3[c] into it, in rank order (so the result
+is the same bits on every rank and in every run), then copies out_0[c] (in cache) into out_1[c],
+out_2[c] and out_3[c]. Each rank reads its slice of every input once and writes its slice of
+every output once: 2N bytes per rank, the memory-traffic bound of an allreduce. In place
+(out = x) is safe: slice r of every buffer is read and written by rank r only, and out_0[c] is
+written only after x_0[c] was read.
 
-*Deciding collectively.* Below ``THRESHOLD`` bytes (the same on every rank: an allreduce has
-one count) nothing is checked and the ordinary path runs, so small calls pay one dictionary
-miss at most. Above it every rank contributes (registered?, window sequence and offset of x
-and of out) to one 10-integer ``MPI_Allreduce(MIN)`` of the values and their negatives; the
-one-pass path runs only if every rank is registered on this communicator, on one node, with
-identical sequence numbers and offsets. Otherwise (mixed, another communicator's buffer, a
-released one) every rank takes the ordinary path, with the same results.
+The others, for rank r:
 
-*Memory ordering.* Before reading peers' inputs: ``MPI_Win_sync`` on the windows, a barrier of
-the node communicator, ``MPI_Win_sync`` again (the MPI-3 shared-memory idiom: the sync orders
-this rank's earlier stores before the barrier, the second makes peers' stores visible). The
-same fence after the writes, so no rank returns (and reads or reuses its output) before every
-slice of it is written. Two barriers per call, none per chunk.
+- ``reduce_scatter``: block r of every input, folded in rank order chunk by chunk straight into
+  r's own output;
+- ``reduce``: slice r of every input, folded into slice r of the root's output (through a
+  private accumulator when the root reduces in place and is not rank 0, whose input would be
+  overwritten before it is read);
+- ``allgather``: every peer's input copied into r's own output, at that peer's place;
+- ``broadcast``: the root's buffer copied into r's own.
+
+*Deciding collectively* (``chosen``). The one-pass path is tried for ``auto`` calls of more
+than ``THRESHOLD`` bytes (the same size on every rank) on a communicator where registered
+buffers exist, all of whose ranks share one node. Every rank contributes (registered?, window
+sequence and byte offset of x and of out) to one small ``MPI_Allreduce(MIN)`` of the values and
+their negatives; the path runs only if every rank is registered on this communicator with the
+same windows and offsets. Otherwise (mixed, another communicator's buffer, a released one, a
+device tensor) every rank takes the ordinary path, with the same results.
+
+*Synchronisation: flags in a window, no MPI call per chunk.* The work runs as an ``ShmWork`` on
+the communicator's shm window (``collectives.window``): each rank raises its *arrived* counter
+(after ``MPI_Win_sync``, which orders its earlier stores to its buffers before the flag), waits
+until every rank's counter is up (every input written, every output free to be written), does
+its part, then ``Window.finish`` raises its *done* counter and waits for every peer's: nobody
+returns, and reads or reuses its output, before every slice of it is written. The shm window
+orders these calls with the communicator's other shm calls, runs them from the progress thread
+when there is one (``i*`` forms), and tells the watchdog whom a stuck rank waits for.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import registered
+from .select import DIRECT, ONE_NODE, Algorithm
+from .window import ShmWork, wait_until, window
 
-__all__ = ["allreduce", "THRESHOLD", "CHUNK"]
+__all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "chosen", "launch"]
 
-THRESHOLD = 1 << 16   # bytes: below this the ordinary path runs without a check
-CHUNK = 1 << 17       # bytes per chunk: accumulator and one peer's chunk fit in L2
-_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
-_SCRATCH: dict = {}
-
-
-def _plain(x):
-    """``x`` as a numpy array sharing its memory, or None (a device buffer, a dtype numpy has
-    no view for): only such arrays can be registered."""
-    if isinstance(x, np.ndarray):
-        return x
-    try:
-        if getattr(x, "device", None) is not None and str(x.device) == "cpu":
-            return x.numpy()  # CPU torch tensor: a zero-copy view
-    except (TypeError, RuntimeError):  # torch.bfloat16 and others numpy cannot view
-        pass
-    return None
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+THRESHOLD = 1 << 16   # bytes per rank: up to this the ordinary path runs without a check
+CHUNK = 1 << 17       # bytes per chunk: a partial result and one peer's chunk fit in L2
+_NONE = np.iinfo(np.int64).max  # "nothing to say" in the agreement (ranks without an out)
 
 
-def _nbytes(x) -> int:
-    nbytes = getattr(x, "nbytes", None)
-    if nbytes is None and hasattr(x, "element_size"):  # torch
-        nbytes = x.numel() * x.element_size()
-    return int(nbytes or 0)
-
-
-def _agree(comm, x, out):
-    """The two Registrations and offsets if every rank may take the one-pass path, else None."""
-    from mpi4py import MPI  # loaded already: a registered buffer exists
-    hx = None if x is None else registered.lookup(x)
-    ho = None if out is None else registered.lookup(out)
-    ok = hx is not None and ho is not None and hx[0].comm is comm and ho[0].comm is comm \
-        and hx[0].single and ho[0].single and x.flags["C_CONTIGUOUS"] \
-        and out.flags["C_CONTIGUOUS"]
-    vals = np.zeros(10, np.int64)
-    if ok:
-        vals[:5] = (1, hx[0].seq, hx[1], ho[0].seq, ho[1])
-    vals[5:] = -vals[:5]
-    comm.Allreduce(MPI.IN_PLACE, vals, op=MPI.MIN)
-    if vals[0] != 1 or not np.array_equal(vals[:5], -vals[5:]):
+def _where(buf, ctx):
+    """(window seq, byte offset) of a wrapped buffer registered on ``ctx``'s communicator."""
+    if buf is None or buf.is_device:
         return None
-    return hx, ho
+    hit = registered.lookup(buf.flat)
+    if hit is None or not hit[0].single or hit[0].comm != ctx.user_comm:
+        return None
+    return hit[0].seq, hit[1]
 
 
-def _fence(regs):
-    for reg in regs:
-        reg.win.Sync()
-    regs[0].node.Barrier()
-    for reg in regs:
-        reg.win.Sync()
+def _needs_out(call) -> bool:
+    """Whether peers write this rank's output (so it must be registered too)."""
+    return call.collective == "allreduce" or (call.collective == "reduce" and
+                                              call.ctx.rank == call.root)
 
 
-def allreduce(x, op: str, out, comm):
-    """Run the one-pass allreduce if every rank may; the result, or None for the normal path."""
+def chosen(call, nbytes: int) -> bool:
+    """Whether every rank runs ``call`` (``auto``, ``nbytes`` per rank, the same everywhere)
+    one-pass; collective whenever the size and communicator qualify."""
+    ctx = call.ctx
+    if call.collective not in COLLECTIVES or nbytes <= THRESHOLD or ctx.size == 1:
+        return False
     from mpi4py import MPI
-    comm = MPI.COMM_WORLD if comm is None else comm
-    ufunc = _UFUNCS.get(op)
-    if ufunc is None or not isinstance(comm, MPI.Comm) or comm.Get_size() == 1:
-        return None
-    if out is None:  # a fresh result is an ordinary array: nothing to gain
-        return None
-    # Every rank passes the same size, so every rank agrees (one small Allreduce) or none does;
-    # a rank whose buffers cannot take the path says so in the agreement.
-    if _nbytes(x) < THRESHOLD:
-        return None
-    xa = _plain(x)
-    oa = xa if out is x else _plain(out)
-    if xa is not None and oa is not None and (oa.shape != xa.shape or oa.dtype != xa.dtype):
-        oa = None
-    got = _agree(comm, xa, oa)
-    if got is None:
-        return None
-    (rx, offx), (ro, offo) = got
-    dt, count, n, r = xa.dtype, xa.size, comm.Get_size(), comm.Get_rank()
-    nb = count * dt.itemsize
-    ins = [seg[offx:offx + nb].view(dt) for seg in rx.segs]
-    outs = [seg[offo:offo + nb].view(dt) for seg in ro.segs]
+    from .topology import topology
+    if not topology(ctx).single_node:  # also a simulated topology's several nodes
+        return False
+    x = _where(call.x, ctx)
+    out = _where(call.out, ctx) if _needs_out(call) else (_NONE, _NONE)
+    lo = np.zeros(5, np.int64)
+    if x is not None and out is not None:
+        lo[:] = (1, *x, *out)
+    hi = lo.copy()
+    if call.collective == "reduce" and ctx.rank != call.root:
+        lo[3:], hi[3:] = _NONE, -_NONE  # only the root's output is agreed on
+    both = np.concatenate([lo, -hi])
+    ctx.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+    if both[0] != 1 or not np.array_equal(both[:5], -both[5:]):
+        return False
+    ctx.stash["onepass.out"] = (int(both[3]), int(both[4]))  # the output (reduce: the root's)
+    return True
+
+
+def _peers(call, reg_key, offset, counts, dtype):
+    """Every rank's buffer in window ``reg_key`` at ``offset``, ``counts[j]`` elements each."""
+    reg = registered.live(call.ctx.user_comm, reg_key)
+    nbytes = [c * dtype.itemsize for c in counts]
+    return reg, [seg[offset:offset + nb].view(dtype) for seg, nb in zip(reg.segs, nbytes)]
+
+
+def _bounds(count: int, n: int, r: int) -> tuple[int, int]:
     base, extra = divmod(count, n)
     lo = r * base + min(r, extra)
-    hi = lo + base + (r < extra)
+    return lo, lo + base + (r < extra)
+
+
+def _fold(op, dst, parts, a: int, b: int, step: int, at: int = 0) -> None:
+    """``dst[a - at:b - at]`` = ``parts[0][a:b]`` op ``parts[1][a:b]`` op ..., chunk by chunk,
+    in rank order. ``dst`` may be ``parts[0]`` (in place) but no later part."""
+    for c in range(a, b, step):
+        e = min(c + step, b)
+        d = dst[c - at:e - at]
+        op.reduce(d, parts[0][c:e], parts[1][c:e])
+        for p in parts[2:]:
+            op.reduce(d, d, p[c:e])
+
+
+def _allreduce(call, ins, outs, step):
+    n, r = call.ctx.size, call.ctx.rank
+    lo, hi = _bounds(call.x.count, n, r)
+    first = outs[0]
+    for c in range(lo, hi, step):
+        e = min(c + step, hi)
+        _fold(call.op, first, ins, c, e, e - c)
+        for o in outs[1:]:
+            np.copyto(o[c:e], first[c:e])
+
+
+def _reduce(call, ins, outs, step):
+    n, r, root = call.ctx.size, call.ctx.rank, call.root
+    lo, hi = _bounds(call.x.count, n, r)
+    dst = outs[root]
+    if dst.ctypes.data == ins[root].ctypes.data and root != 0 and hi > lo:
+        # in place at the root: x_root's slice is still to be read when x_0 op x_1 is written
+        acc = call.ctx.take_scratch(("onepass", call.x.dtype), step,
+                                    lambda k: np.empty(k, call.x.dtype))
+        try:
+            for c in range(lo, hi, step):
+                e = min(c + step, hi)
+                _fold(call.op, acc, ins, c, e, e - c, at=c)
+                np.copyto(dst[c:e], acc[:e - c])
+        finally:
+            call.ctx.give_scratch(("onepass", call.x.dtype), acc)
+    else:
+        _fold(call.op, dst, ins, lo, hi, step)
+
+
+def _reduce_scatter(call, ins, out, step):
+    r, counts = call.ctx.rank, call.counts
+    lo = sum(counts[:r])
+    _fold(call.op, out, ins, lo, lo + counts[r], step, at=lo)
+
+
+def _allgather(call, ins, out):
+    at = 0
+    for j, c in enumerate(call.counts):
+        if j != call.ctx.rank or ins[j].ctypes.data != out[at:].ctypes.data:
+            np.copyto(out[at:at + c], ins[j])
+        at += c
+
+
+def _run(work, win, call, regs, body, args) -> None:
+    """Meet (every rank's arrived flag), run ``body``, finish (every rank's done flag)."""
+    base = win.base + 1
+    for reg in regs:
+        reg.win.Sync()
+    win.win.Sync()
+    win.mine[0][0] = base
+    arrived = win.counters[0]
+    wait_until(work, win, lambda: arrived.min() >= base,
+               lambda: f"rank(s) {win.late(0, base)} to arrive")
+    win.win.Sync()
+    for reg in regs:
+        reg.win.Sync()
+    body(call, *args)
+    for reg in regs:
+        reg.win.Sync()
+    win.finish(work)
+
+
+def launch(call) -> ShmWork:
+    """Start ``call`` one-pass (after ``chosen`` said every rank may)."""
+    ctx, dt = call.ctx, call.x.dtype
+    agreed = ctx.stash.pop("onepass.out")  # where the output is (reduce: the root's)
+    win = window(ctx)
     step = max(1, CHUNK // dt.itemsize)
-    acc = _SCRATCH.get(dt)
-    if acc is None:
-        acc = _SCRATCH[dt] = np.empty(step, dt)
-    regs = [rx] if rx is ro else [rx, ro]
-    _fence(regs)
-    for a in range(lo, hi, step):
-        b = min(a + step, hi)
-        m = acc[:b - a]
-        np.copyto(m, ins[0][a:b])
-        for j in range(1, n):
-            ufunc(m, ins[j][a:b], out=m)
-        for j in range(n):
-            outs[j][a:b] = m
-    _fence(regs)
-    return out
+    seq_x, off_x = _where(call.x, ctx)
+    collective, n = call.collective, ctx.size
+    if collective == "allgather":
+        reg, ins = _peers(call, seq_x, off_x, call.counts, dt)
+        return ShmWork(win, _run, (win, call, [reg], _allgather, (ins, call.out.flat)), call)
+    reg, ins = _peers(call, seq_x, off_x, [call.x.count] * n, dt)
+    if collective == "broadcast":
+        body = (lambda c, src, dst: None) if ctx.rank == call.root else \
+            (lambda c, src, dst: np.copyto(dst, src))
+        return ShmWork(win, _run, (win, call, [reg], body, (ins[call.root], call.x.flat)),
+                       call)
+    if collective == "reduce_scatter":
+        return ShmWork(win, _run, (win, call, [reg], _reduce_scatter,
+                                   (ins, call.out.flat, step)), call)
+    seq_o, off_o = agreed
+    reg_o, outs = _peers(call, seq_o, off_o, [call.x.count] * n, dt)
+    body = _allreduce if collective == "allreduce" else _reduce
+    regs = [reg] if reg_o is reg else [reg, reg_o]
+    return ShmWork(win, _run, (win, call, regs, body, (ins, outs, step)), call)
+
+
+ALGORITHM = Algorithm("onepass", DIRECT, COLLECTIVES, launch=launch, needs=ONE_NODE)

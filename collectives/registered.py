@@ -1,20 +1,29 @@
 """Registered buffers: arrays whose memory lies in an MPI-3 shared window of the node's ranks.
 
-``empty(shape, dtype, comm=comm)`` is collective over ``comm`` (every rank calls it with the
-same shape and dtype, in the same order): it allocates one shared window on the node
-communicator (``comm.Split_type(COMM_TYPE_SHARED)``) with one segment per rank, and returns
-this rank's segment as an array. Every rank maps every segment, so a collective on registered
-buffers can read a peer's input and write a peer's output directly (``collectives.onepass``).
+``empty(shape, dtype, comm=comm)`` is collective over ``comm`` (every rank calls it, in the same
+order; shapes may differ between ranks): it returns this rank's segment of a shared window on
+the node communicator (``comm.Split_type(COMM_TYPE_SHARED)``) as an array. Every rank maps
+every segment, so a collective on registered buffers can read a peer's input and write a peer's
+output directly (``collectives.onepass``).
 
-*Lifetime.* A window is freed collectively (``MPI_Win_free``), but arrays die at different
-times on different ranks. When an array is garbage-collected, ``weakref.finalize`` only
-unregisters it locally (so no later call can reach its memory through the registry) and queues
-its window; the next ``empty`` on the same communicator, already collective, agrees on the
-windows every rank has released and frees those, in allocation order.
+*Size classes and reuse.* A rank's segment is its request rounded up to a power of two (4 KiB
+at least, so every segment is page-aligned). Windows are pooled: an array that dies gives its
+window back, and a later ``empty`` whose requests fit every rank's segment of a pooled window
+takes that window instead of allocating (``MPI_Win_allocate_shared`` is a collective that maps
+and faults fresh pages; a training loop that allocates buffers of the same sizes every step
+allocates windows only once). At most ``POOL`` windows wait in the pool per communicator; the
+oldest beyond it are freed.
 
-*Identity.* Each window has a sequence number, the same on every rank (``empty`` is
+*Lifetime.* A window is given back collectively, but arrays die at different times on
+different ranks. When an array is garbage-collected, ``weakref.finalize`` unregisters it
+locally at once (so no later call reaches its memory through ``lookup``) and queues its
+window; the next ``empty`` on the communicator, already collective, learns which windows every
+rank has released (one small ``allgather`` with every rank's request) and pools or frees those.
+A window is never freed while any rank still holds an array in it.
+
+*Identity.* Windows are numbered per communicator, the same numbers on every rank (``empty`` is
 collective). ``lookup(arr)`` returns (registration, byte offset) for an array inside a live
-registered segment, or None.
+registered segment, or None; ``live(comm, seq)`` the registration a peer named.
 """
 from __future__ import annotations
 
@@ -22,10 +31,11 @@ import weakref
 
 import numpy as np
 
-__all__ = ["empty", "is_registered", "lookup", "Registration", "active"]
+__all__ = ["empty", "is_registered", "lookup", "live", "Registration", "active", "POOL"]
 
-_LIVE: dict = {}        # seq -> Registration
-_NODES: dict = {}       # id(comm) -> (comm, node comm, single node?, next seq, released seqs)
+POOL = 4              # windows kept for reuse per communicator
+_PAGE = 4096
+_NODES: dict = {}     # id(comm) -> _Node
 _ACTIVE = [False]
 
 
@@ -35,50 +45,95 @@ def active() -> bool:
 
 
 class Registration:
-    """One shared window: every rank's segment as a uint8 array, and the communicator."""
+    """One shared window: every rank's segment as a uint8 array, and the communicator.
 
-    __slots__ = ("seq", "comm", "node", "single", "win", "segs", "nbytes", "lo", "hi",
-                 "__weakref__")
+    ``lo``/``hi``: the address range of this rank's segment while an array lives in it,
+    (-1, -1) otherwise (``lookup`` then never finds it)."""
 
-    def __init__(self, seq, comm, node, single, win, segs, nbytes):
+    __slots__ = ("seq", "comm", "node", "single", "win", "segs", "lo", "hi")
+
+    def __init__(self, seq, comm, node, single, win, segs):
         self.seq, self.comm, self.node, self.single = seq, comm, node, single
-        self.win, self.segs, self.nbytes = win, segs, nbytes
-        mine = segs[node.Get_rank()]
+        self.win, self.segs = win, segs
+        self.lo = self.hi = -1
+
+    def attach(self) -> None:
+        mine = self.segs[self.node.Get_rank()]
         self.lo = mine.ctypes.data
-        self.hi = self.lo + nbytes
+        self.hi = self.lo + mine.nbytes
+
+    def free(self) -> None:
+        self.lo = self.hi = -1
+        self.segs = []
+        self.win.Unlock_all()
+        self.win.Free()
 
 
-def _node(comm):
-    from mpi4py import MPI
+class _Node:
+    """What one communicator's registrations share: its node communicator and windows."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.comm = comm
+        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.single = comm.allreduce(self.node.Get_size(), op=MPI.MIN) == comm.Get_size()
+        self.next = 0
+        self.live: dict = {}       # seq -> Registration with an array in it on this rank
+        self.released: set = set()  # seqs whose array died here, not yet agreed on
+        self.pool: dict = {}       # seq -> Registration released everywhere, free to reuse
+
+
+def _node(comm) -> _Node:
     entry = _NODES.get(id(comm))
-    if entry is None or entry[0] is not comm:
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        single = comm.allreduce(node.Get_size(), op=MPI.MIN) == comm.Get_size()
-        entry = [comm, node, single, 0, set()]
-        _NODES[id(comm)] = entry
+    if entry is None or entry.comm is not comm:
+        entry = _NODES[id(comm)] = _Node(comm)
     return entry
 
 
-def _free_released(entry) -> None:
-    comm, node = entry[0], entry[1]
-    mine = sorted(entry[4])
-    everyone = comm.allgather(mine)  # small: a list of ints per rank, only inside empty()
-    common = set(mine)
-    for other in everyone:
-        common &= set(other)
-    for seq in sorted(common):
-        reg = _LIVE.pop(seq, None)
-        entry[4].discard(seq)
-        if reg is not None:
-            reg.win.Unlock_all()
-            reg.win.Free()
-
-
-def _release(seq, entry) -> None:
-    reg = _LIVE.get(seq)
+def _release(seq: int, entry: _Node) -> None:
+    reg = entry.live.get(seq)
     if reg is not None:
         reg.lo = reg.hi = -1  # unreachable through lookup from now on
-    entry[4].add(seq)
+    entry.released.add(seq)
+
+
+def _settle(entry: _Node, nbytes: int) -> list[int]:
+    """Pool the windows every rank has released; every rank's request (collective)."""
+    said = entry.comm.allgather((sorted(entry.released), nbytes))  # a few ints, in empty only
+    common = set(said[0][0]).intersection(*(set(s[0]) for s in said[1:]))
+    for seq in sorted(common):
+        entry.released.discard(seq)
+        reg = entry.live.pop(seq, None)
+        if reg is not None:
+            entry.pool[seq] = reg
+    return [s[1] for s in said]
+
+
+def _reuse(entry: _Node, needs: list[int]):
+    """The smallest pooled window whose every rank's segment fits its request, or None; the
+    same on every rank (the pool and the requests are)."""
+    fits = [reg for reg in entry.pool.values()
+            if all(seg.nbytes >= need for seg, need in zip(reg.segs, needs))]
+    if not fits:
+        return None
+    best = min(fits, key=lambda reg: (sum(seg.nbytes for seg in reg.segs), reg.seq))
+    return entry.pool.pop(best.seq)
+
+
+def _allocate(entry: _Node, nbytes: int) -> Registration:
+    from mpi4py import MPI
+    while len(entry.pool) >= POOL:  # the oldest pooled windows make room
+        entry.pool.pop(min(entry.pool)).free()
+    size = max(_PAGE, 1 << max(0, (max(nbytes, 1) - 1).bit_length()))
+    win = MPI.Win.Allocate_shared(size, 1, comm=entry.node)
+    win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for its life: what Win_sync needs
+    segs = []
+    for j in range(entry.node.Get_size()):
+        buf, _unit = win.Shared_query(j)
+        segs.append(np.frombuffer(buf, dtype=np.uint8))
+    seq = entry.next
+    entry.next += 1
+    return Registration(seq, entry.comm, entry.node, entry.single, win, segs)
 
 
 def empty(shape, dtype, *, comm=None):
@@ -91,27 +146,17 @@ def empty(shape, dtype, *, comm=None):
         raise ValueError(f"negative dimension in shape {shape}")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     entry = _node(comm)
-    _free_released(entry)
-    node = entry[1]
-    # size classes: powers of two from 4 KiB, so every rank's segment is page-aligned
-    alloc = max(4096, 1 << max(0, (max(nbytes, 1) - 1).bit_length()))
-    win = MPI.Win.Allocate_shared(alloc, 1, comm=node)
-    win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for its life: what Win_sync needs
-    segs = []
-    for j in range(node.Get_size()):
-        buf, _unit = win.Shared_query(j)
-        segs.append(np.frombuffer(buf, dtype=np.uint8, count=alloc))
-    seq = entry[3]
-    entry[3] += 1
-    reg = Registration(seq, comm, node, entry[2], win, segs, alloc)
-    _LIVE[seq] = reg
+    needs = _settle(entry, nbytes)
+    reg = _reuse(entry, needs) or _allocate(entry, nbytes)
+    reg.attach()
+    entry.live[reg.seq] = reg
     _ACTIVE[0] = True
     # The finalizer sits on an array of its own buffer object: numpy collapses every view's
     # base onto it, so the window is released only when no view of it is left.
-    own, _unit = win.Shared_query(node.Get_rank())
-    flat = np.frombuffer(own, dtype=dt, count=nbytes // dt.itemsize)
-    weakref.finalize(flat, _release, seq, entry)
-    return flat.reshape(shape)
+    own, _unit = reg.win.Shared_query(entry.node.Get_rank())
+    holder = np.frombuffer(own, dtype=dt, count=nbytes // dt.itemsize)
+    weakref.finalize(holder, _release, reg.seq, entry)
+    return holder.reshape(shape)
 
 
 def _address(x):
@@ -131,10 +176,16 @@ def lookup(x):
     if where is None:
         return None
     addr, n = where
-    for reg in _LIVE.values():
-        if reg.lo <= addr and addr + n <= reg.hi:
-            return reg, addr - reg.lo
+    for entry in _NODES.values():
+        for reg in entry.live.values():
+            if reg.lo <= addr and addr + n <= reg.hi:
+                return reg, addr - reg.lo
     return None
+
+
+def live(comm, seq: int) -> Registration:
+    """The registration ``seq`` of ``comm`` (one every rank agreed is live)."""
+    return _node(comm).live[seq]
 
 
 def is_registered(x) -> bool:

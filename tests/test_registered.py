@@ -1,69 +1,178 @@
-"""Registered buffers under mpiexec (n = 1..5): ``coll.empty`` and ``coll.is_registered``, the
-one-pass allreduce in place and out of place for dtypes, ops and lengths 0, 1 and primes through
-tiny chunks, and the calls that must take the ordinary path with the same results (mixed
-registration, another communicator's buffer, a released one)."""
+"""Registered buffers under mpiexec (n = 1..5): ``coll.empty``, ``coll.is_registered`` and the
+one-pass collectives (``collectives.onepass``).
+
+Every collective it implements runs on registered buffers for every dtype and op, lengths 0, 1
+and primes, in place and out of place, through tiny chunks, and must give the bits MPI's own
+collective gives on ordinary copies of the same data; a counter on the one-pass launch proves
+the path was taken. The calls that must take the ordinary path (mixed registration, another
+communicator's buffer, a released one, offsets that differ between ranks) give the same
+results without it.
+"""
+import dataclasses
 import gc
 
 import numpy as np
 import pytest
 
 import collectives as coll
-from collectives import onepass
-from tests.mpiutil import assert_all, op_inputs
+from collectives import onepass, registered
+from collectives.buffers import DTYPES
+from collectives.ops import NAMES, _ACCEPTS, dtype_kind
+from tests.mpiutil import assert_all, op_inputs, world
 
-LENGTHS = (0, 1, 2, 13, 97, 1009)
+LENGTHS = (0, 1, 2, 13, 97)
+_WIDEST = 16  # bytes: complex128
 
 
 @pytest.fixture(autouse=True)
-def _deep_paths(monkeypatch):
-    """Every length takes the one-pass path, walked in chunks of 24 bytes."""
+def launches(monkeypatch):
+    """Every length takes the one-pass path, in chunks of 24 bytes; counts its launches."""
     monkeypatch.setattr(onepass, "THRESHOLD", 0)
     monkeypatch.setattr(onepass, "CHUNK", 24)
+    seen = []
+
+    def counted(call):
+        seen.append(call.collective)
+        return onepass.launch(call)
+    monkeypatch.setattr(onepass, "ALGORITHM", dataclasses.replace(onepass.ALGORITHM,
+                                                                   launch=counted))
+    return seen
 
 
-def _reference(size, n, dtype, op):
-    ins = op_inputs(size, n, dtype, op)
-    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
-    ref = ins[0].copy()
-    for a in ins[1:]:
-        ref = fn(ref, a).astype(dtype)
-    return ins, ref
+def _pairs():
+    for dtype in DTYPES:
+        for op in NAMES:
+            if dtype_kind(dtype) in _ACCEPTS[op]:
+                yield dtype, op
+
+
+def _view(raw, dtype, n):
+    return raw[:n * dtype.itemsize].view(dtype)
+
+
+def _run(collective, x, out, op, root, inplace):
+    """``collective`` on x/out as a user calls it; the array that holds this rank's result."""
+    if collective == "allreduce":
+        return coll.allreduce(x, op, out=x if inplace else out)
+    if collective == "reduce":
+        mine = x if inplace else out
+        got = coll.reduce(x, op, root, out=mine if world().Get_rank() == root else None)
+        return got if got is not None else np.zeros(0, x.dtype)
+    if collective == "reduce_scatter":
+        return coll.reduce_scatter(x, op, out=out)
+    if collective == "allgather":
+        return coll.allgather(x, out=out)
+    return coll.broadcast(x, root)
+
+
+def _out_count(collective, n, size, rank):
+    if collective == "allgather":
+        return n * size
+    if collective == "reduce_scatter":
+        return n // size + (rank < n % size)
+    return n
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("dtype", ["int32", "int64", "float32", "float64", "uint8"])
-@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
-@pytest.mark.parametrize("inplace", [True, False])
-def test_allreduce_registered(dtype, op, inplace):
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+@pytest.mark.parametrize("collective,inplace", [
+    ("allreduce", False), ("allreduce", True), ("reduce", False), ("reduce", True),
+    ("reduce_scatter", False), ("allgather", False), ("broadcast", True)])
+def test_every_collective_on_registered_buffers(collective, inplace, launches):
+    comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    ok = True
-    for n in LENGTHS:
-        ins, ref = _reference(size, n, dtype, op)
-        x = coll.empty(n, dtype)
-        x[...] = ins[rank]
-        out = x if inplace else coll.empty(n, dtype)
-        got = coll.allreduce(x, op, out=out)
-        ok &= got is out and bool(np.array_equal(out, ref))
-        if not inplace:
-            ok &= bool(np.array_equal(x, ins[rank]))
-    assert_all(ok and coll.is_registered(x), f"{dtype} {op} inplace={inplace}")
+    top = max(LENGTHS) * _WIDEST
+    xraw = coll.empty(top, np.uint8)
+    oraw = coll.empty(top * size, np.uint8)
+    bad, calls = [], 0
+    for dtype, op in _pairs() if collective not in ("allgather", "broadcast") else \
+            ((d, "sum") for d in DTYPES):
+        for n in LENGTHS:
+            root = n % size  # a root other than 0 walks reduce's private fold in place
+            data = op_inputs(size, n, dtype, op)[rank]
+            x = _view(xraw, dtype, n)
+            x[...] = data
+            out = _view(oraw, dtype, _out_count(collective, n, size, rank))
+            got = _run(collective, x, out, op, root, inplace)
+            calls += size > 1 and n > 0
+            want_x = data.copy()
+            want_out = np.zeros_like(out)
+            want = _run_native(collective, want_x, want_out, op, root, inplace)
+            ok = np.array_equal(got.view(np.uint8), want.view(np.uint8))
+            if not inplace and collective != "broadcast":
+                ok &= np.array_equal(x, data)  # the input is left alone
+            if not ok:
+                bad.append(f"{dtype.name} {op} n={n}")
+    took = len(launches)
+    assert_all(not bad and took == calls, f"{collective} inplace={inplace}: "
+               f"{bad[:5]}, one-pass launches {took} of {calls}")
+
+
+def _run_native(collective, x, out, op, root, inplace):
+    if collective == "allreduce":
+        return coll.allreduce(x, op, out=x if inplace else out, algorithm="native")
+    if collective == "reduce":
+        mine = x if inplace else out
+        got = coll.reduce(x, op, root, out=mine if world().Get_rank() == root else None,
+                          algorithm="native")
+        return got if got is not None else np.zeros(0, x.dtype)
+    if collective == "reduce_scatter":
+        return coll.reduce_scatter(x, op, out=out, algorithm="native")
+    if collective == "allgather":
+        return coll.allgather(x, out=out, algorithm="native")
+    return coll.broadcast(x, root, algorithm="native")
 
 
 @pytest.mark.mpi
-def test_mixed_and_foreign_take_the_ordinary_path():
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+def test_nonblocking_forms_take_the_path(launches):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n = 1009
+    ins = op_inputs(size, n, "float64", "sum")
+    x = coll.empty(n, "float64")
+    y = coll.empty(n, "float64")
+    x[...] = ins[rank]
+    y[...] = ins[rank]
+    first = coll.iallreduce(x, "avg", out=x)
+    second = coll.iallreduce(y, "max", out=y)
+    second.wait()
+    first.wait()
+    ok = np.array_equal(x, np.mean(ins, axis=0)) and np.array_equal(y, np.max(ins, axis=0))
+    assert_all(ok and len(launches) == (2 if size > 1 else 0),
+               f"iallreduce on registered buffers ({len(launches)} one-pass launches)")
+
+
+@pytest.mark.mpi
+def test_ragged_allgather(launches):
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    counts = [3 * r + 1 for r in range(size)]
+    x = coll.empty(counts[rank], "int32")  # ranks ask for different sizes
+    x[...] = rank * 100 + np.arange(counts[rank])
+    out = np.empty(sum(counts), np.int32)
+    coll.allgather(x, out=out)
+    want = np.concatenate([r * 100 + np.arange(c) for r, c in enumerate(counts)])
+    assert_all(np.array_equal(out, want) and len(launches) == (size > 1), "ragged allgather")
+
+
+@pytest.mark.mpi
+def test_mixed_foreign_and_misaligned_take_the_ordinary_path(launches):
+    comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     n = 101
-    ins, ref = _reference(size, n, "int64", "sum")
+    ins = op_inputs(size, n, "int64", "sum")
+    ref = np.sum(ins, axis=0)
     # mixed: registered on even ranks only
     reg = coll.empty(n, "int64")  # collective: every rank allocates
     x = reg if rank % 2 == 0 else np.empty(n, np.int64)
     x[...] = ins[rank]
     coll.allreduce(x, out=x)
     ok = bool(np.array_equal(x, ref)) and coll.is_registered(x) == (rank % 2 == 0)
+    # offsets that differ between ranks
+    wide = coll.empty(n + size, "int64")
+    z = wide[rank:rank + n]
+    z[...] = ins[rank]
+    coll.allreduce(z, out=z)
+    ok &= bool(np.array_equal(z, ref))
     # another communicator's registered buffer
     dup = comm.Dup()
     y = coll.empty(n, "int64", comm=dup)
@@ -74,34 +183,63 @@ def test_mixed_and_foreign_take_the_ordinary_path():
     ok &= not coll.is_registered(np.zeros(4)) and coll.is_registered(y[3:7])
     del y
     gc.collect()
-    coll.empty(1, "int8", comm=dup)  # frees the released window collectively
+    coll.empty(1, "int8", comm=dup)  # pools the released window collectively
     dup.Free()
-    assert_all(ok, "mixed or foreign registration")
+    assert_all(ok and (size == 1 or len(launches) == 0), "mixed, misaligned or foreign "
+               f"registration ({len(launches)} one-pass launches)")
 
 
 @pytest.mark.mpi
-def test_released_buffer_is_unregistered():
+def test_released_buffer_is_unregistered_and_reused():
+    comm = world()
     x = coll.empty(64, "float64")
     view = x[:8]
     addr = view.ctypes.data
+    seq = registered.lookup(x)[0].seq
     del x
     gc.collect()
-    # the view keeps the base alive: still registered
-    ok = coll.is_registered(view) and view.ctypes.data == addr
-    assert_all(ok, "a live view of a registered array")
+    ok = coll.is_registered(view) and view.ctypes.data == addr  # the view keeps it alive
+    del view
+    gc.collect()
+    again = coll.empty(32, "float64")  # fits the released window: the same one, reused
+    ok &= registered.lookup(again)[0].seq == seq
+    bigger = coll.empty(1 << 16, "float64")  # does not fit: a new window
+    ok &= registered.lookup(bigger)[0].seq != seq
+    assert_all(ok, "released windows are pooled and reused", comm)
 
 
 @pytest.mark.mpi
-def test_torch_tensor_on_registered_memory():
+def test_subcommunicator(launches):
+    comm = world()
+    rank = comm.Get_rank()
+    sub = comm.Split(rank % 2, rank)
+    n = 97
+    x = coll.empty(n, "float32", comm=sub)
+    x[...] = rank + 1
+    coll.allreduce(x, out=x, comm=sub)
+    mates = [r for r in range(comm.Get_size()) if r % 2 == rank % 2]
+    ok = np.array_equal(x, np.full(n, sum(mates) + len(mates), np.float32))
+    took = len(launches)
+    del x
+    gc.collect()
+    sub.Free()
+    assert_all(ok and took == (len(mates) > 1), f"sub-communicator ({took} launches)")
+
+
+@pytest.mark.mpi
+def test_torch_tensors_on_registered_memory(launches):
     torch = pytest.importorskip("torch")
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+    from collectives.torch import empty
+    comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    ins, ref = _reference(size, 37, "float32", "sum")
-    t = torch.from_numpy(coll.empty(37, "float32"))
-    t.copy_(torch.from_numpy(ins[rank]))
-    coll.allreduce(t, out=t)
-    assert_all(coll.is_registered(t) and bool(np.array_equal(t.numpy(), ref)), "torch")
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = empty((5, 7), dtype=dtype)
+        t.fill_(rank + 1)
+        coll.allreduce(t, out=t)
+        want = torch.full((5, 7), size * (size + 1) // 2, dtype=dtype)
+        ok &= coll.is_registered(t) and t.shape == (5, 7) and bool(torch.equal(t, want))
+    assert_all(ok and len(launches) == 3 * (size > 1), "torch tensors")
 
 
 def test_empty_rejects_negative_shape():

@@ -10,6 +10,7 @@ Importing this package imports torch (the core toolkit never does).
 """
 from .buckets import GradBucket
 from .ddp import CommStats, DistributedDataParallel
+from .memory import empty, zeros
 from .sharded import ShardedDataParallel
 from .functional import (
     Work,
@@ -38,7 +39,7 @@ __all__ = [
     "DistributedDataParallel", "CommStats", "GradBucket", "ShardedDataParallel",
     "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "Work",
     "all_to_all_single", "all_to_all", "gather", "scatter",
-    "wait_future",
+    "wait_future", "empty", "zeros",
     "DefaultState", "PowerSGDState", "allreduce_hook", "fp16_compress_hook",
     "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper", "powerSGD_hook",
 ]
