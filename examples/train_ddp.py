@@ -44,6 +44,7 @@ from collectives.torch import (  # noqa: E402
     hooks,
 )
 
+COMPRESSING = ("topk", "sign", "qsgd")
 SHAPES = ("horizontal", "vertical", "diagonal", "anti-diagonal", "square", "cross")
 
 
@@ -95,14 +96,16 @@ class CNN(nn.Module):
 def make_hook(name, comm, args=None):
     """``(state, hook)`` for ``--hook`` (``args``: ``--ratio``, ``--bits``, error feedback)."""
     ef = args is None or not args.no_error_feedback
+    mom = hook_momentum(name, args)
     if name == "topk":
         return (compression.TopKState(comm, ratio=args.ratio if args else 0.01,
-                                      error_feedback=ef), compression.topk_hook)
+                                      error_feedback=ef, momentum=mom), compression.topk_hook)
     if name == "sign":
-        return compression.SignState(comm, error_feedback=ef), compression.sign_hook
+        return (compression.SignState(comm, error_feedback=ef, momentum=mom),
+                compression.sign_hook)
     if name == "qsgd":
-        return (compression.QSGDState(comm, bits=args.bits if args else 4, error_feedback=ef),
-                compression.qsgd_hook)
+        return (compression.QSGDState(comm, bits=args.bits if args else 4, error_feedback=ef,
+                                      momentum=mom), compression.qsgd_hook)
     if name == "allreduce":
         return hooks.DefaultState(comm), hooks.allreduce_hook
     if name == "fp16":
@@ -111,6 +114,14 @@ def make_hook(name, comm, args=None):
         return hooks.DefaultState(comm), hooks.bf16_compress_hook
     state = hooks.PowerSGDState(comm, matrix_approximation_rank=2, start_powerSGD_iter=10)
     return state, hooks.powerSGD_hook
+
+
+def hook_momentum(name, args) -> float:
+    """The momentum a compressing hook applies before compressing (the optimizer then has
+    none): ``--momentum`` for topk, sign and qsgd unless ``--optimizer-momentum``."""
+    if args is None or name not in COMPRESSING or args.optimizer_momentum:
+        return 0.0
+    return args.momentum
 
 
 def progress(iterable, total, enabled, desc):
@@ -138,6 +149,9 @@ def main(argv=None):
     p.add_argument("--bits", type=int, default=4, help="qsgd: bits per level (4)")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="topk, sign, qsgd: drop what compression leaves out")
+    p.add_argument("--optimizer-momentum", action="store_true",
+                   help="topk, sign, qsgd: momentum in the optimizer, on the decompressed "
+                        "average, instead of in the hook before compression")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="bucket cap (0.1 MB: this small model still gets two buckets)")
     p.add_argument("--algorithm", default="auto")
@@ -165,7 +179,9 @@ def main(argv=None):
     model = DistributedDataParallel(module, comm=comm, bucket_cap_mb=args.bucket_cap_mb,
                                     algorithm=args.algorithm,
                                     comm_hook=make_hook(args.hook, comm, args))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    # A compressing hook applies the momentum itself, before compressing (hook_momentum).
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr,
+                          momentum=args.momentum - hook_momentum(args.hook, args))
     n_params = sum(q.numel() for q in module.parameters())
     grad_bytes = sum(q.numel() * q.element_size() for q in module.parameters())
     global_batch = args.batch * size

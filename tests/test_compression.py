@@ -77,6 +77,24 @@ def test_bad_settings():
         QSGDState(_self(), bits=8)
 
 
+def test_momentum_is_applied_before_compressing():
+    # Lossless top-k (ratio 1): the output is this rank's momentum m = 0.5 m + g.
+    state = TopKState(_self(), ratio=1.0, momentum=0.5)
+    g = torch.tensor([1.0, -2.0, 4.0])
+    outs = [_call(topk_hook, state, g.clone(), [(3,)]).clone() for _ in range(3)]
+    for out, factor in zip(outs, (1.0, 1.5, 1.75)):
+        torch.testing.assert_close(out, factor * g)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+        SignState(_self(), momentum=1.0)
+
+
+def test_sign_scale_never_spans_two_parameters():
+    # A bias of large gradients beside a weight of small ones: each keeps its own scale.
+    g = torch.cat([torch.tensor([8.0, -8.0, 8.0]), torch.full((40,), 0.01)])
+    out = _call(sign_hook, SignState(_self(), error_feedback=False), g.clone(), [(3,), (40,)])
+    torch.testing.assert_close(out, g)
+
+
 def test_empty_bucket_is_returned_untouched():
     for cls, hook, kw in HOOKS.values():
         state = cls(_self(), **kw)
@@ -140,7 +158,8 @@ def test_qsgd_one_entry_per_chunk_is_exact(bits):
     want[2] = -(n + 1) / 2
     want[CHUNK + 38] = float(n + 1)
     assert_all(torch.allclose(out, want, rtol=1e-6, atol=0), f"{out[[2, CHUNK + 38]].tolist()}")
-    assert_all(state.wire_bytes == 8 + m, f"{state.wire_bytes} bytes")  # 2 norms, m levels
+    # 3 norms (chunks never span two parameters: 4 | 512 | 84), padded to 8 bytes
+    assert_all(state.wire_bytes == 16 + m, f"{state.wire_bytes} bytes")
 
 
 class _Net(nn.Module):

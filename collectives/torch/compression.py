@@ -10,17 +10,29 @@ reduced) and decompresses the n contributions into their average:
 * ``topk_hook``: the k = ceil(ratio x elements) entries largest in magnitude, as int32 indices
   and values in the bucket's dtype (4 + itemsize bytes each); 2/ratio x fewer bytes in fp32.
 * ``sign_hook``: EF-signSGD / 1-bit SGD (Karimireddy et al. 2019): one bit per element, packed,
-  and one float32 scale (the mean magnitude) per ``CHUNK`` elements; about 31x fewer bytes.
-* ``qsgd_hook``: QSGD (Alistarh et al. 2017): the L2 norm of each ``CHUNK`` elements, and per
-  element a sign and a level in 0..2^bits-1 drawn by stochastic rounding, one int8 each
-  (bits <= 7); about 4x fewer bytes. Chunks keep a norm from drowning small entries.
+  and one float32 scale (the mean magnitude) per chunk; about 30x fewer bytes.
+* ``qsgd_hook``: QSGD (Alistarh et al. 2017): the L2 norm of each chunk, and per element a
+  sign and a level in 0..2^bits-1 drawn by stochastic rounding, one int8 each (bits <= 7);
+  about 4x fewer bytes.
 
-*Error feedback* (``error_feedback=True``, the default): the hook compresses the gradient plus
-what earlier rounds left out (the *residual*, one per bucket and rank) and keeps the new
-residual = input - what was sent, so nothing is lost, only delayed. A rank that joined
-(``DistributedDataParallel.join``) sends zeros and keeps its residual out of them. Every state
-counts the bytes it hands to collectives (``wire_bytes``); the layout of a payload (each part
-starts on 8 bytes) is fixed by the bucket's size, so every rank sends the same byte count.
+A *chunk* is at most ``CHUNK`` elements of one parameter (never two: a bias whose entries are
+large next to its weight's gets a scale of its own), so a scale or norm does not drown the
+small entries it shares a chunk with.
+
+*Momentum* (``momentum=beta``, default 0): the hook keeps this rank's momentum
+m = beta m + g per bucket and compresses m instead of g; the optimizer then runs without
+momentum. Compressing the momentum-updated step rather than the gradient is what
+momentum correction (Lin et al. 2018, Deep Gradient Compression) and blockwise
+EF-SGD with momentum (Zheng et al. 2019) do: the average that comes back is the step itself,
+and what compression leaves out is not amplified a second time by an optimizer's momentum.
+
+*Error feedback* (``error_feedback=True``, the default): the hook compresses the gradient (or
+the momentum) plus what earlier rounds left out (the *residual*, one per bucket and rank) and
+keeps the new residual = input - what was sent, so nothing is lost, only delayed. A rank that
+joined (``DistributedDataParallel.join``) sends zeros and keeps its residual and momentum out
+of them. Every state counts the bytes it hands to collectives (``wire_bytes``); the layout of
+a payload (each part starts on 8 bytes) is fixed by the sizes of the bucket's parameters, so
+every rank sends the same byte count.
 The numpy bit packing makes ``sign_hook`` a CPU hook.
 """
 from __future__ import annotations
@@ -52,22 +64,37 @@ def _done(tensor):
 class CompressionState(DefaultState):
     """What a compressing hook keeps: error feedback's residuals and the byte buffers."""
 
-    __slots__ = ("error_feedback", "residuals", "scratch")
+    __slots__ = ("error_feedback", "momentum", "residuals", "momenta", "scratch")
 
-    def __init__(self, comm=None, algorithm: str = "auto", error_feedback: bool = True):
+    def __init__(self, comm=None, algorithm: str = "auto", error_feedback: bool = True,
+                 momentum: float = 0.0):
         super().__init__(comm, algorithm)
+        if isinstance(momentum, bool) or not 0 <= float(momentum) < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.error_feedback = bool(error_feedback)
+        self.momentum = float(momentum)
         self.residuals: dict = {}   # bucket index -> this rank's residual (flat, like the bucket)
+        self.momenta: dict = {}     # bucket index -> this rank's momentum (flat, like the bucket)
         self.scratch: dict = {}     # bucket index -> (payload, gathered) byte tensors
 
     def feedback(self, bucket):
-        """Add the bucket's residual into its buffer; returns the residual to update, or None."""
-        if not self.error_feedback or bucket.joined():
+        """Turn the bucket's gradient into what is compressed: with ``momentum``, this rank's
+        momentum m = momentum x m + g; with error feedback, plus the residual. Returns the
+        residual to update, or None."""
+        if bucket.joined():
             return None
         buf = bucket.buffer()
-        res = self.residuals.get(bucket.index())
+        index = bucket.index()
+        if self.momentum:
+            mom = self.momenta.get(index)
+            if mom is None or mom.numel() != buf.numel() or mom.dtype != buf.dtype:
+                mom = self.momenta[index] = torch.zeros_like(buf)
+            buf.copy_(mom.mul_(self.momentum).add_(buf))
+        if not self.error_feedback:
+            return None
+        res = self.residuals.get(index)
         if res is None or res.numel() != buf.numel() or res.dtype != buf.dtype:
-            res = self.residuals[bucket.index()] = torch.zeros_like(buf)
+            res = self.residuals[index] = torch.zeros_like(buf)
         buf.add_(res)
         return res
 
@@ -93,8 +120,8 @@ class TopKState(CompressionState):
     __slots__ = ("ratio",)
 
     def __init__(self, comm=None, algorithm: str = "auto", ratio: float = 0.01,
-                 error_feedback: bool = True):
-        super().__init__(comm, algorithm, error_feedback)
+                 error_feedback: bool = True, momentum: float = 0.0):
+        super().__init__(comm, algorithm, error_feedback, momentum)
         if not 0 < float(ratio) <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)
@@ -112,8 +139,8 @@ class QSGDState(CompressionState):
     __slots__ = ("bits", "generator")
 
     def __init__(self, comm=None, algorithm: str = "auto", bits: int = 4,
-                 error_feedback: bool = True, random_seed: int = 0):
-        super().__init__(comm, algorithm, error_feedback)
+                 error_feedback: bool = True, momentum: float = 0.0, random_seed: int = 0):
+        super().__init__(comm, algorithm, error_feedback, momentum)
         if isinstance(bits, bool) or int(bits) != bits or not 1 <= int(bits) <= 7:
             raise ValueError(f"bits must be an integer from 1 to 7 (int8 levels), got {bits!r}")
         self.bits = int(bits)
@@ -131,10 +158,16 @@ def _world_rank() -> int:
 CHUNK = 512  # elements per scale or norm (QSGD's "bucket size"), as in the papers
 
 
-def _chunks(numel: int):
-    """The sizes of the ``CHUNK``-element pieces of a bucket (the last one may be short)."""
-    sizes = torch.full(((numel + CHUNK - 1) // CHUNK,), CHUNK, dtype=torch.int64)
-    sizes[-1] = numel - CHUNK * (sizes.numel() - 1)
+def _chunks(bucket):
+    """The sizes of the pieces of ``bucket`` that get one scale or norm each: every parameter
+    split into ``CHUNK``-element pieces (its last one may be short). A piece never spans two
+    parameters: a bias whose gradient is large next to its weight's entries gets a scale of
+    its own, instead of a residual that error feedback lets grow and releases in bursts."""
+    numels = torch.tensor([p.numel() for p in bucket.parameters()], dtype=torch.int64)
+    numels = numels[numels > 0]
+    pieces = (numels + CHUNK - 1) // CHUNK
+    sizes = torch.full((int(pieces.sum()),), CHUNK, dtype=torch.int64)
+    sizes[torch.cumsum(pieces, 0) - 1] = numels - CHUNK * (pieces - 1)
     return sizes
 
 
@@ -194,7 +227,7 @@ def sign_hook(state: SignState, bucket):
     if numel == 0:
         return _done(buf)
     res = state.feedback(bucket)
-    sizes = _chunks(numel)
+    sizes = _chunks(bucket)
     nchunks = sizes.numel()
     head = _up8(4 * nchunks)
     nb = (numel + 7) // 8
@@ -230,7 +263,7 @@ def qsgd_hook(state: QSGDState, bucket):
     if numel == 0:
         return _done(buf)
     res = state.feedback(bucket)
-    sizes = _chunks(numel)
+    sizes = _chunks(bucket)
     nchunks = sizes.numel()
     levels = (1 << state.bits) - 1
     head = _up8(4 * nchunks)
