@@ -33,6 +33,12 @@ parameter's gradient accumulates after the first iteration, so activation checkp
 (a parameter unused on every rank keeps ``grad=None``, as in one process). Hooks hold weak
 references to the DDP object, never strong ones (STYLE 10). ``state_dict()`` is the module's
 own (no ``module.`` prefix) and ``load_state_dict`` accepts both forms.
+
+``overlap_forward=True`` carries the communication into the next forward
+(``collectives.torch.overlap``): backward returns without waiting, each piece of gradient is
+stepped by the attached optimizer (``attach_optimizer``) when its allreduce completes, and
+the next forward waits, module by module, only for its own parameters' pieces;
+``synchronize()`` applies every pending update (before evaluation or a checkpoint).
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ from collectives import timeline, watchdog
 from . import functional
 from .buckets import Bucket, GradBucket, assign
 from .hooks import DefaultState, allreduce_hook
+from .overlap import ForwardOverlap
 
 __all__ = ["DistributedDataParallel", "CommStats"]
 
@@ -63,10 +70,14 @@ class CommStats:
     Per synchronized backward, the *span* runs from the first bucket's launch to the moment
     every bucket is reduced; the *exposed* part is what remains after backward's computation
     ended (the end-of-backward callback's wait). ``hidden_fraction()`` = 1 - exposed / span.
+    With ``overlap_forward`` the span runs to the last piece finished and the exposed part is
+    the time spent waiting for pieces; the *forward* span starts when backward ends, and
+    ``forward_hidden_fraction()`` is the share of it hidden behind the next forward (and
+    whatever else ran before the waits).
     """
 
     __slots__ = ("steps", "wire_bytes", "span_s", "exposed_s", "last_span_s",
-                 "last_exposed_s")
+                 "last_exposed_s", "forward_span_s", "forward_exposed_s")
 
     def __init__(self):
         self.reset()
@@ -77,10 +88,18 @@ class CommStats:
         self.wire_bytes = 0
         self.span_s = self.exposed_s = 0.0
         self.last_span_s = self.last_exposed_s = 0.0
+        self.forward_span_s = self.forward_exposed_s = 0.0
 
     def hidden_fraction(self) -> float:
         """The fraction of the communication span that overlapped backward (1.0 if none)."""
         return 1.0 - self.exposed_s / self.span_s if self.span_s > 0 else 1.0
+
+    def forward_hidden_fraction(self) -> float:
+        """``overlap_forward``: the fraction of the communication left when backward ended
+        that did not block (1.0 if none)."""
+        if self.forward_span_s <= 0:
+            return 1.0
+        return 1.0 - self.forward_exposed_s / self.forward_span_s
 
     def __repr__(self):
         return (f"CommStats(steps={self.steps}, wire_bytes={self.wire_bytes}, "
@@ -98,6 +117,12 @@ def _on_backward_end(ref):
     ddp = ref()
     if ddp is not None:
         ddp._end_backward()
+
+
+def _on_forward_pre(ref, module, args):
+    ddp = ref()
+    if ddp is not None and ddp._overlap is not None:
+        ddp._overlap.before(module)
 
 
 def _sum_hook(state, bucket):
@@ -216,7 +241,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module, comm=None, bucket_cap_mb=25, algorithm="auto",
                  find_unused_parameters=False, gradient_as_bucket_view=True,
-                 broadcast_buffers=True, comm_hook=None, static_graph=False):
+                 broadcast_buffers=True, comm_hook=None, static_graph=False,
+                 overlap_forward=False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -240,6 +266,17 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = bool(broadcast_buffers)
         self.static_graph = bool(static_graph)
         self.stats = CommStats()
+        self.overlap_forward = bool(overlap_forward)
+        self._overlap = None
+        if self.overlap_forward:
+            clash = [what for what, on in (
+                ("comm_hook", comm_hook is not None),
+                ("find_unused_parameters=True", self.find_unused_parameters),
+                ("static_graph=True", self.static_graph),
+                ("gradient_as_bucket_view=False", not self.gradient_as_bucket_view)) if on]
+            if clash:
+                raise ValueError(f"overlap_forward=True does not combine with "
+                                 f"{', '.join(clash)}")
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for n, p in named:
@@ -285,6 +322,13 @@ class DistributedDataParallel(nn.Module):
                 self.register_comm_hook(*comm_hook)
             else:
                 self.register_comm_hook(None, comm_hook)
+        if self.overlap_forward:
+            self._overlap = ForwardOverlap(module, self._params, self._names,
+                                           self._hook_state, self.size)
+            self._overlap.plan(self._buckets)
+            owners = {id(m): m for m in self._overlap.owner}.values()
+            self._handles.extend(m.register_forward_pre_hook(
+                functools.partial(_on_forward_pre, ref)) for m in owners)
 
     # -- construction helpers -------------------------------------------------------------------
     def _verify_params(self) -> None:
@@ -371,7 +415,16 @@ class DistributedDataParallel(nn.Module):
             active, root, _ = self._agree_join(True)
             self._active = active
         self._sync_buffers(root)
+        if self._overlap is not None:
+            if self._overlap.optimizer is None and torch.is_grad_enabled():
+                raise RuntimeError("DistributedDataParallel(overlap_forward=True) steps the "
+                                   "optimizer itself: call model.attach_optimizer(optimizer) "
+                                   "before the first forward")
+            self._overlap.forward_starts()
         out = self.module(*args, **kwargs)
+        if self._overlap is not None:
+            self._overlap.forward_ends()
+            self._account_overlap()
         if self.static_graph and self._require_sync and torch.is_grad_enabled():
             out = _through_backward_start(weakref.ref(self), out)
         if timeline.on:
@@ -397,6 +450,8 @@ class DistributedDataParallel(nn.Module):
         the initial rank count with ``divide_by_initial_world_size=True``, as torch's
         default). Every rank of ``comm`` must enter the context.
         """
+        if self._overlap is not None:
+            raise RuntimeError("join() does not combine with overlap_forward=True")
         if not enable or self.size == 1:
             yield
             return
@@ -460,6 +515,9 @@ class DistributedDataParallel(nn.Module):
         """Reduce each bucket with ``hook(state, bucket) -> Future`` (state None: DDP's comm)."""
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if self.overlap_forward and hook is not allreduce_hook:
+            raise ValueError("overlap_forward=True reduces pieces of buckets with the default "
+                             "allreduce; it takes no comm hook")
         self._hook = hook
         self._hook_state = DefaultState(self.comm, self.algorithm) if state is None else state
         # The default hook's division is done by DDP itself, gradient by gradient as each one
@@ -476,8 +534,38 @@ class DistributedDataParallel(nn.Module):
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The wrapped module's state dict: the same keys as without DDP."""
+        self.synchronize()
         return self.module.state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
+
+    def attach_optimizer(self, optimizer) -> None:
+        """``overlap_forward``: the optimizer the model steps, piece by piece, as gradients
+        arrive (its ``step()`` then raises; ``zero_grad()`` is not needed)."""
+        if self._overlap is None:
+            raise RuntimeError("attach_optimizer() needs DistributedDataParallel("
+                               "overlap_forward=True); otherwise call optimizer.step() "
+                               "after backward")
+        if self._overlap.optimizer is not None:
+            raise RuntimeError("an optimizer is already attached")
+        self._overlap.attach(optimizer)
+
+    def synchronize(self) -> None:
+        """``overlap_forward``: wait for every pending piece and apply its update (before
+        evaluation, a checkpoint or reading the parameters); a no-op otherwise."""
+        if self._overlap is not None and self._overlap.finish_all():
+            self._account_overlap()
+
+    def _account_overlap(self) -> None:
+        times = self._overlap.done()
+        if times is None:
+            return
+        span, after, blocked = times
+        s = self.stats
+        s.last_span_s, s.last_exposed_s = span, blocked
+        s.span_s += span
+        s.exposed_s += blocked
+        s.forward_span_s += after
+        s.forward_exposed_s += blocked
 
     # -- the reducer --------------------------------------------------------------------------
     def _reset_iteration(self) -> None:
@@ -491,6 +579,8 @@ class DistributedDataParallel(nn.Module):
             b.pending = len(b.members)
             b.future = None
             b.grad_bucket = None
+        if self._overlap is not None:
+            self._overlap.reset()
 
     def _start_backward(self) -> None:
         """Queue the end-of-backward callback on the backward that runs now."""
@@ -553,6 +643,9 @@ class DistributedDataParallel(nn.Module):
         if self._rebuild_pending:
             self._order.append(index)
         b.pending -= 1
+        if self._overlap is not None:
+            self._overlap.ready(index)
+            return
         if b.pending == 0:
             if timeline.on:
                 timeline.instant(f"bucket {b.index} ready", "bucket", {"bucket": b.index})
@@ -624,6 +717,14 @@ class DistributedDataParallel(nn.Module):
                     f"the loss, or static_graph=True with reentrant activation checkpointing")
             for i in missing:
                 self._mark_unused(i)
+            if self._overlap is not None:
+                self._overlap.end_backward(t_end)
+                self.stats.steps += 1
+                self.stats.wire_bytes = self._hook_state.wire_bytes
+                if self._rebuild_pending:  # the buckets change: nothing may be in flight
+                    self.synchronize()
+                    self._rebuild()
+                return
             used = None
             if self.find_unused_parameters:
                 # Every rank takes part: which parameters were used anywhere since the last sync.
@@ -695,3 +796,6 @@ class DistributedDataParallel(nn.Module):
                         max(1, int(self.bucket_cap_mb * (1 << 20))), order)
         if groups != [b.members for b in self._buckets]:
             self._build_buckets(order)
+        if self._overlap is not None:
+            self._overlap.plan(self._buckets)
+            self._overlap.prioritize(self.comm)
