@@ -49,14 +49,20 @@ def test_pieces_cut_buckets_at_parameter_boundaries():
     net = _net(0)
     params = list(net.parameters())
     ddp = DDP(net, overlap_forward=True, bucket_cap_mb=1.0)
-    cut = pieces(ddp._buckets, params, piece_bytes=HIDDEN * HIDDEN * 4)
+    # One bucket; a piece closes once it holds the limit.
+    assert len(ddp._buckets) == 1
+    cut = pieces(ddp._buckets, params, piece_bytes=HIDDEN * 4)
     for pc in cut:
         assert pc.stop - pc.start == sum(params[i].numel() for i in pc.members)
-        assert pc.nbytes <= HIDDEN * HIDDEN * 4 or len(pc.members) == 1
+        assert pc.nbytes - params[pc.members[-1]].numel() * 4 < HIDDEN * 4
     assert sorted(i for pc in cut for i in pc.members) == list(range(len(params)))
-    assert len(cut) >= 3
     one = pieces(ddp._buckets, params, piece_bytes=1)
     assert [pc.members for pc in one] == [[i] for b in ddp._buckets for i in b.members]
+    # ... and never spans two modules: a piece per Linear (weight and bias) and one for gain.
+    owner = [id(m) for m in ddp._overlap.owner]
+    whole = pieces(ddp._buckets, params, piece_bytes=1 << 30, owner=owner)
+    assert sorted(len(pc.members) for pc in whole) == [1, 2, 2, 2]
+    assert len(ddp._overlap.pieces) == 4
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
@@ -161,6 +167,33 @@ def test_parameters_match_one_process_at_every_step(kind, cap, share):
     assert_all(ok, f"optimizer state for {len(mine)} parameters, expected {len(ref_state)}")
     s = ddp.stats
     assert_all(s.steps == steps and 0.0 <= s.forward_hidden_fraction() <= 1.0, repr(s))
+
+
+@pytest.mark.mpi
+def test_no_sync_accumulation_matches_one_process():
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    ref = _net(0)
+    net = _net(0)
+    ddp = DDP(net, overlap_forward=True, bucket_cap_mb=0.004)
+    ddp.attach_optimizer(_optimizer("sgd", ddp.parameters()))
+    opt_ref = _optimizer("sgd", ref.parameters())
+    for step in range(4):
+        opt_ref.zero_grad()
+        for k in range(2):
+            gen = torch.Generator().manual_seed(100 * step + k)
+            X = torch.randn(n * SHARD, IN, generator=gen)
+            Y = torch.randn(n * SHARD, OUT, generator=gen)
+            mine = slice(r * SHARD, (r + 1) * SHARD)
+            if k == 0:
+                with ddp.no_sync():
+                    nn.functional.mse_loss(ddp(X[mine]), Y[mine]).backward()
+            else:
+                nn.functional.mse_loss(ddp(X[mine]), Y[mine]).backward()
+            nn.functional.mse_loss(ref(X), Y).backward()
+        opt_ref.step()
+    ddp.synchronize()
+    _close(net, ref, "no_sync then a synchronized backward, four steps")
 
 
 @pytest.mark.mpi

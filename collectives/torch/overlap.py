@@ -12,8 +12,8 @@ Here backward returns at once; each *piece* of gradient is stepped by the optimi
 allreduce completes, and the next forward waits, layer by layer, only for the pieces of the
 parameters it is about to use (ByteScheduler, P3). The vocabulary:
 
-* *piece*: consecutive parameters of one bucket and one module, at most ``PIECE_BYTES`` (a
-  larger parameter is a piece alone), reduced by one allreduce of its slice of the bucket.
+* *piece*: consecutive parameters of one bucket and one module, closed once it holds at least
+  ``PIECE_BYTES``, reduced by one allreduce of its slice of the bucket.
   Pieces are numbered in the order backward makes them ready: piece 0 holds the last layer.
   A bucket of several layers is split so that the first layer waits for its own piece, not
   for the whole bucket.
@@ -29,8 +29,8 @@ parameters it is about to use (ByteScheduler, P3). The vocabulary:
 * *finish*: wait for a piece's allreduce (earlier-started ones complete first), step the
   optimizer on its parameters (an optimizer per piece, built from the attached one, sharing
   its ``state`` and taking its hyperparameters when backward ends, so learning-rate
-  schedulers and ``optimizer.state_dict()`` keep working), then zero its gradients for the
-  next backward.
+  schedulers and ``optimizer.state_dict()`` keep working), then release its gradients
+  (``grad = None``, as ``zero_grad(set_to_none=True)``) for the next backward.
 * *wait in forward*: a forward pre-hook on every module that owns parameters finishes the
   pieces holding them. A parameter whose module's forward did not run in the previous forward
   (a parameter used through ``torch.nn.functional`` by its parent) has its piece finished at
@@ -54,7 +54,7 @@ from collectives import timeline, watchdog
 
 __all__ = ["PIECE_BYTES", "BACKWARD_SHARE", "Piece", "pieces", "ForwardOverlap"]
 
-PIECE_BYTES = 4 << 20   # pieces are at most this (one larger parameter is a piece alone)
+PIECE_BYTES = 4 << 20   # a piece closes once it holds this much
 BACKWARD_SHARE = 0.5    # the share of the gradient bytes started while backward runs
 
 
@@ -87,8 +87,8 @@ class Piece:
 
 
 def pieces(buckets, params, piece_bytes: int = PIECE_BYTES, owner=None) -> list[Piece]:
-    """The buckets cut at parameter boundaries into pieces of at most ``piece_bytes``, and
-    where ``owner`` (a key per parameter: its module) changes."""
+    """The buckets cut at parameter boundaries: a piece closes once it holds at least
+    ``piece_bytes``, and where ``owner`` (a key per parameter: its module) changes."""
     out: list[Piece] = []
     for b in buckets:
         begin = offset = 0
@@ -96,7 +96,7 @@ def pieces(buckets, params, piece_bytes: int = PIECE_BYTES, owner=None) -> list[
         size = b.flat.element_size()
         for i in b.members:
             n = params[i].numel()
-            if members and ((offset + n - begin) * size > piece_bytes or
+            if members and ((offset - begin) * size >= piece_bytes or
                             (owner is not None and owner[i] != owner[members[-1]])):
                 out.append(Piece(len(out), b, begin, offset, members))
                 begin, members = offset, []
@@ -312,7 +312,10 @@ class ForwardOverlap:
                     if p.grad is not view:   # zero_grad(set_to_none=True) since backward
                         p.grad = view
             pc.optimizer.step()
-        pc.flat().zero_()   # the next backward accumulates from zero
+        # Released, as set_to_none does: the next backward's first gradient is copied into
+        # the slot (divided on the way), one pass instead of zeroing and accumulating.
+        for i in pc.members:
+            self.params[i].grad = None
 
     def pending(self) -> bool:
         """Whether some piece has not been finished."""
