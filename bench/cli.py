@@ -45,6 +45,9 @@ def parser(spec: Collective) -> argparse.ArgumentParser:
     p.add_argument("--algorithms", default=None,
                    help="comma-separated (default: every registered one, auto, gloo)")
     p.add_argument("--modes", default=None, help=f"out,in (default: {','.join(spec.modes)})")
+    p.add_argument("--registered", action="store_true",
+                   help="add a 'registered' row: auto on buffers from collectives.empty "
+                        "(the one-pass path on one node)")
     p.add_argument("--latency", action="store_true", help="OSU min/avg/max latency columns")
     p.add_argument("--json", default=None, help="write the results as JSON")
     p.add_argument("--csv", default=None, help="write the results as CSV")
@@ -101,7 +104,7 @@ def main(spec: Collective, argv=None) -> int:
                   root=getattr(args, "root", 0), algorithms=_algorithms(spec, args.algorithms),
                   rounds=args.rounds, iters=args.iters, warmup=args.warmup_iters,
                   check=bool(args.check), modes=args.modes.split(",") if args.modes else None,
-                  out=show)
+                  out=show, registered=args.registered)
     info = run_info(sweep)
     if rank0:
         print(f"# collectives benchmark: {spec.name}, {sweep.n} ranks on {info['host']}, "

@@ -7,7 +7,9 @@ One training step (``zero_grad``, forward, backward, ``optimizer.step``) of an M
 parameters, batch 32 per rank, one torch thread per rank, for each variant:
 
 - ``ours``: ``collectives.torch.DistributedDataParallel`` (buckets allreduced while backward
-  runs);
+  runs; on one node its buckets are registered buffers, reduced one-pass);
+- ``ours_ordinary``: the same with ``registered_buckets=False``: buckets in ordinary memory,
+  reduced by ``auto``'s message-passing pick;
 - ``ours_nothread``: the same with ``COLLECTIVES_PROGRESS_THREAD=0`` during its steps: no
   progress thread, the bytes move when DDP's gradient hooks poll and in the end-of-backward
   wait (for machines without a spare core per rank);
@@ -50,9 +52,10 @@ import time
 
 __all__ = ["main", "mlp", "VARIANTS"]
 
-VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single", "torch_ours",
-            "ours_timeline", "ours_overlap_forward")
-DEFAULT_VARIANTS = ("ours", "ours_nothread", "gloo", "no_overlap", "single")
+VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "gloo", "no_overlap", "single",
+            "torch_ours", "ours_timeline", "ours_overlap_forward")
+DEFAULT_VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "gloo", "no_overlap", "single")
+_OURS = ("ours", "ours_ordinary", "ours_nothread", "ours_timeline")
 
 
 def mlp(params_m: float = 25.0, width: int = 2048, io: int = 1024):
@@ -151,11 +154,13 @@ def main(argv=None) -> int:
         if v == "ours_overlap_forward":
             m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
                                         algorithm=args.algorithm, overlap_forward=True)
-        elif v in ("ours", "ours_nothread", "ours_timeline"):
+        elif v in _OURS:
             traced = timeline.on
             timeline.on = traced or v == "ours_timeline"  # registers the optimizer spans
             m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
-                                        algorithm=args.algorithm)
+                                        algorithm=args.algorithm,
+                                        registered_buckets="auto" if v != "ours_ordinary"
+                                        else False)
             timeline.on = traced
         elif v == "gloo":
             store = _gloo(comm)
@@ -206,7 +211,7 @@ def main(argv=None) -> int:
     for v in variants:
         for _ in range(args.warmup):
             step(v)
-    for v in ("ours", "ours_nothread", "ours_timeline"):
+    for v in _OURS:
         if v in models:
             models[v].stats.reset()
     # overlap_forward's communication runs into the next step: time whole rounds then.
@@ -236,7 +241,17 @@ def main(argv=None) -> int:
         fwd_hidden["ours_overlap_forward"] = comm.allreduce(stats.forward_hidden_fraction(),
                                                             op=MPI.MIN)
     hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
-              for v in ("ours", "ours_nothread", "ours_timeline") if v in models}
+              for v in _OURS if v in models}
+    # Every variant ran the same steps on the same data from the same start: the DDP ones
+    # must hold the same parameters (the largest difference to ``ours``, over ranks).
+    same = {}
+    if "ours" in models:
+        mine = [p.detach() for p in models["ours"].parameters()]
+        for v in models:
+            if v not in ("ours", "single", "no_overlap"):
+                diff = max(float((a - b.detach()).abs().max())
+                           for a, b in zip(mine, models[v].parameters()))
+                same[v] = comm.allreduce(diff, op=MPI.MAX)
     config.set("COLLECTIVES_PROGRESS_THREAD", before)
     timeline.on = traced_before
 
@@ -248,7 +263,8 @@ def main(argv=None) -> int:
               "all_ms": {v: [round(1e3 * s, 2) for s in t] for v, t in times.items()},
               "hidden_fraction": hidden, "forward_hidden_fraction": fwd_hidden,
               "per_round": per_round,
-              "phases_ms": {k: 1e3 * statistics.median(t) for k, t in phases.items() if t}}
+              "phases_ms": {k: 1e3 * statistics.median(t) for k, t in phases.items() if t},
+              "max_param_diff_to_ours": same}
     if rank == 0:
         _print(result)
         if args.json:
@@ -280,6 +296,12 @@ def _print(r) -> None:
     for v, h in r["hidden_fraction"].items():
         print(f"# {v}: {100 * h:.0f}% of the gradient communication span hidden behind "
               f"backward")
+    for v, d in r["max_param_diff_to_ours"].items():
+        print(f"# parameters after the run (the same steps for every variant): {v} vs ours, "
+              f"largest difference {d:.3g}")
+    if "ours_ordinary" in med and "ours" in med:
+        print(f"# registered buckets: ours / ours_ordinary = "
+              f"{med['ours'] / med['ours_ordinary']:.2f}")
     if "no_overlap" in med and "ours" in med:
         print(f"# overlap gain: no_overlap - ours = {med['no_overlap'] - med['ours']:.1f} ms "
               f"per step")

@@ -148,8 +148,9 @@ class Sweep:
 
     def __init__(self, collective: Collective, comm, *, dtype="float32", op="sum", root=0,
                  algorithms=None, rounds=ROUNDS, iters=0, warmup=2, block=BLOCK_S, check=True,
-                 modes=None, out=None):
+                 modes=None, out=None, registered=False):
         self.spec, self.comm = collective, comm
+        self.registered = registered  # a "registered" row: auto on ``collectives.empty``
         self.n, self.rank = comm.Get_size(), comm.Get_rank()
         self.dtype = np.dtype(dtype)
         self.op = op if collective.has_op else None
@@ -258,7 +259,13 @@ class Sweep:
         out = np.zeros(cout, dtype)
         root = max(self.root, 0)
         calls = {}
-        for alg in algorithms or [a for a in self.algorithms if a != "gloo"]:
+        rows = [(a, a, x, buf, out) for a in algorithms or self.algorithms if a != "gloo"]
+        if algorithms and "gloo" in algorithms:
+            rows.append(("gloo", "gloo", x, buf, out))
+        if self.registered and coll is not None:  # auto on buffers in shared windows
+            rows.append(("registered", "auto", coll.empty(cin, dtype), coll.empty(cin, dtype),
+                         coll.empty(cout, dtype)))
+        for label, alg, x, buf, out in rows:
             for mode in self.modes:
                 arr = buf if mode == "in" else x
 
@@ -272,7 +279,7 @@ class Sweep:
                 else:
                     fn = spec.call(coll, arr, out, mode, alg, self.op, root, self.comm)
                 if fn is not None:
-                    calls[(alg, mode)] = (fn, spec.result(arr, out, mode), reset)
+                    calls[(label, mode)] = (fn, spec.result(arr, out, mode), reset)
         return calls, cin
 
     def _results(self, nbytes: int, calls) -> dict:

@@ -2,8 +2,9 @@
 
 Columns as nccl-tests prints them (size, count, type, redop, root, then time, spread, algbw,
 busbw and #wrong for out-of-place and for in-place), then optionally OSU's latency columns,
-the ratio to MPI's own collective (``xnative``: native's time / this row's, in the first mode)
-and ``%bound`` (the time to move 2 n N bytes at the machine's memory bandwidth / this row's).
+the ratio to MPI's own collective (``xnative``: native's time / this row's) and ``%bound`` (the
+time to move 2 n N bytes at the machine's memory bandwidth / this row's), for each mode (the
+second mode's columns are ``xnat-in`` and ``%bnd-in``).
 An ``auto`` row names the algorithm it ran: ``auto:ring``, or ``auto:ring/shm`` when its
 out-of-place and in-place picks differ.
 """
@@ -51,12 +52,13 @@ def header(modes, *, latency=False, ratio=True, bound=False) -> list[str]:
     if latency:
         tail += f" {'lat-min':>9} {'lat-avg':>9} {'lat-max':>9} {'iters':>6}"
         tail_u += f" {'(us)':>9} {'(us)':>9} {'(us)':>9} {'':>6}"
-    if ratio:
-        tail += f" {'xnative':>7}"
-        tail_u += f" {'':>7}"
-    if bound:
-        tail += f" {'%bound':>6}"
-        tail_u += f" {'':>6}"
+    for k, mode in enumerate(modes):  # the first mode's columns keep the plain names
+        if ratio:
+            tail += f" {'xnative' if k == 0 else 'xnat-' + mode:>7}"
+            tail_u += f" {'':>7}"
+        if bound:
+            tail += f" {'%bound' if k == 0 else '%bnd-' + mode:>7}"
+            tail_u += f" {'':>7}"
     return ["#" + group[1:], "#" + (left + mid + tail)[1:], "#" + (units + mid_u + tail_u)[1:]]
 
 
@@ -85,12 +87,14 @@ def rows(results: list[Result], modes, *, latency=False, ratio=True, membw_Bps=N
         if latency:
             lo, avg, hi = first.latency()
             line += f" {lo * 1e6:9.2f} {avg * 1e6:9.2f} {hi * 1e6:9.2f} {first.iters:>6}"
-        if ratio:
-            base = by.get(("native", first.mode))
-            line += (f" {base.time / first.time:7.2f}" if base is not None and first.time > 0
-                     else f" {'-':>7}")
-        if membw_Bps:
-            line += f" {100 * 2 * first.n * first.nbytes / membw_Bps / first.time:6.1f}"
+        for mode in modes:
+            r, base = by.get((alg, mode)), by.get(("native", mode))
+            if ratio:
+                line += (f" {base.time / r.time:7.2f}" if r is not None and base is not None
+                         and r.time > 0 else f" {'-':>7}")
+            if membw_Bps:
+                line += (f" {100 * 2 * r.n * r.nbytes / membw_Bps / r.time:7.1f}"
+                         if r is not None and r.time > 0 else f" {'-':>7}")
         lines.append(line)
     return lines
 

@@ -303,8 +303,13 @@ _DONE = Done()
 
 
 def avg_finalizer(call: Call):
-    """The finalizer of ``op="avg"``: one division of the summed result by the rank count."""
+    """The finalizer of ``op="avg"``: one division of the summed result by the rank count
+    (``onepass`` divides each chunk while it is in cache instead)."""
     if call.op is None or not call.op.is_avg or call.out is None:
         return None
     size, flat = call.ctx.size, call.out.flat
-    return lambda: np.divide(flat, size, out=flat) if size > 1 else None
+
+    def divide():
+        if size > 1 and call.algorithm != "onepass":
+            np.divide(flat, size, out=flat)
+    return divide

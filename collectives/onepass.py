@@ -36,18 +36,21 @@ device tensor) every rank takes the ordinary path, with the same results.
 the communicator's shm window (``collectives.window``): each rank raises its *arrived* counter
 (after ``MPI_Win_sync``, which orders its earlier stores to its buffers before the flag), waits
 until every rank's counter is up (every input written, every output free to be written), does
-its part, then ``Window.finish`` raises its *done* counter and waits for every peer's: nobody
-returns, and reads or reuses its output, before every slice of it is written. The shm window
-orders these calls with the communicator's other shm calls, runs them from the progress thread
-when there is one (``i*`` forms), and tells the watchdog whom a stuck rank waits for.
+its part, then raises its *done* counter and waits for every peer's: nobody returns, and reads
+or reuses its output, before every slice of it is written. An ``i*`` call that is polled
+(``Request.test``; DDP polls from its gradient hooks) never waits for a peer: it arrives, does
+its part if every rank has arrived, and otherwise returns to the caller's computation until the
+next poll (``window.LATER``). The shm window orders these calls with the communicator's other
+shm calls, runs them from the progress thread when there is one, and tells the watchdog whom a
+stuck rank waits for.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import registered
-from .select import DIRECT, ONE_NODE, Algorithm
-from .window import ShmWork, wait_until, window
+from .select import DIRECT, Algorithm
+from .window import LATER, PHASES, ShmWork, wait_until, window
 
 __all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "chosen", "launch"]
 
@@ -58,13 +61,27 @@ _NONE = np.iinfo(np.int64).max  # "nothing to say" in the agreement (ranks witho
 
 
 def _where(buf, ctx):
-    """(window seq, byte offset) of a wrapped buffer registered on ``ctx``'s communicator."""
+    """(window seq, byte offset, registration) of a wrapped buffer registered on ``ctx``'s
+    communicator, or None."""
     if buf is None or buf.is_device:
         return None
     hit = registered.lookup(buf.flat)
-    if hit is None or not hit[0].single or hit[0].comm != ctx.user_comm:
+    if hit is None or hit[0].comm != ctx.user_comm:
         return None
-    return hit[0].seq, hit[1]
+    return hit[0].seq, hit[1], hit[0]
+
+
+def _positions(ctx, reg, ranks) -> list[int] | None:
+    """The segments (node ranks of ``reg``) of communicator ranks ``ranks``; None if one of
+    them is on another node."""
+    from mpi4py import MPI
+    mine, theirs = ctx.comm.Get_group(), reg.node.Get_group()
+    try:
+        where = MPI.Group.Translate_ranks(mine, list(ranks), theirs)
+    finally:
+        mine.Free()
+        theirs.Free()
+    return None if MPI.UNDEFINED in where else list(where)
 
 
 def _needs_out(call) -> bool:
@@ -75,19 +92,25 @@ def _needs_out(call) -> bool:
 
 def chosen(call, nbytes: int) -> bool:
     """Whether every rank runs ``call`` (``auto``, ``nbytes`` per rank, the same everywhere)
-    one-pass; collective whenever the size and communicator qualify."""
+    one-pass; collective whenever the size and communicator qualify. On several nodes (real
+    or simulated) only allreduce does, node by node (``_allreduce_nodes``), on nodes of one
+    size whose ranks share a registration's node."""
     ctx = call.ctx
     if call.collective not in COLLECTIVES or nbytes <= THRESHOLD or ctx.size == 1:
         return False
     from mpi4py import MPI
     from .topology import topology
-    if not topology(ctx).single_node:  # also a simulated topology's several nodes
+    topo = topology(ctx)
+    if not topo.single_node and (call.collective != "allreduce" or
+                                 len({len(g) for g in topo.nodes}) != 1):
         return False
     x = _where(call.x, ctx)
-    out = _where(call.out, ctx) if _needs_out(call) else (_NONE, _NONE)
+    out = _where(call.out, ctx) if _needs_out(call) else (_NONE, _NONE, None)
     lo = np.zeros(5, np.int64)
     if x is not None and out is not None:
-        lo[:] = (1, *x, *out)
+        node = topo.nodes[topo.node[ctx.rank]]
+        if all(_positions(ctx, w[2], node) is not None for w in (x, out) if w[2] is not None):
+            lo[:] = (1, *x[:2], *out[:2])
     hi = lo.copy()
     if call.collective == "reduce" and ctx.rank != call.root:
         lo[3:], hi[3:] = _NONE, -_NONE  # only the root's output is agreed on
@@ -99,11 +122,13 @@ def chosen(call, nbytes: int) -> bool:
     return True
 
 
-def _peers(call, reg_key, offset, counts, dtype):
-    """Every rank's buffer in window ``reg_key`` at ``offset``, ``counts[j]`` elements each."""
-    reg = registered.live(call.ctx.user_comm, reg_key)
+def _peers(call, seq, offset, counts, dtype, positions=None):
+    """The buffers at ``offset`` in window ``seq`` of the ranks whose segments are at
+    ``positions`` (default: every rank, in order), ``counts[j]`` elements each."""
+    reg = registered.live(call.ctx.user_comm, seq)
+    segs = reg.segs if positions is None else [reg.segs[p] for p in positions]
     nbytes = [c * dtype.itemsize for c in counts]
-    return reg, [seg[offset:offset + nb].view(dtype) for seg, nb in zip(reg.segs, nbytes)]
+    return reg, [seg[offset:offset + nb].view(dtype) for seg, nb in zip(segs, nbytes)]
 
 
 def _bounds(count: int, n: int, r: int) -> tuple[int, int]:
@@ -112,15 +137,20 @@ def _bounds(count: int, n: int, r: int) -> tuple[int, int]:
     return lo, lo + base + (r < extra)
 
 
-def _fold(op, dst, parts, a: int, b: int, step: int, at: int = 0) -> None:
+def _fold(op, dst, parts, a: int, b: int, step: int, at: int = 0, n: int | None = None) -> None:
     """``dst[a - at:b - at]`` = ``parts[0][a:b]`` op ``parts[1][a:b]`` op ..., chunk by chunk,
-    in rank order. ``dst`` may be ``parts[0]`` (in place) but no later part."""
+    in rank order (``avg``: then divided by ``n``, default the rank count, while the chunk is
+    in cache, as ``dispatch.avg_finalizer`` divides the whole result; 0: not divided). ``dst``
+    may be ``parts[0]`` (in place) but no later part."""
+    n = (len(parts) if n is None else n) if op.is_avg else 0
     for c in range(a, b, step):
         e = min(c + step, b)
         d = dst[c - at:e - at]
         op.reduce(d, parts[0][c:e], parts[1][c:e])
         for p in parts[2:]:
             op.reduce(d, d, p[c:e])
+        if n:
+            np.divide(d, n, out=d)
 
 
 def _allreduce(call, ins, outs, step):
@@ -167,32 +197,87 @@ def _allgather(call, ins, out):
         at += c
 
 
-def _run(work, win, call, regs, body, args) -> None:
-    """Meet (every rank's arrived flag), run ``body``, finish (every rank's done flag)."""
+def _allreduce_nodes(call, ins, outs, step, j, cross):
+    """Allreduce over several nodes, for local rank ``j`` of a node's k: slice j of the node's
+    inputs folded one-pass (as ``_allreduce``), allreduced with slice j of the other nodes
+    (``cross``: local rank j of every node; ring, so every node gets the same bits), then
+    written into every output of the node. Only the slices cross nodes: 1/k of the data."""
+    import collectives as coll
+    k, op = len(ins), call.op
+    lo, hi = _bounds(call.x.count, k, j)
+    first = outs[0]
+    if k > 1:
+        _fold(op, first, ins, lo, hi, step, n=0)
+    elif first is not ins[0]:
+        np.copyto(first[lo:hi], ins[0][lo:hi])
+    part = first[lo:hi]
+    coll.allreduce(part, "sum" if op.is_avg else op.name, out=part, comm=cross,
+                   algorithm="ring")
+    for c in range(lo, hi, step):
+        e = min(c + step, hi)
+        if op.is_avg:
+            np.divide(first[c:e], call.ctx.size, out=first[c:e])
+        for o in outs[1:]:
+            np.copyto(o[c:e], first[c:e])
+
+
+def _reached(work, win, phase: int, base: int, what: str) -> bool:
+    """Whether every rank's counter ``phase`` reached ``base``: waits for it, unless polling."""
+    counter = win.counters[phase]
+    if counter.min() >= base:
+        return True
+    if work.polling:
+        work.where = lambda: f"rank(s) {win.late(phase, base)} to {what}"
+        return False
+    wait_until(work, win, lambda: counter.min() >= base,
+               lambda: f"rank(s) {win.late(phase, base)} to {what}")
+    return True
+
+
+def _run(work, win, call, regs, body, args):
+    """Arrive (raise this rank's flag), do this rank's part once every rank has arrived, then
+    finish once every rank has done its part. Polled (``test``), each step that would wait
+    returns ``LATER`` instead: this rank goes on computing, and a peer that arrives later is
+    not kept waiting for it longer than until its next poll."""
     base = win.base + 1
-    for reg in regs:
-        reg.win.Sync()
+    if work.state is None:  # this rank's input is written, its output free to be written
+        for reg in regs:
+            reg.win.Sync()
+        win.win.Sync()
+        win.mine[0][0] = base
+        work.state = "arrived"
+    if work.state == "arrived":
+        if not _reached(work, win, 0, base, "arrive"):
+            return LATER
+        win.win.Sync()
+        for reg in regs:
+            reg.win.Sync()
+        body(call, *args)
+        for reg in regs:
+            reg.win.Sync()
+        win.win.Sync()
+        for cell in win.mine:  # done: every counter at base, as Window.finish leaves them
+            cell[0] = base
+        work.state = "done"
+    if not _reached(work, win, PHASES - 1, base, "finish their part"):
+        return LATER
+    work.where = None
     win.win.Sync()
-    win.mine[0][0] = base
-    arrived = win.counters[0]
-    wait_until(work, win, lambda: arrived.min() >= base,
-               lambda: f"rank(s) {win.late(0, base)} to arrive")
-    win.win.Sync()
-    for reg in regs:
-        reg.win.Sync()
-    body(call, *args)
-    for reg in regs:
-        reg.win.Sync()
-    win.finish(work)
+    win.base = base
+    win.calls += 1
+    return None
 
 
 def launch(call) -> ShmWork:
     """Start ``call`` one-pass (after ``chosen`` said every rank may)."""
     ctx, dt = call.ctx, call.x.dtype
     agreed = ctx.stash.pop("onepass.out")  # where the output is (reduce: the root's)
-    win = window(ctx)
     step = max(1, CHUNK // dt.itemsize)
-    seq_x, off_x = _where(call.x, ctx)
+    from .topology import topology
+    if not topology(ctx).single_node:
+        return _launch_nodes(call, *agreed, step)
+    win = window(ctx)
+    seq_x, off_x = _where(call.x, ctx)[:2]
     collective, n = call.collective, ctx.size
     if collective == "allgather":
         reg, ins = _peers(call, seq_x, off_x, call.counts, dt)
@@ -213,4 +298,23 @@ def launch(call) -> ShmWork:
     return ShmWork(win, _run, (win, call, regs, body, (ins, outs, step)), call)
 
 
-ALGORITHM = Algorithm("onepass", DIRECT, COLLECTIVES, launch=launch, needs=ONE_NODE)
+def _launch_nodes(call, seq_o, off_o, step) -> ShmWork:
+    """``_allreduce_nodes`` as a work of the node's shm window."""
+    from .executor import context
+    from .topology import communicators, topology
+    ctx, dt = call.ctx, call.x.dtype
+    topo = topology(ctx)
+    node = topo.nodes[topo.node[ctx.rank]]
+    comms = communicators(ctx)
+    win = window(context(comms.node))
+    seq_x, off_x, reg = _where(call.x, ctx)
+    counts = [call.x.count] * len(node)
+    reg, ins = _peers(call, seq_x, off_x, counts, dt, _positions(ctx, reg, node))
+    reg_o = registered.live(ctx.user_comm, seq_o)
+    reg_o, outs = _peers(call, seq_o, off_o, counts, dt, _positions(ctx, reg_o, node))
+    regs = [reg] if reg_o is reg else [reg, reg_o]
+    return ShmWork(win, _run, (win, call, regs, _allreduce_nodes,
+                               (ins, outs, step, comms.node.Get_rank(), comms.cross)), call)
+
+
+ALGORITHM = Algorithm("onepass", DIRECT, COLLECTIVES, launch=launch)

@@ -31,7 +31,8 @@ import weakref
 
 import numpy as np
 
-__all__ = ["empty", "is_registered", "lookup", "live", "Registration", "active", "POOL"]
+__all__ = ["empty", "is_registered", "lookup", "live", "single_node", "Registration", "active",
+           "POOL"]
 
 POOL = 4              # windows kept for reuse per communicator
 _PAGE = 4096
@@ -181,6 +182,11 @@ def lookup(x):
             if reg.lo <= addr and addr + n <= reg.hi:
                 return reg, addr - reg.lo
     return None
+
+
+def single_node(comm) -> bool:
+    """Whether every rank of ``comm`` shares one node (collective on first use per comm)."""
+    return _node(comm).single
 
 
 def live(comm, seq: int) -> Registration:

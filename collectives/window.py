@@ -36,7 +36,7 @@ import numpy as np
 from . import cma, config
 
 __all__ = ["Window", "window", "ShmWork", "pipeline", "wait_until", "idle", "round_up", "SLOTS",
-           "PHASES"]
+           "PHASES", "LATER"]
 
 SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
 PHASES = 3                   # counters: copied in, reduced, done reading
@@ -45,6 +45,7 @@ _LINE = 64                   # one cache line per counter
 # of the line itself in its own mapping (what a peer's probe read must find).
 _PID, _SEQ, _SRC, _SELF = range(4)
 _NAMES = ("copy in", "reduce", "finish reading")
+LATER = object()  # what a ShmWork's fn returns from a poll that would have to wait
 
 
 def round_up(n: int, to: int) -> int:
@@ -233,9 +234,15 @@ def window(ctx, chunk: int | None = None) -> Window:
 
 # -- the work object ------------------------------------------------------------------------
 class ShmWork:
-    """One shm collective: run when its turn comes (see the module doc)."""
+    """One shm collective: run when its turn comes (see the module doc).
 
-    __slots__ = ("win", "fn", "args", "done", "error", "where", "call", "_claimed")
+    ``fn(work, *args)`` runs the collective. A ``fn`` may also move in steps: while
+    ``work.polling`` (a ``test``, not a ``wait``) it may return ``LATER`` instead of waiting
+    for a peer, keeping its progress in ``work.state``; it is called again at the next
+    ``test`` or ``wait`` of the window, and the window runs nothing else meanwhile."""
+
+    __slots__ = ("win", "fn", "args", "done", "error", "where", "call", "_claimed", "polling",
+                 "state")
     needs_progress = True  # moves only when a rank runs it (dispatch._drain)
 
     def __init__(self, win: Window, fn, args, call):
@@ -244,6 +251,8 @@ class ShmWork:
         self.error = None
         self.where = None
         self._claimed = False
+        self.polling = False
+        self.state = None
         with win.cond:
             win.queue.append(self)
 
@@ -266,17 +275,19 @@ class ShmWork:
                 if not block:
                     return False
                 win.cond.wait()
+        head.polling = not block
+        later = False
         try:
-            head.fn(head, *head.args)
+            later = head.fn(head, *head.args) is LATER
         except BaseException as exc:  # noqa: BLE001 - stored, then raised by the waiter
             head.error = exc
-        finally:
-            with win.cond:
+        with win.cond:
+            if not later:
                 head.done = True
                 win.queue.popleft()
-                win.running = False
-                win.cond.notify_all()
-        return True
+            win.running = False
+            win.cond.notify_all()
+        return not later
 
     def wait(self):
         """Run this call (after the window's earlier ones) to completion; raise its error."""

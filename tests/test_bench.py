@@ -324,13 +324,16 @@ def test_table_has_every_column_and_ratio_to_native():
     rows = {ln.split()[5]: ln.split() for ln in text.splitlines()[3:]}
     assert set(rows) == {"native", "ring", "gloo"}
     assert rows["ring"][6] == "1000.00" and rows["native"][6] == "2000.00"  # time, us
-    assert rows["ring"][-2] == "2.00"          # twice as fast as native, out of place
-    assert rows["native"][-2] == "1.00"
+    # the tail: xnative %bound (out of place), xnat-in %bnd-in
+    assert "xnat-in" in head[1] and "%bnd-in" in head[1]
+    assert rows["ring"][-4] == "2.00"          # twice as fast as native, out of place
+    assert rows["ring"][-2] == "0.50"          # half as fast in place
+    assert rows["native"][-4] == "1.00"
     assert "N/A" in rows["ring"]                # unchecked in place
     assert rows["gloo"][6] == "-"               # gloo has no out-of-place allreduce
-    assert rows["gloo"][-2] == "0.25"           # its ratio comes from the in-place column
+    assert rows["gloo"][-4] == "-" and rows["gloo"][-2] == "0.25"
     # %bound: 2 n N bytes at 1 GB/s over the time
-    assert float(rows["ring"][-1]) == pytest.approx(100 * 2 * 2 * 1024 / 1e9 / 1e-3, abs=0.1)
+    assert float(rows["ring"][-3]) == pytest.approx(100 * 2 * 2 * 1024 / 1e9 / 1e-3, abs=0.1)
     foot = "\n".join(report.footer(res, ["out", "in"]))
     assert "Avg bus bandwidth" in foot and "ring" in foot
 

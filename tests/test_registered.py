@@ -245,3 +245,85 @@ def test_torch_tensors_on_registered_memory(launches):
 def test_empty_rejects_negative_shape():
     with pytest.raises(ValueError, match="negative"):
         coll.empty((2, -1), "float32")
+
+
+@pytest.mark.mpi
+def test_polling_never_waits_for_a_peer(launches):
+    """A polled one-pass call returns at once while a peer has not arrived, and completes in
+    ``wait`` once it has (every rank starts the call, then rank 0 polls before it lets the
+    others go on)."""
+    from collectives import config
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = config.set("COLLECTIVES_PROGRESS_THREAD", False)
+    side = comm.Dup()
+    try:
+        x = coll.empty(4099, "float64")
+        x[...] = rank + 1
+        req = coll.iallreduce(x, out=x)
+        if rank == 0:
+            early = req.test()  # the others have not polled yet
+            for peer in range(1, size):
+                side.send(None, dest=peer)
+        else:
+            side.recv(source=0)
+            early = False
+        req.wait()
+        ok = np.array_equal(x, np.full(4099, size * (size + 1) / 2)) and \
+            (size == 1 or not early)
+    finally:
+        side.Free()
+        config.set("COLLECTIVES_PROGRESS_THREAD", old)
+    assert_all(ok and len(launches) == (size > 1), f"polled one-pass (early={early})")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("registered_buckets", [True, False])
+def test_ddp_buckets_are_registered(registered_buckets, launches):
+    """DDP's buckets live in shared windows and every step's allreduce is one-pass; the
+    gradients match one process on the whole batch either way (``test_ddp._run``)."""
+    pytest.importorskip("torch")
+    from tests.test_ddp import _run
+    size = world().Get_size()
+    ddp = _run(hidden=40, registered_buckets=registered_buckets)
+    mine = all(coll.is_registered(b.flat) for b in ddp._buckets)
+    want = registered_buckets and size > 1
+    assert_all(mine == registered_buckets and (len(launches) > 0) == want,
+               f"registered={mine}, {len(launches)} one-pass launches")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("k", [1, 2])
+def test_allreduce_node_by_node(monkeypatch, k, launches):
+    """On simulated nodes of k ranks (``COLLECTIVES_RANKS_PER_NODE``) an allreduce on registered
+    buffers is one-pass inside each node and ring across nodes; nodes of unequal sizes take the
+    ordinary path. Both give the exact sums."""
+    from collectives import config
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", str(k))
+    config.reload()
+    comm = world().Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = []
+    try:
+        for n in LENGTHS:
+            for op in ("sum", "avg", "max"):
+                ins = op_inputs(size, n, "float64", op)
+                x = coll.empty(n, "float64", comm=comm)
+                out = coll.empty(n, "float64", comm=comm)
+                for inplace in (True, False):
+                    x[...] = ins[rank]
+                    got = coll.allreduce(x, op, out=x if inplace else out, comm=comm)
+                    want = {"sum": np.sum, "avg": np.mean, "max": np.max}[op](ins, axis=0)
+                    if not np.array_equal(got, want):
+                        bad.append((n, op, inplace))
+        even = size % k == 0 and size > 1
+        took = len(launches)
+        want_launches = even * sum(2 * 3 for n in LENGTHS if n)
+    finally:
+        gc.collect()
+        coll.empty(1, "int8", comm=comm)
+        comm.Free()
+        monkeypatch.delenv("COLLECTIVES_RANKS_PER_NODE")
+        config.reload()
+    assert_all(not bad and took == want_launches,
+               f"k={k}: wrong {bad[:4]}, {took} one-pass launches of {want_launches}")

@@ -61,13 +61,15 @@ class Bucket:
 
     __slots__ = ("index", "members", "flat", "views", "pending", "future", "grad_bucket")
 
-    def __init__(self, index: int, members, params):
+    def __init__(self, index: int, members, params, alloc=None):
         import torch
         self.index = index
         self.members = list(members)  # parameter indices, in bucket order
         first = params[self.members[0]]
         total = sum(params[i].numel() for i in self.members)
-        self.flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+        # ``alloc(numel, dtype, device)``: a zeroed flat tensor (DDP's registered buffers)
+        self.flat = torch.zeros(total, dtype=first.dtype, device=first.device) if alloc is None \
+            else alloc(total, first.dtype, first.device)
         self.views = []
         offset = 0
         for i in self.members:

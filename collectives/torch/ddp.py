@@ -12,7 +12,10 @@ It works the way torch's Reducer does, over the toolkit's collectives:
 2. *Buckets.* Parameters are packed into flat buffers (``collectives.torch.buckets``): in
    reverse order at first, a small first bucket, at most ``bucket_cap_mb`` each. Each
    parameter's ``.grad`` is a view into its bucket (``gradient_as_bucket_view``), so autograd
-   accumulates straight into the buffer that is reduced: no copies.
+   accumulates straight into the buffer that is reduced: no copies. On one node the host
+   buckets are registered buffers (``registered_buckets``, default ``"auto"``: the ranks share
+   one node and ``algorithm="auto"``), so each bucket's allreduce takes the one-pass path
+   (``collectives.onepass``).
 3. *Backward.* A ``register_post_accumulate_grad_hook`` per parameter marks it ready; when a
    bucket's last gradient lands, the comm hook (default: divide, then non-blocking
    ``collectives.iallreduce``) starts on it while backward goes on. Buckets start strictly in
@@ -52,7 +55,7 @@ import torch
 from torch import nn
 
 import collectives as coll
-from collectives import timeline, watchdog
+from collectives import registered, timeline, watchdog
 
 from . import functional
 from .buckets import Bucket, GradBucket, assign
@@ -202,6 +205,17 @@ def _bucket_done(index: int, t0: float, fut):
     return fut.value()
 
 
+def _registered_zeros(comm):
+    """``Bucket``'s allocator for buckets in shared windows (host tensors; others as usual)."""
+    from .memory import zeros
+
+    def alloc(numel: int, dtype, device):
+        if device.type != "cpu":
+            return torch.zeros(numel, dtype=dtype, device=device)
+        return zeros(numel, dtype=dtype, comm=comm)
+    return alloc
+
+
 def _last_occurrences(seq) -> list:
     """Each distinct item of ``seq`` once, ordered by where it occurs last."""
     last = {x: k for k, x in enumerate(seq)}
@@ -242,7 +256,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module, comm=None, bucket_cap_mb=25, algorithm="auto",
                  find_unused_parameters=False, gradient_as_bucket_view=True,
                  broadcast_buffers=True, comm_hook=None, static_graph=False,
-                 overlap_forward=False):
+                 registered_buckets="auto", overlap_forward=False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -277,6 +291,14 @@ class DistributedDataParallel(nn.Module):
             if clash:
                 raise ValueError(f"overlap_forward=True does not combine with "
                                  f"{', '.join(clash)}")
+        if registered_buckets not in ("auto", True, False):
+            raise ValueError(f"registered_buckets must be 'auto', True or False, got "
+                             f"{registered_buckets!r}")
+        # Buckets in shared windows (collectives.registered): every step's allreduce takes
+        # the one-pass path. auto: on one node, for auto's choice of algorithm.
+        self._registered = registered_buckets is True or (
+            registered_buckets == "auto" and algorithm == "auto" and self.size > 1
+            and registered.single_node(comm))
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for n, p in named:
@@ -384,7 +406,8 @@ class DistributedDataParallel(nn.Module):
         groups = assign([p.numel() * p.element_size() for p in params],
                         [(p.dtype, p.device) for p in params],
                         max(1, int(self.bucket_cap_mb * (1 << 20))), order)
-        buckets = [Bucket(k, members, params) for k, members in enumerate(groups)]
+        alloc = _registered_zeros(self.comm) if self._registered else None
+        buckets = [Bucket(k, members, params, alloc) for k, members in enumerate(groups)]
         self._zero_flats = None
         slots = [None] * len(params)
         for b in buckets:
