@@ -2,8 +2,8 @@
 
     mpiexec -n 3 python examples/train_ddp.py                     # about 10 s on 2 cores
     mpiexec -n 3 python examples/train_ddp.py --hook powersgd     # or fp16, bf16
-    mpiexec -n 3 python examples/train_ddp.py --hook topk --ratio 0.01 --epochs 6
-    mpiexec -n 3 python examples/train_ddp.py --hook sign --momentum 0 --epochs 8
+    mpiexec -n 3 python examples/train_ddp.py --hook topk --ratio 0.01 --epochs 12
+    mpiexec -n 3 python examples/train_ddp.py --hook sign --no-error-feedback --epochs 12
     mpiexec -n 2 python examples/train_ddp.py --epochs 10 --width 64 --samples 12288
 
 The data set is made here (nothing is downloaded): 16 x 16 grayscale images of six shapes --
@@ -14,7 +14,10 @@ as one process on the whole batch. Rank 0 prints the loss of each epoch, test ac
 samples/s, the fraction of the gradient communication hidden behind backward, and the bytes
 the comm hook put on the wire per step; with a compressing hook (``--hook fp16``, ``bf16`` or
 ``powersgd``, ``topk``, ``sign``, ``qsgd``: error feedback on unless ``--no-error-feedback``),
-also how many times fewer than the float32 gradients.
+also how many times fewer than the float32 gradients. The error-feedback hooks (``topk``, ``sign``,
+``qsgd``) apply ``--momentum`` themselves, before compressing, and SGD runs without it
+(``--optimizer-momentum`` keeps it in SGD): see docs/torch.md, "Compression with error
+feedback".
 
 Where the ranks of a node have no core to spare (ranks x torch threads >= cores), the example
 turns the progress thread off (``config.set("COLLECTIVES_PROGRESS_THREAD", "off")``) unless the
