@@ -184,8 +184,9 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         finalize = _traced(call, _timeline.now(), finalize)
     named = algo is None and algorithm != "auto"
     if named:  # an unknown name is this rank's own error, told to the others by the check
-        try:
-            algo = select.get(collective, algorithm)
+        try:  # "onepass" is not in the registry: it needs registered buffers
+            algo = onepass.ALGORITHM if algorithm == "onepass" else \
+                select.get(collective, algorithm)
         except (TypeError, ValueError) as exc:
             raise _check.failed(ctx, collective, check, exc)
     call.algorithm = algorithm if algo is None else algo.name

@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import registered
-from .select import DIRECT, Algorithm
+from .select import DIRECT, ONE_NODE, Algorithm
 from .window import LATER, PHASES, ShmWork, wait_until, window
 
 __all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "chosen", "launch"]
@@ -58,6 +58,7 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"
 THRESHOLD = 1 << 16   # bytes per rank: up to this the ordinary path runs without a check
 CHUNK = 1 << 17       # bytes per chunk: a partial result and one peer's chunk fit in L2
 _NONE = np.iinfo(np.int64).max  # "nothing to say" in the agreement (ranks without an out)
+_DESC = slice(4, 8)  # a named call's (x window, x offset, out window, out offset), info line
 
 
 def _where(buf, ctx):
@@ -234,13 +235,27 @@ def _reached(work, win, phase: int, base: int, what: str) -> bool:
     return True
 
 
-def _run(work, win, call, regs, body, args):
+def _refused(win, desc) -> str | None:
+    """Why a named call cannot run one-pass, from every rank's descriptor; None if it can."""
+    table = win.info[:, _DESC]
+    bad = [j for j in range(win.size) if (table[j] != table[0]).any() or (table[j] < 0).any()]
+    if not bad:
+        return None
+    return (f"algorithm 'onepass' needs x and out registered (collectives.empty) on every "
+            f"rank, at the same offsets of the same windows; rank(s) {bad} passed ordinary "
+            f"buffers or other windows or offsets (algorithm='auto' checks and falls back)")
+
+
+def _run(work, win, call, regs, body, args, desc=None):
     """Arrive (raise this rank's flag), do this rank's part once every rank has arrived, then
     finish once every rank has done its part. Polled (``test``), each step that would wait
     returns ``LATER`` instead: this rank goes on computing, and a peer that arrives later is
-    not kept waiting for it longer than until its next poll."""
+    not kept waiting for it longer than until its next poll. A named call (``desc``: where its
+    buffers are) first checks every rank's descriptor, and refuses on every rank alike."""
     base = win.base + 1
     if work.state is None:  # this rank's input is written, its output free to be written
+        if desc is not None:
+            win.info[win.rank, _DESC] = desc
         for reg in regs:
             reg.win.Sync()
         win.win.Sync()
@@ -252,27 +267,33 @@ def _run(work, win, call, regs, body, args):
         win.win.Sync()
         for reg in regs:
             reg.win.Sync()
-        body(call, *args)
+        why = None if desc is None else _refused(win, desc)
+        if why is None:
+            body(call, *args)
         for reg in regs:
             reg.win.Sync()
         win.win.Sync()
         for cell in win.mine:  # done: every counter at base, as Window.finish leaves them
             cell[0] = base
-        work.state = "done"
+        work.state = why or "done"
     if not _reached(work, win, PHASES - 1, base, "finish their part"):
         return LATER
     work.where = None
     win.win.Sync()
     win.base = base
     win.calls += 1
+    if work.state != "done":
+        raise ValueError(work.state)
     return None
 
 
 def launch(call) -> ShmWork:
     """Start ``call`` one-pass (after ``chosen`` said every rank may)."""
     ctx, dt = call.ctx, call.x.dtype
-    agreed = ctx.stash.pop("onepass.out")  # where the output is (reduce: the root's)
+    agreed = ctx.stash.pop("onepass.out", None)  # where the output is (reduce: the root's)
     step = max(1, CHUNK // dt.itemsize)
+    if agreed is None:
+        return _launch_named(call, step)
     from .topology import topology
     if not topology(ctx).single_node:
         return _launch_nodes(call, *agreed, step)
@@ -298,6 +319,26 @@ def launch(call) -> ShmWork:
     return ShmWork(win, _run, (win, call, regs, body, (ins, outs, step)), call)
 
 
+def _launch_named(call, step) -> ShmWork:
+    """``algorithm="onepass"`` by name (allreduce, one node): no agreement before the call;
+    each rank shows where its buffers are in its window line, and the call runs one-pass
+    only if every rank's are registered alike, else it is a ``ValueError`` on every rank."""
+    ctx, dt = call.ctx, call.x.dtype
+    if call.collective != "allreduce":
+        raise ValueError(f"algorithm 'onepass' by name runs allreduce only (auto takes the "
+                         f"one-pass path for {call.collective} on registered buffers)")
+    win = window(ctx)
+    x, out = _where(call.x, ctx), _where(call.out, ctx)
+    if x is None or out is None:
+        return ShmWork(win, _run, (win, call, [], None, (), (-1, -1, -1, -1)), call)
+    counts = [call.x.count] * ctx.size
+    reg, ins = _peers(call, x[0], x[1], counts, dt)
+    reg_o, outs = _peers(call, out[0], out[1], counts, dt)
+    regs = [reg] if reg_o is reg else [reg, reg_o]
+    return ShmWork(win, _run, (win, call, regs, _allreduce, (ins, outs, step),
+                               (x[0], x[1], out[0], out[1])), call)
+
+
 def _launch_nodes(call, seq_o, off_o, step) -> ShmWork:
     """``_allreduce_nodes`` as a work of the node's shm window."""
     from .executor import context
@@ -317,4 +358,4 @@ def _launch_nodes(call, seq_o, off_o, step) -> ShmWork:
                                (ins, outs, step, comms.node.Get_rank(), comms.cross)), call)
 
 
-ALGORITHM = Algorithm("onepass", DIRECT, COLLECTIVES, launch=launch)
+ALGORITHM = Algorithm("onepass", DIRECT, COLLECTIVES, launch=launch, needs=ONE_NODE)

@@ -327,3 +327,25 @@ def test_allreduce_node_by_node(monkeypatch, k, launches):
         config.reload()
     assert_all(not bad and took == want_launches,
                f"k={k}: wrong {bad[:4]}, {took} one-pass launches of {want_launches}")
+
+
+@pytest.mark.mpi
+def test_onepass_by_name_checks_in_the_window(launches):
+    """``algorithm="onepass"`` skips the agreement; every rank's buffers are checked in the
+    window, and a rank with an ordinary buffer makes it a ValueError on every rank."""
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = coll.empty(1000, "float32")
+    x[...] = rank + 1
+    coll.allreduce(x, out=x, algorithm="onepass")
+    ok = np.array_equal(x, np.full(1000, size * (size + 1) / 2, np.float32))
+    y = x if rank != size - 1 else np.ones(1000, np.float32)
+    if size > 1:
+        with pytest.raises(ValueError, match=rf"onepass.*rank\(s\) \[{size - 1}\]"):
+            coll.allreduce(y, out=y, algorithm="onepass")
+        with pytest.raises(ValueError, match="allreduce only"):
+            coll.reduce_scatter(x, out=np.empty(1000 // size + 1, np.float32)[:len(
+                np.array_split(np.arange(1000), size)[rank])], algorithm="onepass")
+    coll.allreduce(x, out=x, algorithm="onepass")  # the window is in step after a refusal
+    ok &= np.array_equal(x, np.full(1000, (size * (size + 1) / 2) * size, np.float32))
+    assert_all(ok, "onepass by name")

@@ -133,6 +133,13 @@ def _sum_hook(state, bucket):
     return state.all_reduce(bucket.buffer()).get_future().then(_first)
 
 
+def _onepass_sum_hook(state, bucket):
+    """``_sum_hook`` on registered buckets of every rank (``registered_buckets``): the
+    one-pass allreduce by name, which skips ``auto``'s agreement (one blocking allreduce a
+    bucket that would make each rank wait for the others at every launch)."""
+    return state.all_reduce(bucket.buffer(), "onepass").get_future().then(_first)
+
+
 def _first(fut):
     return fut.value()[0]
 
@@ -408,6 +415,10 @@ class DistributedDataParallel(nn.Module):
                         max(1, int(self.bucket_cap_mb * (1 << 20))), order)
         alloc = _registered_zeros(self.comm) if self._registered else None
         buckets = [Bucket(k, members, params, alloc) for k, members in enumerate(groups)]
+        # every bucket registered on every rank of one node: the one-pass allreduce by name
+        self._onepass = self._registered and self.size > 1 and \
+            registered.single_node(self.comm) and all(b.flat.device.type == "cpu"
+                                                       for b in buckets)
         self._zero_flats = None
         slots = [None] * len(params)
         for b in buckets:
@@ -682,7 +693,10 @@ class DistributedDataParallel(nn.Module):
             self._t_first = time.perf_counter()
         params = [self._params[i] for i in b.members]
         b.grad_bucket = GradBucket(b.index, b.flat, params, b.index == len(self._buckets) - 1)
-        hook = _sum_hook if self._prescale else self._hook
+        hook = self._hook
+        if self._prescale:  # registered buckets on every rank, unless one stands in (join)
+            hook = _onepass_sum_hook if self._onepass and self._active == self.size \
+                and self.comm_state.algorithm == "auto" else _sum_hook
         names = [self._names[i] for i in b.members]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         # A collective that hangs is reported by the watchdog with its bucket and parameters.
