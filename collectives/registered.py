@@ -18,7 +18,8 @@ oldest beyond it are freed.
 different ranks. When an array is garbage-collected, ``weakref.finalize`` unregisters it
 locally at once (so no later call reaches its memory through ``lookup``) and queues its
 window; the next ``empty`` on the communicator, already collective, learns which windows every
-rank has released (one small ``allgather`` with every rank's request) and pools or frees those.
+rank has released (one small ``MPI_Allgather`` with every rank's request) and pools or frees
+those.
 A window is never freed while any rank still holds an array in it.
 
 *Identity.* Windows are numbered per communicator, the same numbers on every rank (``empty`` is
@@ -35,6 +36,7 @@ __all__ = ["empty", "is_registered", "lookup", "live", "single_node", "Registrat
            "POOL"]
 
 POOL = 4              # windows kept for reuse per communicator
+SETTLE = 14           # released windows a rank reports per ``empty`` (later calls take the rest)
 _PAGE = 4096
 _NODES: dict = {}     # id(comm) -> _Node
 _ACTIVE = [False]
@@ -99,15 +101,21 @@ def _release(seq: int, entry: _Node) -> None:
 
 
 def _settle(entry: _Node, nbytes: int) -> list[int]:
-    """Pool the windows every rank has released; every rank's request (collective)."""
-    said = entry.comm.allgather((sorted(entry.released), nbytes))  # a few ints, in empty only
-    common = set(said[0][0]).intersection(*(set(s[0]) for s in said[1:]))
+    """Pool the windows every rank has released; every rank's request (collective: one
+    ``MPI_Allgather`` of ``2 + SETTLE`` integers a rank, the oldest released windows first)."""
+    mine = np.full(2 + SETTLE, -1, np.int64)
+    released = sorted(entry.released)[:SETTLE]
+    mine[0], mine[1:1 + len(released)] = nbytes, released
+    said = np.empty((entry.comm.Get_size(), mine.size), np.int64)
+    entry.comm.Allgather(mine, said)
+    common = set(said[0, 1:].tolist()).intersection(*(set(row[1:].tolist()) for row in said))
+    common.discard(-1)
     for seq in sorted(common):
         entry.released.discard(seq)
         reg = entry.live.pop(seq, None)
         if reg is not None:
             entry.pool[seq] = reg
-    return [s[1] for s in said]
+    return [int(need) for need in said[:, 0]]
 
 
 def _reuse(entry: _Node, needs: list[int]):

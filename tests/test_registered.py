@@ -349,3 +349,19 @@ def test_onepass_by_name_checks_in_the_window(launches):
     coll.allreduce(x, out=x, algorithm="onepass")  # the window is in step after a refusal
     ok &= np.array_equal(x, np.full(1000, (size * (size + 1) / 2) * size, np.float32))
     assert_all(ok, "onepass by name")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_buffers_are_registered(stage, launches):
+    """ZeRO's flat buffers are registered on one node and its collectives run one-pass; it
+    still trains like one process on the whole batch (``test_sharded._run``)."""
+    pytest.importorskip("torch")
+    from tests.test_sharded import _run
+    size = world().Get_size()
+    model, _ = _run(stage, steps=3)
+    kinds = set(launches)
+    want = {1: {"broadcast", "allreduce"}, 2: {"broadcast", "reduce_scatter", "allgather"},
+            3: {"broadcast", "reduce_scatter", "allgather"}}[stage] if size > 1 else set()
+    assert_all(want <= kinds and (size > 1 or not kinds),
+               f"stage {stage}: one-pass ran {sorted(kinds)}, expected {sorted(want)}")

@@ -26,7 +26,12 @@ unit), which is all an optimizer sees.
    ranks loads at M. ``full_optim_state_dict`` / ``load_full_optim_state_dict`` do the same for
    the optimizer's per-shard tensors.
 
-Flat buffers come from ``flat_buffer`` alone, so their allocation can be switched in one place.
+Flat buffers come from ``flat_buffer`` alone. On one node (``registered_buffers``, default
+``"auto"``: the ranks share one node and ``algorithm="auto"``) the host buffers that
+collectives read -- the flat parameters and gradients, the shards of stage 3, the packed
+gradients of stages 2 and 3 -- are registered buffers (``collectives.registered``), so their
+broadcasts, allreduces, reduce-scatters and all-gathers take the one-pass path
+(``collectives.onepass``); stage 3's gathered layers stay ordinary memory, freed after use.
 """
 from __future__ import annotations
 
@@ -40,8 +45,12 @@ from .buckets import assign
 __all__ = ["ShardedDataParallel", "flat_buffer"]
 
 
-def flat_buffer(numel: int, dtype, device) -> torch.Tensor:
-    """A new zeroed 1-D tensor for a unit's flat parameters or gradients."""
+def flat_buffer(numel: int, dtype, device, comm=None) -> torch.Tensor:
+    """A new zeroed 1-D tensor for a unit's flat parameters or gradients; registered on
+    ``comm``'s node when ``comm`` is given and the tensor is on the host (collective then)."""
+    if comm is not None and torch.device(device).type == "cpu":
+        from .memory import zeros
+        return zeros(int(numel), dtype=dtype, comm=comm)
     return torch.zeros(int(numel), dtype=dtype, device=device)
 
 
@@ -81,7 +90,7 @@ class ShardedDataParallel(torch.nn.Module):
     """ZeRO stage 1, 2 or 3 over ``module``: ``parameters()`` yields this rank's flat shards."""
 
     def __init__(self, module, stage: int = 1, comm=None, bucket_cap_mb: float = 25,
-                 algorithm: str = "auto"):
+                 algorithm: str = "auto", registered_buffers="auto"):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -98,6 +107,14 @@ class ShardedDataParallel(torch.nn.Module):
         if any(p.dtype != named[0][1].dtype or p.device != named[0][1].device for _, p in named):
             raise TypeError("ShardedDataParallel needs one dtype and device for all parameters")
         self._units = self._make_units(named, bucket_cap_mb)
+        if registered_buffers not in ("auto", True, False):
+            raise ValueError(f"registered_buffers must be 'auto', True or False, got "
+                             f"{registered_buffers!r}")
+        from collectives import registered
+        # the communicator to register flat buffers on, or None
+        self._reg = comm if (registered_buffers is True or (
+            registered_buffers == "auto" and algorithm == "auto")) and self.nranks > 1 and \
+            registered.single_node(comm) else None
         # backward produces gradients last layer first: stage 3's units are in forward order
         self._launch_order = self._units[::-1] if stage == 3 else list(self._units)
         self._sync = True
@@ -161,13 +178,14 @@ class ShardedDataParallel(torch.nn.Module):
         with torch.no_grad():
             for unit in self._units:
                 p0 = unit.params[0]
-                flat = flat_buffer(unit.padded, p0.dtype, p0.device)
+                flat = flat_buffer(unit.padded, p0.dtype, p0.device, self._reg)
                 for p, off in zip(unit.params, unit.offsets):
                     flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 functional.broadcast(flat, 0, comm=self.comm, algorithm=self.algorithm)
                 lo = self.rank * unit.shard_numel
                 if self.stage == 3:
-                    unit.shard = torch.nn.Parameter(flat[lo:lo + unit.shard_numel].clone())
+                    shard = flat_buffer(unit.shard_numel, p0.dtype, p0.device, self._reg)
+                    unit.shard = torch.nn.Parameter(shard.copy_(flat[lo:lo + unit.shard_numel]))
                     unit.flat = flat
                     self._free(unit)
                 else:
@@ -176,14 +194,14 @@ class ShardedDataParallel(torch.nn.Module):
                     self._point_params(unit)
                     unit.gathered_version = unit.shard._version
                 if self.stage == 1:
-                    unit.grad_flat = flat_buffer(unit.padded, p0.dtype, p0.device)
+                    unit.grad_flat = flat_buffer(unit.padded, p0.dtype, p0.device, self._reg)
                     for p, off in zip(unit.params, unit.offsets):
                         p.grad = unit.grad_flat[off:off + p.numel()].view_as(p)
                 self._shards.append(unit.shard)
             biggest = max((u.shard_numel for u in self._units), default=0)
             if self.stage != 3 and self.nranks > 1 and self._units:
                 self._scratch = flat_buffer(biggest, self._units[0].flat.dtype,
-                                            self._units[0].flat.device)
+                                            self._units[0].flat.device, self._reg)
 
     @staticmethod
     def _point_params(unit) -> None:
@@ -322,7 +340,7 @@ class ShardedDataParallel(torch.nn.Module):
                                                  async_op=True, algorithm=self.algorithm)
             return
         p0 = unit.params[0]
-        packed = flat_buffer(unit.padded, p0.dtype, p0.device)
+        packed = flat_buffer(unit.padded, p0.dtype, p0.device, self._reg)
         for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
             if p.grad is not None:
                 packed[off:off + shape.numel()].copy_(p.grad.reshape(-1))
