@@ -76,8 +76,10 @@ def test_one_process_equals_plain_training():
     sched_ref = torch.optim.lr_scheduler.StepLR(opt_ref, 1, gamma=0.5)
     for step in range(4):
         x, y = torch.randn(5, IN), torch.randn(5, OUT)
-        opt.zero_grad()   # harmless: the model keeps the reduced gradients until it steps
         nn.functional.mse_loss(ddp(x), y).backward()
+        # Harmless either way: the reduced gradients wait in the buckets, .grad is None.
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        assert all(p.grad is None for p in net.parameters())
         opt_ref.zero_grad()
         nn.functional.mse_loss(ref(x), y).backward()
         opt_ref.step()
@@ -88,6 +90,19 @@ def test_one_process_equals_plain_training():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
     # The attached optimizer's state is the one the pieces' optimizers update.
     assert len(opt.state_dict()["state"]) == len(list(net.parameters()))
+
+
+def test_a_second_backward_before_a_forward_is_refused():
+    ddp = DDP(_net(0), overlap_forward=True, bucket_cap_mb=0.005)
+    ddp.attach_optimizer(_optimizer("sgd", ddp.parameters()))
+    x = torch.randn(5, IN)
+    ddp(x).sum().backward()   # rebuilds: nothing left pending
+    a, b = ddp(x), ddp(2 * x)
+    a.sum().backward()
+    with pytest.raises(RuntimeError, match="updates are pending"):
+        b.sum().backward()
+    ddp.synchronize()
+    ddp(x).sum().backward()   # and the model goes on
 
 
 def test_bad_use_is_a_clear_error():

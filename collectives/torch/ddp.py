@@ -619,6 +619,11 @@ class DistributedDataParallel(nn.Module):
     def _start_backward(self) -> None:
         """Queue the end-of-backward callback on the backward that runs now."""
         if not self._in_backward:
+            if self._overlap is not None and self._overlap.pending():
+                # Its gradients would land in buckets still on the wire.
+                raise RuntimeError("overlap_forward: this backward started while the last "
+                                   "synchronized backward's updates are pending (no forward "
+                                   "since); run a forward or model.synchronize() in between")
             self._in_backward = True
             if timeline.on:
                 self._t_backward = timeline.now()

@@ -29,8 +29,10 @@ parameters it is about to use (ByteScheduler, P3). The vocabulary:
 * *finish*: wait for a piece's allreduce (earlier-started ones complete first), step the
   optimizer on its parameters (an optimizer per piece, built from the attached one, sharing
   its ``state`` and taking its hyperparameters when backward ends, so learning-rate
-  schedulers and ``optimizer.state_dict()`` keep working), then release its gradients
-  (``grad = None``, as ``zero_grad(set_to_none=True)``) for the next backward.
+  schedulers and ``optimizer.state_dict()`` keep working). Between the end of backward and
+  its piece's step a gradient lives in its bucket only (``.grad`` is None, so a
+  ``zero_grad()`` cannot touch a buffer still on the wire); the next backward's first
+  gradient is copied into the slot, one pass, as after ``zero_grad(set_to_none=True)``.
 * *wait in forward*: a forward pre-hook on every module that owns parameters finishes the
   pieces holding them. A parameter whose module's forward did not run in the previous forward
   (a parameter used through ``torch.nn.functional`` by its parent) has its piece finished at
@@ -262,6 +264,10 @@ class ForwardOverlap:
                 assert pc.pending == 0, f"piece {k} ended backward with missing gradients"
                 self._start(pc)
         self.next = len(self.pieces)
+        # Until its piece steps, a reduced gradient lives in its bucket only, out of reach of
+        # zero_grad(set_to_none=False), which would zero a buffer still on the wire.
+        for p in self.params:
+            p.grad = None
         if self.t_end is None:
             self.t_end = t_end
             self.blocked = 0.0
@@ -306,16 +312,14 @@ class ForwardOverlap:
             timeline.span_event(f"piece {pc.index}", "bucket", pc.t_start, timeline.now(),
                                 {"piece": pc.index, "bytes": pc.nbytes})
         if pc.optimizer is not None:
-            with torch.no_grad():
-                for i, view in zip(pc.members, pc.views):
-                    p = self.params[i]
-                    if p.grad is not view:   # zero_grad(set_to_none=True) since backward
-                        p.grad = view
+            # The step sees the reduced gradients; what .grad held (None, or the gradient of
+            # a backward that began since) is put back after.
+            kept = [self.params[i].grad for i in pc.members]
+            for i, view in zip(pc.members, pc.views):
+                self.params[i].grad = view
             pc.optimizer.step()
-        # Released, as set_to_none does: the next backward's first gradient is copied into
-        # the slot (divided on the way), one pass instead of zeroing and accumulating.
-        for i in pc.members:
-            self.params[i].grad = None
+            for i, g in zip(pc.members, kept):
+                self.params[i].grad = g
 
     def pending(self) -> bool:
         """Whether some piece has not been finished."""
