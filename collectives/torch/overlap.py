@@ -117,12 +117,12 @@ def _refuse_step(optimizer, args, kwargs):
 
 
 def _owners(module, params) -> list:
-    """For each parameter, the first module of ``module.named_modules()`` that registers it."""
+    """For each parameter, the first module of ``module.modules()`` that registers it."""
     index = {id(p): i for i, p in enumerate(params)}
     owner = [None] * len(params)
-    for _, m in module.named_modules():
-        for p in m._parameters.values():
-            i = index.get(id(p)) if p is not None else None
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            i = index.get(id(p))
             if i is not None and owner[i] is None:
                 owner[i] = m
     return owner
@@ -132,7 +132,6 @@ class ForwardOverlap:
     """The pieces of one DDP and their schedule (see the module doc); DDP drives it."""
 
     def __init__(self, module, params, names, state, size: int):
-        self.module = module
         self.params = params
         self.names = names
         self.state = state            # the DefaultState: comm, algorithm, wire_bytes
@@ -183,12 +182,10 @@ class ForwardOverlap:
         counts as the forward's start), ties in reverse ready order; rank 0's order, so the
         same on every rank."""
         from . import functional
-        if not self.calls:
-            return
         when = [min(self.calls.get(id(self.owner[i]), -1) for i in pc.members)
                 for pc in self.pieces]
         order = torch.tensor(sorted(range(len(self.pieces)), key=lambda k: (when[k], -k)),
-                             dtype=torch.int64)
+                             dtype=torch.int64)   # no forward recorded: reverse ready order
         if self.size > 1:
             functional.broadcast(order, 0, comm=comm)
         self.priority = order.tolist()
