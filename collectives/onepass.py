@@ -56,7 +56,7 @@ __all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "chosen", "launch"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 THRESHOLD = 1 << 16   # bytes per rank: up to this the ordinary path runs without a check
-CHUNK = 1 << 17       # bytes per chunk: a partial result and one peer's chunk fit in L2
+CHUNK = 1 << 18       # bytes per chunk: a partial result and one peer's chunk fit in L2
 _NONE = np.iinfo(np.int64).max  # "nothing to say" in the agreement (ranks without an out)
 _DESC = slice(4, 8)  # a named call's (x window, x offset, out window, out offset), info line
 

@@ -32,8 +32,8 @@ import weakref
 
 import numpy as np
 
-__all__ = ["empty", "is_registered", "lookup", "live", "single_node", "Registration", "active",
-           "POOL"]
+__all__ = ["empty", "is_registered", "lookup", "live", "single_node", "on", "Registration",
+           "active", "POOL"]
 
 POOL = 4              # windows kept for reuse per communicator
 SETTLE = 14           # released windows a rank reports per ``empty`` (later calls take the rest)
@@ -45,6 +45,13 @@ _ACTIVE = [False]
 def active() -> bool:
     """True once any registered buffer has been allocated in this process."""
     return _ACTIVE[0]
+
+
+def on(comm) -> bool:
+    """Whether ``empty`` has been called on ``comm``: the same on every rank of it at any
+    collective call, since ``empty`` is collective over ``comm`` too."""
+    entry = _NODES.get(id(comm))
+    return entry is not None and entry.comm is comm
 
 
 class Registration:

@@ -365,3 +365,24 @@ def test_sharded_buffers_are_registered(stage, launches):
             3: {"broadcast", "reduce_scatter", "allgather"}}[stage] if size > 1 else set()
     assert_all(want <= kinds and (size > 1 or not kinds),
                f"stage {stage}: one-pass ran {sorted(kinds)}, expected {sorted(want)}")
+
+
+@pytest.mark.mpi
+def test_registrations_on_a_subcommunicator_do_not_change_other_calls(launches):
+    """Only the even ranks register buffers (on their own sub-communicator); an allreduce on
+    a communicator without registrations runs the ordinary path on every rank, no agreement."""
+    comm = world().Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sub = comm.Split(rank % 2, rank)
+    if rank % 2 == 0:
+        keep = coll.empty(4096, "float64", comm=sub)
+        keep[...] = 1
+    x = np.full(1 << 15, rank + 1, np.float64)
+    coll.allreduce(x, out=x, comm=comm)
+    ok = np.array_equal(x, np.full(1 << 15, size * (size + 1) / 2))
+    took = len(launches)
+    gc.collect()
+    sub.Free()
+    comm.Free()
+    assert_all(ok and took == 0, f"ordinary path on a communicator without registrations "
+               f"({took} one-pass launches)")
