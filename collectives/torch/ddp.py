@@ -354,7 +354,7 @@ class DistributedDataParallel(nn.Module):
         if self.overlap_forward:
             self._overlap = ForwardOverlap(module, self._params, self._names,
                                            self._hook_state, self.size)
-            self._overlap.plan(self._buckets)
+            self._overlap.plan(self._buckets, self._piece_algorithm())
             owners = {id(m): m for m in self._overlap.owner}.values()
             self._handles.extend(m.register_forward_pre_hook(
                 functools.partial(_on_forward_pre, ref)) for m in owners)
@@ -588,6 +588,11 @@ class DistributedDataParallel(nn.Module):
         evaluation, a checkpoint or reading the parameters); a no-op otherwise."""
         if self._overlap is not None and self._overlap.finish_all():
             self._account_overlap()
+
+    def _piece_algorithm(self):
+        """``overlap_forward``'s pieces: the one-pass allreduce by name where the buckets
+        take it (registered, one node, ``auto``), so a launch never waits for the others."""
+        return "onepass" if self._onepass and self.algorithm == "auto" else None
 
     def _account_overlap(self) -> None:
         times = self._overlap.done()
@@ -839,5 +844,5 @@ class DistributedDataParallel(nn.Module):
         if groups != [b.members for b in self._buckets]:
             self._build_buckets(order)
         if self._overlap is not None:
-            self._overlap.plan(self._buckets)
+            self._overlap.plan(self._buckets, self._piece_algorithm())
             self._overlap.prioritize(self.comm)

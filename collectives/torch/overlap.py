@@ -139,6 +139,7 @@ class ForwardOverlap:
         self.backward_share = BACKWARD_SHARE
         self.piece_bytes = PIECE_BYTES
         self.optimizer = None
+        self.algorithm = None
         self.owner = _owners(module, params)
         self.pieces: list[Piece] = []
         self.piece_of: list[int] = []
@@ -156,9 +157,11 @@ class ForwardOverlap:
         self.blocked = 0.0            # seconds spent waiting since then
 
     # -- the plan ---------------------------------------------------------------------------
-    def plan(self, buckets) -> None:
-        """Cut ``buckets`` into pieces (at construction and after a rebuild); none in flight."""
+    def plan(self, buckets, algorithm=None) -> None:
+        """Cut ``buckets`` into pieces (at construction and after a rebuild); none in flight.
+        ``algorithm`` reduces the pieces (None: the state's), as DDP's buckets would be."""
         assert not self.in_flight, "pieces replanned while some are in flight"
+        self.algorithm = algorithm
         self.pieces = pieces(buckets, self.params, self.piece_bytes,
                              [id(m) for m in self.owner])
         self.piece_of = [0] * len(self.params)
@@ -273,7 +276,7 @@ class ForwardOverlap:
         names = [self.names[i] for i in pc.members]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         with watchdog.label(f"DDP piece {pc.index} of {len(self.pieces)}: {shown}"):
-            pc.work = self.state.all_reduce(pc.flat())
+            pc.work = self.state.all_reduce(pc.flat(), self.algorithm)
         self.started_bytes += pc.nbytes
         if self.t_first is None:
             self.t_first = time.perf_counter()
