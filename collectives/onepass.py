@@ -22,7 +22,8 @@ The others, for rank r:
   private accumulator when the root reduces in place and is not rank 0, whose input would be
   overwritten before it is read);
 - ``allgather``: every peer's input copied into r's own output, at that peer's place;
-- ``broadcast``: the root's buffer copied into r's own.
+- ``broadcast``: slice r of the root's buffer copied into slice r of every other rank's (every
+  rank copies, the root too).
 
 *Deciding collectively* (``chosen``). The one-pass path is tried for ``auto`` calls of more
 than ``THRESHOLD`` bytes (the same size on every rank) on a communicator where registered
@@ -190,6 +191,19 @@ def _reduce_scatter(call, ins, out, step):
     _fold(call.op, out, ins, lo, lo + counts[r], step, at=lo)
 
 
+def _broadcast(call, bufs, step):
+    """Slice r of the root's buffer into slice r of every other rank's, chunk by chunk: every
+    rank copies, not only the ones that receive."""
+    n, r, root = call.ctx.size, call.ctx.rank, call.root
+    lo, hi = _bounds(call.x.count, n, r)
+    src = bufs[root]
+    for c in range(lo, hi, step):
+        e = min(c + step, hi)
+        for j, dst in enumerate(bufs):
+            if j != root:
+                np.copyto(dst[c:e], src[c:e])
+
+
 def _allgather(call, ins, out):
     at = 0
     for j, c in enumerate(call.counts):
@@ -305,10 +319,7 @@ def launch(call) -> ShmWork:
         return ShmWork(win, _run, (win, call, [reg], _allgather, (ins, call.out.flat)), call)
     reg, ins = _peers(call, seq_x, off_x, [call.x.count] * n, dt)
     if collective == "broadcast":
-        body = (lambda c, src, dst: None) if ctx.rank == call.root else \
-            (lambda c, src, dst: np.copyto(dst, src))
-        return ShmWork(win, _run, (win, call, [reg], body, (ins[call.root], call.x.flat)),
-                       call)
+        return ShmWork(win, _run, (win, call, [reg], _broadcast, (ins, step)), call)
     if collective == "reduce_scatter":
         return ShmWork(win, _run, (win, call, [reg], _reduce_scatter,
                                    (ins, call.out.flat, step)), call)
