@@ -50,19 +50,20 @@ def _view(raw, dtype, n):
     return raw[:n * dtype.itemsize].view(dtype)
 
 
-def _run(collective, x, out, op, root, inplace):
+def _run(collective, x, out, op, root, inplace, algorithm="auto"):
     """``collective`` on x/out as a user calls it; the array that holds this rank's result."""
     if collective == "allreduce":
-        return coll.allreduce(x, op, out=x if inplace else out)
+        return coll.allreduce(x, op, out=x if inplace else out, algorithm=algorithm)
     if collective == "reduce":
         mine = x if inplace else out
-        got = coll.reduce(x, op, root, out=mine if world().Get_rank() == root else None)
+        got = coll.reduce(x, op, root, out=mine if world().Get_rank() == root else None,
+                          algorithm=algorithm)
         return got if got is not None else np.zeros(0, x.dtype)
     if collective == "reduce_scatter":
-        return coll.reduce_scatter(x, op, out=out)
+        return coll.reduce_scatter(x, op, out=out, algorithm=algorithm)
     if collective == "allgather":
-        return coll.allgather(x, out=out)
-    return coll.broadcast(x, root)
+        return coll.allgather(x, out=out, algorithm=algorithm)
+    return coll.broadcast(x, root, algorithm=algorithm)
 
 
 def _out_count(collective, n, size, rank):
@@ -96,7 +97,7 @@ def test_every_collective_on_registered_buffers(collective, inplace, launches):
             calls += size > 1 and n > 0
             want_x = data.copy()
             want_out = np.zeros_like(out)
-            want = _run_native(collective, want_x, want_out, op, root, inplace)
+            want = _run(collective, want_x, want_out, op, root, inplace, "native")
             ok = np.array_equal(got.view(np.uint8), want.view(np.uint8))
             if not inplace and collective != "broadcast":
                 ok &= np.array_equal(x, data)  # the input is left alone
@@ -105,21 +106,6 @@ def test_every_collective_on_registered_buffers(collective, inplace, launches):
     took = len(launches)
     assert_all(not bad and took == calls, f"{collective} inplace={inplace}: "
                f"{bad[:5]}, one-pass launches {took} of {calls}")
-
-
-def _run_native(collective, x, out, op, root, inplace):
-    if collective == "allreduce":
-        return coll.allreduce(x, op, out=x if inplace else out, algorithm="native")
-    if collective == "reduce":
-        mine = x if inplace else out
-        got = coll.reduce(x, op, root, out=mine if world().Get_rank() == root else None,
-                          algorithm="native")
-        return got if got is not None else np.zeros(0, x.dtype)
-    if collective == "reduce_scatter":
-        return coll.reduce_scatter(x, op, out=out, algorithm="native")
-    if collective == "allgather":
-        return coll.allgather(x, out=out, algorithm="native")
-    return coll.broadcast(x, root, algorithm="native")
 
 
 @pytest.mark.mpi
