@@ -140,6 +140,12 @@ def _onepass_sum_hook(state, bucket):
     return state.all_reduce(bucket.buffer(), "onepass").get_future().then(_first)
 
 
+def _onepass_avg_hook(state, bucket):
+    """``allreduce_hook`` on registered float buckets of every rank: the one-pass average,
+    which divides each chunk while it is in cache, so DDP leaves the gradients undivided."""
+    return state.all_reduce(bucket.buffer(), "onepass", "avg").get_future().then(_first)
+
+
 def _first(fut):
     return fut.value()[0]
 
@@ -341,6 +347,7 @@ class DistributedDataParallel(nn.Module):
         self._join_initial = None
         self._active = self.size          # ranks that train this step (join)
         self._zero_flats = None           # a joined rank's stand-in buckets
+        self._fused = self._divide = False  # set as each backward starts (_start_backward)
         self._t_backward = 0.0
         if timeline.on:
             _trace_optimizers()
@@ -419,6 +426,10 @@ class DistributedDataParallel(nn.Module):
         self._onepass = self._registered and self.size > 1 and \
             registered.single_node(self.comm) and all(b.flat.device.type == "cpu"
                                                        for b in buckets)
+        # ... and float buckets whose sum cannot overflow where the mean would not: averaged
+        # in the one-pass itself (the division in cache, no pass of its own)
+        self._onepass_avg = self._onepass and all(
+            b.flat.dtype in (torch.float32, torch.float64, torch.bfloat16) for b in buckets)
         self._zero_flats = None
         slots = [None] * len(params)
         for b in buckets:
@@ -630,6 +641,11 @@ class DistributedDataParallel(nn.Module):
                                    "synchronized backward's updates are pending (no forward "
                                    "since); run a forward or model.synchronize() in between")
             self._in_backward = True
+            # This backward's buckets averaged by the one-pass (every rank trains, DDP's own
+            # hook, no overlap); else DDP divides each gradient as it lands (_divide).
+            self._fused = self._prescale and self._onepass_avg and self._overlap is None \
+                and self._active == self.size and self.comm_state.algorithm == "auto"
+            self._divide = self._prescale and not self._fused
             if timeline.on:
                 self._t_backward = timeline.now()
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -667,7 +683,7 @@ class DistributedDataParallel(nn.Module):
             if p.grad is not view:  # set_to_none zero_grad, or a grad the user replaced
                 self._into_bucket(p.grad, view, sync)
                 p.grad = view
-            elif sync and self._prescale:
+            elif sync and self._divide:
                 view.div_(self.size)  # while this gradient is still in cache
         elif sync:
             self._into_bucket(p.grad, view, True)
@@ -677,7 +693,7 @@ class DistributedDataParallel(nn.Module):
 
     def _into_bucket(self, grad, view, sync: bool) -> None:
         """Copy ``grad`` into its bucket slot, divided by the rank count if DDP divides."""
-        if sync and self._prescale:
+        if sync and self._divide:
             torch.div(grad, self.size, out=view)  # the copy and the division in one pass
         else:
             view.copy_(grad)
@@ -704,7 +720,9 @@ class DistributedDataParallel(nn.Module):
         params = [self._params[i] for i in b.members]
         b.grad_bucket = GradBucket(b.index, b.flat, params, b.index == len(self._buckets) - 1)
         hook = self._hook
-        if self._prescale:  # registered buckets on every rank, unless one stands in (join)
+        if self._fused:
+            hook = _onepass_avg_hook
+        elif self._prescale:  # registered buckets on every rank, unless one stands in (join)
             hook = _onepass_sum_hook if self._onepass and self._active == self.size \
                 and self.comm_state.algorithm == "auto" else _sum_hook
         names = [self._names[i] for i in b.members]
@@ -736,7 +754,7 @@ class DistributedDataParallel(nn.Module):
             self._into_bucket(g, view, True)
             if self.gradient_as_bucket_view:
                 p.grad = view
-        elif self._prescale:
+        elif self._divide:
             view.div_(self.size)
         self._mark_ready(index, b)
 

@@ -55,11 +55,11 @@ class DefaultState:
         self.wire_bytes += tensor.numel() * tensor.element_size()
         self.collectives += 1
 
-    def all_reduce(self, tensor, algorithm: str | None = None):
-        """Start a sum-allreduce of ``tensor`` in place (with ``algorithm``, default the
-        state's); returns the ``Work``."""
+    def all_reduce(self, tensor, algorithm: str | None = None, op: str = "sum"):
+        """Start an allreduce of ``tensor`` in place (``algorithm`` default the state's);
+        returns the ``Work``."""
         self.sent(tensor)
-        return all_reduce(tensor, "sum", comm=self.comm, async_op=True,
+        return all_reduce(tensor, op, comm=self.comm, async_op=True,
                           algorithm=algorithm or self.algorithm)
 
 
