@@ -218,9 +218,8 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         if algo is None:
             nbytes = _auto_bytes(call)
             # registered buffers on this communicator (known alike on every rank): one-pass?
-            algo = onepass.ALGORITHM if registered.active() and \
-                registered.on(ctx.user_comm) and onepass.chosen(call, nbytes) \
-                else _auto(ctx, collective, nbytes, call.inplace)
+            algo = onepass.ALGORITHM if registered.on(ctx.user_comm) and \
+                onepass.chosen(call, nbytes) else _auto(ctx, collective, nbytes, call.inplace)
             call.algorithm = algo.name
         elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "

@@ -120,7 +120,8 @@ def chosen(call, nbytes: int) -> bool:
     ctx.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
     if both[0] != 1 or not np.array_equal(both[:5], -both[5:]):
         return False
-    ctx.stash["onepass.out"] = (int(both[3]), int(both[4]))  # the output (reduce: the root's)
+    # where every rank's x and out are (reduce: the root's out), for launch
+    ctx.stash["onepass.at"] = tuple(int(v) for v in both[1:5])
     return True
 
 
@@ -304,15 +305,15 @@ def _run(work, win, call, regs, body, args, desc=None):
 def launch(call) -> ShmWork:
     """Start ``call`` one-pass (after ``chosen`` said every rank may)."""
     ctx, dt = call.ctx, call.x.dtype
-    agreed = ctx.stash.pop("onepass.out", None)  # where the output is (reduce: the root's)
+    agreed = ctx.stash.pop("onepass.at", None)  # as ``chosen`` agreed; None: by name
     step = max(1, CHUNK // dt.itemsize)
     if agreed is None:
         return _launch_named(call, step)
     from .topology import topology
     if not topology(ctx).single_node:
-        return _launch_nodes(call, *agreed, step)
+        return _launch_nodes(call, agreed, step)
     win = window(ctx)
-    seq_x, off_x = _where(call.x, ctx)[:2]
+    seq_x, off_x, seq_o, off_o = agreed
     collective, n = call.collective, ctx.size
     if collective == "allgather":
         reg, ins = _peers(call, seq_x, off_x, call.counts, dt)
@@ -323,7 +324,6 @@ def launch(call) -> ShmWork:
     if collective == "reduce_scatter":
         return ShmWork(win, _run, (win, call, [reg], _reduce_scatter,
                                    (ins, call.out.flat, step)), call)
-    seq_o, off_o = agreed
     reg_o, outs = _peers(call, seq_o, off_o, [call.x.count] * n, dt)
     body = _allreduce if collective == "allreduce" else _reduce
     regs = [reg] if reg_o is reg else [reg, reg_o]
@@ -350,7 +350,7 @@ def _launch_named(call, step) -> ShmWork:
                                (x[0], x[1], out[0], out[1])), call)
 
 
-def _launch_nodes(call, seq_o, off_o, step) -> ShmWork:
+def _launch_nodes(call, agreed, step) -> ShmWork:
     """``_allreduce_nodes`` as a work of the node's shm window."""
     from .executor import context
     from .topology import communicators, topology
@@ -359,8 +359,9 @@ def _launch_nodes(call, seq_o, off_o, step) -> ShmWork:
     node = topo.nodes[topo.node[ctx.rank]]
     comms = communicators(ctx)
     win = window(context(comms.node))
-    seq_x, off_x, reg = _where(call.x, ctx)
+    seq_x, off_x, seq_o, off_o = agreed
     counts = [call.x.count] * len(node)
+    reg = registered.live(ctx.user_comm, seq_x)
     reg, ins = _peers(call, seq_x, off_x, counts, dt, _positions(ctx, reg, node))
     reg_o = registered.live(ctx.user_comm, seq_o)
     reg_o, outs = _peers(call, seq_o, off_o, counts, dt, _positions(ctx, reg_o, node))

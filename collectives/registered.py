@@ -33,18 +33,12 @@ import weakref
 import numpy as np
 
 __all__ = ["empty", "is_registered", "lookup", "live", "single_node", "on", "Registration",
-           "active", "POOL"]
+           "POOL"]
 
 POOL = 4              # windows kept for reuse per communicator
 SETTLE = 14           # released windows a rank reports per ``empty`` (later calls take the rest)
 _PAGE = 4096
 _NODES: dict = {}     # id(comm) -> _Node
-_ACTIVE = [False]
-
-
-def active() -> bool:
-    """True once any registered buffer has been allocated in this process."""
-    return _ACTIVE[0]
 
 
 def on(comm) -> bool:
@@ -60,10 +54,10 @@ class Registration:
     ``lo``/``hi``: the address range of this rank's segment while an array lives in it,
     (-1, -1) otherwise (``lookup`` then never finds it)."""
 
-    __slots__ = ("seq", "comm", "node", "single", "win", "segs", "lo", "hi")
+    __slots__ = ("seq", "comm", "node", "win", "segs", "lo", "hi")
 
-    def __init__(self, seq, comm, node, single, win, segs):
-        self.seq, self.comm, self.node, self.single = seq, comm, node, single
+    def __init__(self, seq, comm, node, win, segs):
+        self.seq, self.comm, self.node = seq, comm, node
         self.win, self.segs = win, segs
         self.lo = self.hi = -1
 
@@ -149,7 +143,7 @@ def _allocate(entry: _Node, nbytes: int) -> Registration:
         segs.append(np.frombuffer(buf, dtype=np.uint8))
     seq = entry.next
     entry.next += 1
-    return Registration(seq, entry.comm, entry.node, entry.single, win, segs)
+    return Registration(seq, entry.comm, entry.node, win, segs)
 
 
 def empty(shape, dtype, *, comm=None):
@@ -166,7 +160,6 @@ def empty(shape, dtype, *, comm=None):
     reg = _reuse(entry, needs) or _allocate(entry, nbytes)
     reg.attach()
     entry.live[reg.seq] = reg
-    _ACTIVE[0] = True
     # The finalizer sits on an array of its own buffer object: numpy collapses every view's
     # base onto it, so the window is released only when no view of it is left.
     own, _unit = reg.win.Shared_query(entry.node.Get_rank())
@@ -186,7 +179,7 @@ def _address(x):
 
 def lookup(x):
     """(Registration, byte offset) of ``x`` inside a live registered segment, or None."""
-    if not _ACTIVE[0]:
+    if not _NODES:
         return None
     where = _address(x)
     if where is None:
