@@ -60,6 +60,7 @@ from collectives import registered, timeline, watchdog
 from . import functional
 from .buckets import Bucket, GradBucket, assign
 from .hooks import DefaultState, allreduce_hook
+from .memory import flat_zeros, register_on
 from .overlap import ForwardOverlap
 
 __all__ = ["DistributedDataParallel", "CommStats"]
@@ -218,17 +219,6 @@ def _bucket_done(index: int, t0: float, fut):
     return fut.value()
 
 
-def _registered_zeros(comm):
-    """``Bucket``'s allocator for buckets in shared windows (host tensors; others as usual)."""
-    from .memory import zeros
-
-    def alloc(numel: int, dtype, device):
-        if device.type != "cpu":
-            return torch.zeros(numel, dtype=dtype, device=device)
-        return zeros(numel, dtype=dtype, comm=comm)
-    return alloc
-
-
 def _last_occurrences(seq) -> list:
     """Each distinct item of ``seq`` once, ordered by where it occurs last."""
     last = {x: k for k, x in enumerate(seq)}
@@ -304,14 +294,10 @@ class DistributedDataParallel(nn.Module):
             if clash:
                 raise ValueError(f"overlap_forward=True does not combine with "
                                  f"{', '.join(clash)}")
-        if registered_buckets not in ("auto", True, False):
-            raise ValueError(f"registered_buckets must be 'auto', True or False, got "
-                             f"{registered_buckets!r}")
         # Buckets in shared windows (collectives.registered): every step's allreduce takes
-        # the one-pass path. auto: on one node, for auto's choice of algorithm.
-        self._registered = registered_buckets is True or (
-            registered_buckets == "auto" and algorithm == "auto" and self.size > 1
-            and registered.single_node(comm))
+        # the one-pass path.
+        self._registered = register_on(registered_buckets, comm, algorithm,
+                                       "registered_buckets") is not None
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for n, p in named:
@@ -420,7 +406,7 @@ class DistributedDataParallel(nn.Module):
         groups = assign([p.numel() * p.element_size() for p in params],
                         [(p.dtype, p.device) for p in params],
                         max(1, int(self.bucket_cap_mb * (1 << 20))), order)
-        alloc = _registered_zeros(self.comm) if self._registered else None
+        alloc = functools.partial(flat_zeros, comm=self.comm) if self._registered else None
         buckets = [Bucket(k, members, params, alloc) for k, members in enumerate(groups)]
         # every bucket registered on every rank of one node: the one-pass allreduce by name
         self._onepass = self._registered and self.size > 1 and \

@@ -41,6 +41,7 @@ import torch
 
 from . import functional
 from .buckets import assign
+from .memory import flat_zeros, register_on
 
 __all__ = ["ShardedDataParallel", "flat_buffer"]
 
@@ -48,10 +49,7 @@ __all__ = ["ShardedDataParallel", "flat_buffer"]
 def flat_buffer(numel: int, dtype, device, comm=None) -> torch.Tensor:
     """A new zeroed 1-D tensor for a unit's flat parameters or gradients; registered on
     ``comm``'s node when ``comm`` is given and the tensor is on the host (collective then)."""
-    if comm is not None and torch.device(device).type == "cpu":
-        from .memory import zeros
-        return zeros(int(numel), dtype=dtype, comm=comm)
-    return torch.zeros(int(numel), dtype=dtype, device=device)
+    return flat_zeros(numel, dtype, device, comm)
 
 
 class _Unit:
@@ -107,14 +105,8 @@ class ShardedDataParallel(torch.nn.Module):
         if any(p.dtype != named[0][1].dtype or p.device != named[0][1].device for _, p in named):
             raise TypeError("ShardedDataParallel needs one dtype and device for all parameters")
         self._units = self._make_units(named, bucket_cap_mb)
-        if registered_buffers not in ("auto", True, False):
-            raise ValueError(f"registered_buffers must be 'auto', True or False, got "
-                             f"{registered_buffers!r}")
-        from collectives import registered
         # the communicator to register flat buffers on, or None
-        self._reg = comm if (registered_buffers is True or (
-            registered_buffers == "auto" and algorithm == "auto")) and self.nranks > 1 and \
-            registered.single_node(comm) else None
+        self._reg = register_on(registered_buffers, comm, algorithm, "registered_buffers")
         # backward produces gradients last layer first: stage 3's units are in forward order
         self._launch_order = self._units[::-1] if stage == 3 else list(self._units)
         self._sync = True
