@@ -220,19 +220,25 @@ def topk_hook(state: TopKState, bucket):
     return state.all_gather(payload, gathered).then(decompress)
 
 
+def _chunked_payload(state, bucket, body: int):
+    """The bucket made ready to compress (``feedback``) and the payload of the hooks that send
+    one float32 per chunk (``_chunks``) then ``body`` bytes: (residual or None, chunk sizes,
+    the header's bytes, this rank's payload, every rank's, the header's floats)."""
+    res = state.feedback(bucket)
+    sizes = _chunks(bucket)
+    head = _up8(4 * sizes.numel())
+    payload, gathered = state.buffers(bucket, head + _up8(body))
+    return res, sizes, head, payload, gathered, payload[:4 * sizes.numel()].view(torch.float32)
+
+
 def sign_hook(state: SignState, bucket):
     """1-bit: the signs, packed, and each chunk's mean magnitude; average the n of them."""
     buf = bucket.buffer()
     numel, n = buf.numel(), state.size
     if numel == 0:
         return _done(buf)
-    res = state.feedback(bucket)
-    sizes = _chunks(bucket)
-    nchunks = sizes.numel()
-    head = _up8(4 * nchunks)
     nb = (numel + 7) // 8
-    payload, gathered = state.buffers(bucket, head + _up8(nb))
-    scales = payload[:4 * nchunks].view(torch.float32)
+    res, sizes, head, payload, gathered, scales = _chunked_payload(state, bucket, nb)
     # 1. Per chunk: scale = mean |g| (the L1 norm over the count keeps the step's size).
     scales.copy_(_chunk_sums(buf.abs(), sizes) / sizes)
     positive = buf >= 0
@@ -262,14 +268,9 @@ def qsgd_hook(state: QSGDState, bucket):
     numel, n = buf.numel(), state.size
     if numel == 0:
         return _done(buf)
-    res = state.feedback(bucket)
-    sizes = _chunks(bucket)
-    nchunks = sizes.numel()
     levels = (1 << state.bits) - 1
-    head = _up8(4 * nchunks)
-    payload, gathered = state.buffers(bucket, head + _up8(numel))
-    norms = payload[:4 * nchunks].view(torch.float32)
-    owner = torch.repeat_interleave(torch.arange(nchunks), sizes)
+    res, sizes, head, payload, gathered, norms = _chunked_payload(state, bucket, numel)
+    owner = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
     # 1. Norms, then |g| / norm x levels rounded up with probability of its fraction.
     norms.copy_(_chunk_sums(buf.to(torch.float64).square(), sizes).sqrt_())
     per = norms[owner].to(buf.dtype)
