@@ -232,18 +232,19 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
             if work is not _DONE and work is not None:
                 work.wait()
         elif getattr(work, "needs_progress", False):
-            ctx.pending.append(work)
+            ctx.pending.append((work, entry))
     except BaseException as exc:
         if entry is not None:
             _watchdog.unwatch(entry, exc)
         raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
     if call.blocking:
-        if entry is not None:
-            entry.active = False
+        if entry is not None:  # the communicator's reused entry keeps no buffer until next time
+            entry.active, entry.call, entry.work = False, None, None
         if finalize is not None:
             finalize()
         return result
-    return Request(work, result, finalize, description=call.describe())
+    return Request(work, result, finalize, description=call.describe(),
+                   release=None if entry is None else entry.finished)
 
 
 def _traced(call: Call, t0: float, finalize):
@@ -284,12 +285,14 @@ def _drain(ctx) -> None:
     runs them here or in a wait, and none waits in a later collective for a peer that waits in
     an earlier one. An error stays with its call, for its ``wait`` to raise."""
     pending, ctx.pending = ctx.pending, []
-    for work in pending:
+    for work, entry in pending:
         if not work.done:
             try:
                 work.wait()
             except BaseException:  # noqa: BLE001 - raised again by the call's own wait
                 pass
+        if entry is not None:
+            entry.finished(work)
 
 
 def _trivial(call: Call):

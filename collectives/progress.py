@@ -182,6 +182,7 @@ def _drive(req) -> None:
         req._work.wait()
     except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
         req._error = exc
+    req._release()
     req._event.set()
 
 
@@ -202,15 +203,17 @@ class Request:
     """A collective in flight. ``wait()`` returns its result; ``test()`` polls it."""
 
     __slots__ = ("_work", "_result", "_finalize", "_event", "_error", "_lock", "_final",
-                 "description", "__weakref__")
+                 "_release_hook", "description", "__weakref__")
 
-    def __init__(self, work, result=None, finalize=None, *, description="", thread=None):
+    def __init__(self, work, result=None, finalize=None, *, description="", thread=None,
+                 release=None):
         self._work = work
         self._result = result
         self._finalize = finalize
         self._error = None
         self._lock = threading.Lock()
         self._final = False
+        self._release_hook = release
         self.description = description
         if thread is None:
             thread = use_thread()
@@ -220,10 +223,18 @@ class Request:
         else:
             self._event = None
 
+    def _release(self) -> None:
+        """The work has ended: let go of whatever tracks it besides this request (``release``,
+        the watchdog's entry), so that only the caller's own references keep its buffers."""
+        hook, self._release_hook = self._release_hook, None
+        if hook is not None:
+            hook(self._work)
+
     def _complete(self):
         with self._lock:
             if not self._final:
                 self._final = True
+                self._release()
                 if self._finalize is not None:
                     self._finalize()
         return self._result
@@ -236,7 +247,11 @@ class Request:
             if self._error is not None:
                 raise self._error
         else:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except BaseException:
+                self._release()
+                raise
         return self._complete()
 
     def test(self) -> bool:

@@ -123,6 +123,11 @@ class _Entry:
         self.warned = 0  # stall warnings printed
         self.active = True
 
+    def finished(self, work) -> None:
+        """``work``, this entry's non-blocking collective, has ended: forget it (and with it
+        the call's buffers), recording its error if it failed."""
+        unwatch(self, getattr(work, "error", None))
+
     def describe(self) -> str:
         text = self.call.describe() if self.call is not None else self.what
         return text if self.label is None else f"{text} [{self.label}]"
