@@ -9,7 +9,7 @@ import socket
 
 from bench.collective import Collective
 from bench.harness import ROUNDS, Sweep, abort_on_error, membw
-from bench.report import footer, header, rows, write_csv, write_json
+from bench.report import check_outputs, footer, header, rows, write_csv, write_json
 from bench.units import byte_sizes, parse_size
 
 __all__ = ["parser", "run_info", "main"]
@@ -85,6 +85,8 @@ def main(spec: Collective, argv=None) -> int:
     comm = MPI.COMM_WORLD
     abort_on_error(comm)
     sizes = byte_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    # Before the sweep: a path that cannot be written would otherwise fail after all of it.
+    check_outputs(comm, {"--json": args.json, "--csv": args.csv, "--plot": args.plot})
     rank0 = comm.Get_rank() == 0
     bw = membw(comm) if spec.name == "allreduce" else None
     kw = dict(latency=args.latency, membw_Bps=bw)

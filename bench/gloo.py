@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 
 import numpy as np
@@ -82,5 +83,10 @@ def init(comm) -> Gloo | None:
     port = comm.bcast(port, root=0)
     if rank != 0:
         store = dist.TCPStore(addr, port, size, False)
+    # init_process_group wraps sys.excepthook in one that buffers the traceback and writes it
+    # after the hook it wraps returns; that hook aborts the job (bench.harness.abort_on_error),
+    # so an error after gloo's rows would end the job without a word. Keep the hook as it was.
+    hook = sys.excepthook
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    sys.excepthook = hook
     return Gloo(dist, torch)

@@ -197,12 +197,15 @@ def validate(args) -> int:
     """Measure every schedule algorithm and print the model's prediction beside it."""
     from mpi4py import MPI
 
-    from bench.harness import Sweep, abort_on_error, byte_sizes, parse_size
+    from bench.harness import Sweep, abort_on_error
+    from bench.units import byte_sizes, parse_size
     from bench.tune import spec
     from collectives import costmodel
     from collectives.topology import simulated
+    from bench.report import check_outputs
     comm = MPI.COMM_WORLD
     abort_on_error(comm)
+    check_outputs(comm, {"--json": args.json})
     n, rank0 = comm.Get_size(), comm.Get_rank() == 0
     model = model_from_args(args)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)

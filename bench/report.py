@@ -11,14 +11,17 @@ out-of-place and in-place picks differ.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import os
 
 import numpy as np
 
 from bench.stats import Result
 from bench.units import format_size
 
-__all__ = ["label", "header", "rows", "footer", "format_table", "write_json", "write_csv"]
+__all__ = ["label", "header", "rows", "footer", "format_table", "write_json", "write_csv",
+           "output_problem", "check_outputs"]
 
 _MODE_HEAD = {"out": "out-of-place", "in": "in-place"}
 _NAME = 28  # the algorithm column's width: "auto:recursive_doubling/shm" fits
@@ -154,3 +157,32 @@ def write_csv(path, results: list[Result]) -> None:
                            extrasaction="ignore")
         w.writeheader()
         w.writerows(dicts)
+
+
+def output_problem(path, *, needs: str | None = None) -> str | None:
+    """Why ``path`` cannot be written at the end of a run (its folder is missing or not
+    writable, it is a folder, or the module ``needs`` is not installed), or None."""
+    if needs and importlib.util.find_spec(needs) is None:
+        return f"{path}: needs {needs}, which is not installed (pip install {needs})"
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.path.isdir(folder):
+        return f"{path}: no folder {folder}"
+    if not os.access(folder, os.W_OK):
+        return f"{path}: folder {folder} is not writable"
+    return None
+
+
+def check_outputs(comm, outputs: dict) -> None:
+    """Refuse, on every rank and before any measurement, the output files that rank 0 could
+    not write after the sweep (``outputs``: option -> path or None; ``--plot`` needs
+    matplotlib): rank 0 looks, every rank raises ``SystemExit`` with the same message."""
+    problems = None
+    if comm.Get_rank() == 0:
+        problems = [f"{opt} {p}" for opt, path in outputs.items() if path
+                    for p in [output_problem(path, needs="matplotlib" if opt == "--plot"
+                                             else None)] if p]
+    problems = comm.bcast(problems, root=0)
+    if problems:
+        raise SystemExit(f"rank {comm.Get_rank()}: cannot write " + "; ".join(problems))

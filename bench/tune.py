@@ -9,11 +9,14 @@ per call, the median over ``--rounds``). Only algorithms whose results were exac
 fastest replaces it only when the incumbent's median is more than ``MARGIN`` slower, since
 algorithms within a few percent trade places from one run to the next. Consecutive sizes with the
 same pick become one rule ``[max_bytes, name]`` (``max_bytes``: the per-rank input bytes of the
-last size it covers; ``null`` for the last rule), in the JSON schema of ``collectives.select``::
+last size it covers), in the JSON schema of ``collectives.select``::
 
     {"version": 1, "signature": "<cpu / cores / MPI library>",
-     "tables": {"allreduce": {"2": [[4096, "native"], [null, "ring"]], ...,
-                              "in-place": {"2": [[524288, "native"], [null, "ring"]]}}, ...}}
+     "tables": {"allreduce": {"2": [[4096, "native"], [67108864, "ring"]], ...,
+                              "in-place": {"2": [[524288, "native"], [67108864, "ring"]]}}, ...}}
+
+The last rule ends at the largest size measured: a file governs only the sizes it measured, and
+past them ``auto`` uses the built-in table.
 
 (allreduce in place is measured and ruled apart). The rules are stored for this communicator
 size, beside the other sizes already in the file when its signature matches (a file tuned on
@@ -99,16 +102,15 @@ def pick(row: list, incumbent: str | None, margin: float = MARGIN):
 
 
 def rules(best: list[tuple]) -> list[list]:
-    """``[(input bytes, name)]`` -> ``[[max_bytes, name], ..., [None, name]]``, sorted by size,
-    consecutive sizes with the same name merged."""
+    """``[(input bytes, name)]`` -> ``[[max_bytes, name], ...]``, sorted by size, consecutive
+    sizes with the same name merged. The last rule ends at the largest size measured: past it
+    the built-in table applies (``collectives.select.rule``), since nothing was measured there."""
     out: list[list] = []
     for nbytes, name in sorted(best, key=lambda b: b[0]):
         if out and out[-1][1] == name:
             out[-1][0] = nbytes
         else:
             out.append([nbytes, name])
-    if out:
-        out[-1][0] = None
     return out
 
 
@@ -184,12 +186,13 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from bench.harness import Sweep, abort_on_error
-    from bench.report import write_json
+    from bench.report import check_outputs, write_json
     from bench.units import byte_sizes, parse_size
     comm = MPI.COMM_WORLD
     abort_on_error(comm)
     n, rank0 = comm.Get_size(), comm.Get_rank() == 0
     sizes = byte_sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    check_outputs(comm, {"--json": args.json})
     collectives = args.collectives.split(",")
     for c in collectives:
         if c not in _SPECS:
@@ -249,6 +252,7 @@ def _sizes(results, mode: str) -> list[int]:
 
 
 def _print(new, report, n, path, note, dry) -> None:
+    from bench.units import format_size
     from collectives import select
     print(f"#\n# tuning table for {n} ranks " + ("(dry run, not written)" if dry else
                                                 f"written to {path}"))
@@ -262,6 +266,8 @@ def _print(new, report, n, path, note, dry) -> None:
         print(f"  {key:<20} {nbytes:>10} {fastest.algorithm:>19} {fastest.time * 1e6:10.1f} "
               f"{b_name:>19} {b_time} {win.algorithm:>19}")
     for key, table in new.items():
-        print(f"# {key}: {select.describe(table)}")
+        print(f"# {key}: {select.describe(table)}"
+              + (f"; past {format_size(table[-1][0])}: the built-in table"
+                 if table and table[-1][0] is not None else ""))
     print(f"# pick: the fastest, unless the built-in table's pick is within "
           f"{100 * MARGIN:g}% of it")

@@ -249,7 +249,9 @@ def _for_size(rules_by_size: dict, size: int):
 
 def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = False) -> str:
     """The algorithm ``table`` (``DEFAULT_TABLE``'s shape) names for ``nbytes`` per rank on
-    ``size`` ranks (``inplace``: a call with ``out=x``), before ``MULTI_NODE``."""
+    ``size`` ranks (``inplace``: a call with ``out=x``), before ``MULTI_NODE``. Past the last
+    rule's ``max_bytes`` (a tuning file's rules end at the largest size ``bench tune``
+    measured), ``DEFAULT_TABLE``'s rules apply."""
     rules_by_size = table.get(collective, {})
     rules = None
     if inplace and collective in IN_PLACE_RULES:
@@ -259,6 +261,9 @@ def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = F
     for limit, name in rules or ():
         if limit is None or nbytes <= limit:
             return name
+    # A tuning file governs only the sizes it measured.
+    if table is not DEFAULT_TABLE:
+        return rule(DEFAULT_TABLE, collective, nbytes, size, inplace)
     return NATIVE
 
 

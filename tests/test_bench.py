@@ -405,10 +405,11 @@ def test_every_bench_module_has_a_docstring_and_all_and_no_cycle():
 
 # -- tune -----------------------------------------------------------------------------------------
 def test_tune_rules_and_merge(tmp_path):
+    # the last rule ends at the largest size measured: past it the built-in table applies
     assert tune.rules([(8, "native"), (32, "native"), (128, "ring"), (512, "ring")]) == \
-        [[32, "native"], [None, "ring"]]
-    assert tune.rules([(1024, "ring"), (8, "native")]) == [[8, "native"], [None, "ring"]]
-    assert tune.rules([(8, "a"), (16, "b"), (32, "a")]) == [[8, "a"], [16, "b"], [None, "a"]]
+        [[32, "native"], [512, "ring"]]
+    assert tune.rules([(1024, "ring"), (8, "native")]) == [[8, "native"], [1024, "ring"]]
+    assert tune.rules([(8, "a"), (16, "b"), (32, "a")]) == [[8, "a"], [16, "b"], [32, "a"]]
     assert tune.rules([]) == []
     path = tmp_path / "tuning.json"
     data, note = tune.merge(path, "sig", 2, {"allreduce": [[None, "ring"]]})
@@ -458,6 +459,31 @@ def test_tune_writes_where_it_is_told_without_reading_it(tmp_path, monkeypatch):
     monkeypatch.delenv("COLLECTIVES_TUNING")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tune.output_path() == tmp_path / "collectives" / "tuning.json"
+
+
+def test_a_tuning_file_governs_only_the_sizes_it_measured(tmp_path):
+    from collectives import config, select
+    measured = 256 << 10  # a `tune -e 256K` run: every rule ends at or below 256 KiB
+    table = {"allreduce": tune.rules([(8, "native"), (measured, "ring")]),
+             "allreduce in-place": tune.rules([(8, "native"), (measured, "shm")])}
+    assert table["allreduce in-place"][-1] == [measured, "shm"]
+    data, _ = tune.merge(tmp_path / "t.json", "sig", 2, table)
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    old = config.set("COLLECTIVES_TUNING", str(tmp_path / "t.json"))
+    try:
+        assert select.auto("allreduce", measured, 2, inplace=True) == "shm"
+        assert select.auto("allreduce", measured, 2) == "ring"
+        for nbytes in (measured + 4, 8 << 20, 1 << 30):
+            for inplace in (False, True):
+                assert select.auto("allreduce", nbytes, 2, inplace=inplace) == \
+                    tune.builtin_pick("allreduce", nbytes, 2, inplace), (nbytes, inplace)
+        # a hand-written file's null limit still means every size
+        (tmp_path / "hand.json").write_text(json.dumps(
+            {"version": 1, "tables": {"allreduce": {"2": [[None, "tree"]]}}}))
+        config.set("COLLECTIVES_TUNING", str(tmp_path / "hand.json"))
+        assert select.auto("allreduce", 1 << 30, 2) == "tree"
+    finally:
+        config.set("COLLECTIVES_TUNING", old)
 
 
 def test_tuning_file_is_what_select_reads(tmp_path):
@@ -644,7 +670,7 @@ def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
     tables = data["tables"]
     for table in (tables["allreduce"]["2"], tables["broadcast"]["2"],
                   tables["allreduce"]["in-place"]["2"]):
-        assert table[-1][0] is None
+        assert table[-1][0] == 4096  # the largest size measured
         assert all(len(rule) == 2 and rule[1] in collectives.algorithms("allreduce") +
                    collectives.algorithms("broadcast") for rule in table)
     assert "in-place" not in tables["broadcast"]
@@ -652,6 +678,7 @@ def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
     old = config.set("COLLECTIVES_TUNING", str(path))
     try:
         for limit, name in tables["allreduce"]["2"]:
-            assert select.auto("allreduce", limit or 4096, 2) == name
+            assert select.auto("allreduce", limit, 2) == name
+        assert select.auto("allreduce", 8 << 20, 2) == tune.builtin_pick("allreduce", 8 << 20, 2)
     finally:
         config.set("COLLECTIVES_TUNING", old)
