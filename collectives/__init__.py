@@ -31,6 +31,7 @@ from collectives.api import (
 from collectives.registered import empty, is_registered
 from collectives.errors import CollectiveError, CollectiveTimeout, MessageSizeError, MismatchError
 from collectives.progress import Request
+from collectives.mesh import Mesh
 from collectives import abort as _abort
 
 _abort.install()  # an uncaught exception on one rank ends the whole job (collectives.abort)
@@ -40,7 +41,7 @@ __all__ = [
     "alltoall", "gather", "scatter", "barrier",
     "iallreduce", "ireduce", "ireduce_scatter", "iallgather", "ibroadcast",
     "ialltoall", "igather", "iscatter", "ibarrier",
-    "algorithms", "Request", "empty", "is_registered",
+    "algorithms", "Request", "empty", "is_registered", "Mesh",
     "CollectiveError", "MismatchError", "MessageSizeError", "CollectiveTimeout",
 ]
 __version__ = "0.1.0"
