@@ -403,6 +403,49 @@ def test_every_bench_module_has_a_docstring_and_all_and_no_cycle():
     assert done.returncode == 0, done.stderr
 
 
+def test_output_paths_are_checked_before_the_sweep(tmp_path, monkeypatch):
+    assert report.output_problem(str(tmp_path / "r.json")) is None
+    assert "no folder" in report.output_problem(str(tmp_path / "missing" / "r.json"))
+    assert "is a folder" in report.output_problem(str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert "needs matplotlib" in report.output_problem(str(tmp_path / "p.png"),
+                                                      needs="matplotlib")
+
+    class One:  # a communicator of one rank
+        def Get_rank(self):
+            return 0
+
+        def bcast(self, obj, root=0):
+            return obj
+    report.check_outputs(One(), {"--json": str(tmp_path / "r.json"), "--csv": None})
+    with pytest.raises(SystemExit, match=r"--plot .*p\.png: needs matplotlib"):
+        report.check_outputs(One(), {"--plot": str(tmp_path / "p.png")})
+
+
+def test_gloo_leaves_the_excepthook_alone():
+    pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    from bench import gloo
+
+    def mine(*exc):
+        return None
+    old = sys.excepthook
+    sys.excepthook = mine
+    try:
+        g = gloo.init(MPI.COMM_SELF)
+        try:
+            # torch's init_process_group wraps the hook in one that writes the traceback only
+            # after the wrapped hook returns: an aborting hook would never print it
+            assert sys.excepthook is mine
+        finally:
+            g.close()
+    finally:
+        sys.excepthook = old
+
+
 # -- tune -----------------------------------------------------------------------------------------
 def test_tune_rules_and_merge(tmp_path):
     # the last rule ends at the largest size measured: past it the built-in table applies
@@ -646,6 +689,16 @@ def test_allreduce_benchmark_under_mpiexec(tmp_path):
     picked = [r["picked"] for r in data["results"] if r["algorithm"] == "auto"]
     assert len(picked) == 12 and set(picked) <= registered, picked
     assert "# auto ran: " in p.stdout
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
+def test_an_unwritable_output_is_refused_on_every_rank_before_the_sweep(tmp_path):
+    p = _run(["allreduce", "-b", "8", "-e", "8", "--rounds", "1", "--json",
+              str(tmp_path / "missing" / "r.json")], timeout=60)
+    assert p.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank}: cannot write --json" in p.stderr, p.stderr
+    assert "size" not in p.stdout, p.stdout  # nothing was measured
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
