@@ -1,8 +1,8 @@
 """torch's own clients on the "collectives" backend, against gloo and against one process.
 
-Every test starts the default group on the toolkit's backend with a TCP store, so that a gloo
-group of the same ranks can run beside it (``dist.new_group(backend="gloo")``) and give the
-reference results. Training tests run 5 steps and compare every parameter with one process
+Every test starts the default group on the toolkit's backend as a user does
+(``cb.init_process_group()``, whose TCP store every rank reaches), so that a gloo group of the
+same ranks can run beside it (``dist.new_group(backend="gloo")``) and give the reference results. Training tests run 5 steps and compare every parameter with one process
 training the same model on the whole batch.
 """
 import pytest
@@ -19,11 +19,72 @@ torch.set_num_threads(1)
 def groups():
     """The default group on "collectives" and a gloo group of the same ranks."""
     import collectives.torch.backend as cb
-    store = cb.tcp_store()
-    cb.init_process_group(store=store)
+    cb.init_process_group()
     gloo = dist.new_group(backend="gloo")
     yield gloo
     dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_default_store_is_shared(groups):
+    """A key set on rank 0 in the default store is read on every rank, and a gloo group made
+    after the backend's init (a rendezvous through that store) reduces."""
+    from torch.distributed.distributed_c10d import _get_default_store
+    r, p = dist.get_rank(), dist.get_world_size()
+    store = _get_default_store()
+    if r == 0:
+        store.set("from-rank-0", "shared")
+    got = store.get("from-rank-0")
+    x = torch.full((3,), float(r + 1))
+    dist.all_reduce(x, group=groups)
+    sub = dist.new_group(backend="gloo")  # a second one, on the same store
+    dist.barrier(group=sub)
+    ok = got == b"shared" and torch.equal(x, torch.full((3,), p * (p + 1) / 2))
+    assert_all(ok, f"read {got!r}, gloo's sum {x}")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_stores_side_by_side_and_a_taken_port():
+    """Two stores at once (two jobs on one machine) get their own ports and keys; a
+    ``MASTER_PORT`` rank 0 cannot bind is an error on every rank, not a wait."""
+    import os
+    import socket
+    from datetime import timedelta
+
+    import collectives.torch.backend as cb
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    r = comm.Get_rank()
+    one_host = len(set(comm.allgather(socket.gethostname()))) == 1
+    a, b = cb.tcp_store(timeout=timedelta(seconds=20)), cb.tcp_store(timeout=timedelta(seconds=20))
+    if r == 0:
+        a.set("k", "a")
+        b.set("k", "b")
+    ports = (a.port, b.port)
+    ok = ports[0] != ports[1] and (a.get("k"), b.get("k")) == (b"a", b"b")
+    comm.Barrier()  # nobody still reading when rank 0 drops its servers
+    del a, b
+    error = None
+    if one_host:
+        taken = None
+        if r == 0:
+            taken = socket.socket()
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+        port = comm.bcast(taken.getsockname()[1] if taken else None, root=0)
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            cb.tcp_store(timeout=timedelta(seconds=20))
+        except RuntimeError as exc:
+            error = str(exc)
+        finally:
+            del os.environ["MASTER_PORT"]
+            if taken:
+                taken.close()
+        ok &= error is not None and f":{port}" in error
+    assert_all(ok, f"ports {ports}; error for a taken port: {error}")
 
 
 def _same_as_gloo(fn, gloo, what):

@@ -1,14 +1,16 @@
 """The ``"collectives"`` backend of ``torch.distributed``: torch's own API on our algorithms.
 
     import collectives.torch.backend as cb
-    cb.init_process_group()              # ranks and size from MPI.COMM_WORLD; no store needed
+    cb.init_process_group()              # ranks and size from MPI.COMM_WORLD, a TCPStore
     dist.all_reduce(t)                   # -> collectives.iallreduce
     model = torch.nn.parallel.DistributedDataParallel(module)   # torch's Reducer, our wire
 
 Importing this module registers the backend (``Backend.register_backend("collectives", ...,
 extended_api=True, devices=["cpu"])``); ``dist.init_process_group("collectives", store=...,
 rank=..., world_size=...)`` works as well, provided torch's ranks are the ``COMM_WORLD`` ranks
-(mpiexec starts the processes; there is no rendezvous to do). The process group is a Python
+(mpiexec starts the processes; the collectives need no rendezvous, but torch's store-based
+features do: ``init_process_group`` gives torch a ``TCPStore`` that rank 0 serves, ``tcp_store``).
+The process group is a Python
 subclass of ``torch.distributed.ProcessGroup``: each operation starts the toolkit's
 non-blocking collective and returns a ``Work`` built on a ``torch.futures.Future``, which one
 *completer* thread per group completes in start order (waiting on the collectives' requests),
@@ -303,40 +305,100 @@ def register() -> None:
     _REGISTERED = True
 
 
-def tcp_store(comm=None):
-    """A ``torch.distributed.TCPStore`` shared by the ranks of ``comm`` (default
-    ``COMM_WORLD``; collective): rank 0 serves it on the loopback of a single machine, the
-    first host's name otherwise. A store that other processes reach is what a gloo group
-    created beside this backend's (``dist.new_group(backend="gloo")``) needs; this backend
-    alone needs none."""
+_STORE_TIMEOUT_S = 300.0  # torch's own TCPStore default
+
+
+def _listen_fd(addr: str, port: int) -> tuple[int, int]:
+    """A listening socket bound to ``addr:port`` (port 0: the OS picks a free one), as its file
+    descriptor (handed over: the store closes it) and its port."""
+    import socket
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a fixed port after a restart
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach(), port
+
+
+def _port_setting() -> int:
+    import os
+    text = os.environ.get("MASTER_PORT", "").strip()
+    try:
+        port = int(text or 0)
+    except ValueError:
+        port = -1
+    if not 0 <= port < 65536:
+        raise ValueError(f"MASTER_PORT={text!r}: expected a TCP port, 0-65535")
+    return port
+
+
+def tcp_store(comm=None, timeout=None):
+    """A ``torch.distributed.TCPStore`` shared by the ranks of ``comm`` (default ``COMM_WORLD``;
+    collective): the store ``cb.init_process_group()`` gives torch.
+
+    Rank 0 serves it. When every rank is on one host it listens on the loopback only
+    (``127.0.0.1``, or ``MASTER_ADDR`` if set) on the port the OS picks (``MASTER_PORT`` if
+    set), so jobs side by side never collide; across hosts it listens as torch's ``env://``
+    does, on every interface, and the others connect to ``MASTER_ADDR`` or rank 0's host name.
+    The port reaches the other ranks by MPI. ``timeout`` (a ``timedelta``, default 300 s)
+    bounds connecting and every ``get``/``wait``; a rank that cannot serve or reach the store
+    makes the call raise on every rank."""
+    import datetime
     import os
     import socket
 
     from mpi4py import MPI
     comm = comm or MPI.COMM_WORLD
+    size = comm.Get_size()
+    if timeout is None:
+        timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
     hosts = comm.allgather(socket.gethostname())
     one_host = len(set(hosts)) == 1
-    addr = "127.0.0.1" if one_host else hosts[0]
     if one_host:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = None
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo groups beside ours, too
+    addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else hosts[0])
+    port, store, error = _port_setting(), None, None
     if comm.Get_rank() == 0:
-        store = dist.TCPStore(addr, 0, comm.Get_size(), True, wait_for_workers=False)
-    port = comm.bcast(None if store is None else store.port, root=0)
-    return store or dist.TCPStore(addr, port, comm.Get_size(), False)
+        try:
+            fd = None
+            if one_host:
+                fd, port = _listen_fd(addr, port)
+            store = dist.TCPStore(addr, port, size, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=fd)
+            port = store.port
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            error = f"rank 0 could not serve the store on {addr}:{port}: {exc}"
+    port, error = comm.bcast((port, error), root=0)
+    if error is None and store is None:
+        try:
+            store = dist.TCPStore(addr, port, size, False, timeout)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            error = f"rank {comm.Get_rank()} could not reach the store at {addr}:{port}: {exc}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return store
 
 
 def init_process_group(comm=None, **kwargs) -> None:
-    """``dist.init_process_group("collectives")`` with ranks from MPI and a local store."""
+    """``dist.init_process_group("collectives")`` with ranks from MPI and a store shared by
+    every rank (``tcp_store``; ``store=`` overrides it, ``timeout=`` bounds it too)."""
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     if comm is not None and comm != world:
         raise ValueError("the default group spans MPI.COMM_WORLD; use dist.new_group(ranks) "
                          "for a subset")
     register()
-    kwargs.setdefault("store", dist.HashStore())  # nothing to rendezvous: MPI started us
+    if kwargs.get("store") is None:
+        # torch's features that rendezvous through the default store (new_group on another
+        # backend, store-based barriers, distributed checkpointing) need one every rank reaches
+        kwargs["store"] = tcp_store(world, kwargs.get("timeout"))
     dist.init_process_group(BACKEND, rank=world.Get_rank(), world_size=world.Get_size(),
                             **kwargs)
-
 
 register()
