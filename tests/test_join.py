@@ -1,7 +1,9 @@
 """DDP for real training loops: uneven inputs (``join``) and ``static_graph``.
 
-``join``: ranks get different numbers of batches; after every step each rank's parameters equal
-one process that averages the gradients of the ranks that still had data. ``static_graph``: two
+``join``: ranks get different numbers of batches; after every step each training rank's
+parameters equal one process that averages the gradients of the ranks that still had data, and
+every rank leaves the context with the same parameters and buffers, those of the ranks that
+trained to the end (each rank steps its optimizer only while it has data). ``static_graph``: two
 checkpointed blocks (reentrant and not) and a weight used twice train to the parameters of one
 process on the whole batch; without it, the error names the parameter and the flag.
 """
@@ -20,15 +22,26 @@ torch.set_num_threads(1)
 
 IN, HIDDEN, OUT, SHARD = 7, 24, 3, 5
 
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+}
+
 
 class Small(nn.Module):
+    """A 2-layer MLP with a constant buffer and one that counts training forwards."""
+
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(IN, HIDDEN)
         self.b = nn.Linear(HIDDEN, OUT)
         self.register_buffer("scale", torch.ones(1))
+        self.register_buffer("forwards", torch.zeros(1, dtype=torch.int64))
 
     def forward(self, x):
+        if self.training:
+            self.forwards += 1
         return self.b(torch.tanh(self.a(x))) * self.scale
 
 
@@ -37,21 +50,44 @@ def _batch(rank, step):
     return torch.randn(SHARD, IN, generator=gen), torch.randn(SHARD, OUT, generator=gen)
 
 
-def _close(net, ref):
-    return all(torch.allclose(p, q, rtol=1e-5, atol=1e-6)
-               for p, q in zip(net.parameters(), ref.parameters()))
+def _close(params, ref):
+    return all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(params, ref))
 
 
-def _join_run(counts, accumulate=1, divide_initial=False, **kw):
-    comm = world()
-    n, r = comm.Get_size(), comm.Get_rank()
+def _reference(counts, accumulate, divide_initial, optimizer):
+    """One process replays every rank's batches: at each step the summed loss of the ranks
+    that still have data, divided by their number (by every rank with ``divide_initial``),
+    one optimizer step. The parameters after each step."""
+    n = len(counts)
     torch.manual_seed(0)
     ref = Small()
+    opt = OPTIMIZERS[optimizer](ref.parameters())
+    after = []
+    for step in range(max(counts)):
+        live = [s for s in range(n) if counts[s] > step]
+        opt.zero_grad()
+        total = 0
+        for s in live:
+            for k in range(accumulate):
+                x, y = _batch(s, accumulate * step + k)
+                total = total + nn.functional.mse_loss(ref(x), y)
+        (total / (n if divide_initial else len(live))).backward()
+        opt.step()
+        after.append([p.detach().clone() for p in ref.parameters()])
+    return after
+
+
+def _join_run(counts, accumulate=1, divide_initial=False, optimizer="sgd", **kw):
+    """Train under ``join`` with ``counts[r]`` steps on rank r (each rank steps its optimizer
+    only while it has data); check every step against the one-process reference, then that
+    every rank leaves the context with the same parameters and buffers: the reference's."""
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    ref = _reference(counts, accumulate, divide_initial, optimizer)
     torch.manual_seed(0 if r == 0 else 1 + r)  # DDP brings rank 0's
     net = Small()
     ddp = DDP(net, **kw)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = OPTIMIZERS[optimizer](ddp.parameters())
     bad = []
     with ddp.join(divide_by_initial_world_size=divide_initial):
         for step in range(counts[r]):
@@ -62,26 +98,39 @@ def _join_run(counts, accumulate=1, divide_initial=False, **kw):
                 with ctx:
                     nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
-            # One process: the ranks that had data at this step, each shard's loss averaged.
-            opt_ref.zero_grad()
-            live = [s for s in range(n) if counts[s] > step]
-            total = 0
-            for s in live:
-                for k in range(accumulate):
-                    x, y = _batch(s, accumulate * step + k)
-                    total = total + nn.functional.mse_loss(ref(x), y)
-            (total / (n if divide_initial else len(live))).backward()
-            opt_ref.step()
-            if not _close(net, ref):
+            if not _close(net.parameters(), ref[step]):
                 bad.append(step)
     assert_all(not bad, f"parameters differ from the reference after steps {bad[:5]}")
+    # Leaving the context: every rank holds the model of the ranks that trained to the end.
+    assert_all(_close(net.parameters(), ref[-1]) if ref else True,
+               f"a rank left join() with parameters other than the reference's after the "
+               f"last step (steps per rank {counts})")
+    synced = kw.get("broadcast_buffers", True)  # else every rank keeps its own buffers
+    state = torch.cat([t.detach().reshape(-1).double() for t in list(net.parameters())
+                       + (list(net.buffers()) if synced else [])]).numpy()
+    every = comm.allgather(state.tobytes())
+    assert_all(len(set(every)) == 1, f"parameters and buffers differ across ranks after "
+                                     f"join(): ranks {[s for s in range(n) if every[s] != every[0]]}"
+                                     f" differ from rank 0")
+    assert_all(not synced or int(net.forwards) == max(counts) * accumulate,
+               f"buffer 'forwards' after join() is not {max(counts) * accumulate}, the "
+               f"forwards of the ranks that trained to the end")
     return ddp
 
 
 @pytest.mark.mpi
-def test_join_one_rank_ten_percent_fewer_batches():
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_join_one_rank_ten_percent_fewer_batches(optimizer):
     n = world().Get_size()
-    _join_run([10] * (n - 1) + [9])
+    _join_run([10] * (n - 1) + [9], optimizer=optimizer)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_join_rank0_ten_percent_fewer_batches(optimizer):
+    # Rank 0, the one a checkpoint is usually saved from, runs out first.
+    n = world().Get_size()
+    _join_run([9] + [10] * (n - 1), optimizer=optimizer)
 
 
 @pytest.mark.mpi
@@ -98,9 +147,10 @@ def test_join_with_no_sync_and_unused_parameter_flags():
 
 
 @pytest.mark.mpi
-def test_join_divide_by_initial_world_size():
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_join_divide_by_initial_world_size(optimizer):
     n = world().Get_size()
-    _join_run([3] + [5] * (n - 1), divide_initial=True)
+    _join_run([3] + [5] * (n - 1), divide_initial=True, optimizer=optimizer)
 
 
 @pytest.mark.mpi
@@ -109,6 +159,18 @@ def test_join_rank_without_any_batch():
     if n < 2:
         pytest.skip("needs 2 ranks: one without data, one with")
     _join_run([0] + [3] * (n - 1))
+
+
+@pytest.mark.mpi
+def test_join_without_buffer_broadcast_still_leaves_one_model():
+    n = world().Get_size()
+    _join_run([10] * (n - 1) + [9], broadcast_buffers=False)
+
+
+@pytest.mark.mpi
+def test_join_every_rank_even():
+    n = world().Get_size()
+    _join_run([4] * n, optimizer="momentum")
 
 
 # -- static_graph ---------------------------------------------------------------------------------
@@ -156,7 +218,7 @@ def test_static_graph_checkpointing_and_tied_weights_match_one_process(reentrant
         (total / n).backward()
         opt.step()
         opt_ref.step()
-        if not _close(ddp.module, ref):
+        if not _close(ddp.module.parameters(), ref.parameters()):
             bad.append(step)
     assert_all(not bad, f"parameters differ from one process after steps {bad}")
 

@@ -331,6 +331,7 @@ class DistributedDataParallel(nn.Module):
         self._static_order: list[int] = []
         # join(): None outside; else whether the average divides by the initial world size.
         self._join_initial = None
+        self._join_last = 0               # lowest rank training at the last agreement
         self._active = self.size          # ranks that train this step (join)
         self._zero_flats = None           # a joined rank's stand-in buckets
         self._fused = self._divide = False  # set as each backward starts (_start_backward)
@@ -479,7 +480,9 @@ class DistributedDataParallel(nn.Module):
         match), the unused-parameter flags and the buffer broadcast, which comes from the
         lowest rank still training. The average divides by the ranks that still train (by
         the initial rank count with ``divide_by_initial_world_size=True``, as torch's
-        default). Every rank of ``comm`` must enter the context.
+        default). Every rank of ``comm`` must enter the context. On leaving it, every rank
+        takes the parameters (and buffers, with ``broadcast_buffers``) of the lowest rank
+        that trained to the end, so all hold one model (torch's last joiner).
         """
         if self._overlap is not None:
             raise RuntimeError("join() does not combine with overlap_forward=True")
@@ -489,6 +492,7 @@ class DistributedDataParallel(nn.Module):
         if self._join_initial is not None:
             raise RuntimeError("DistributedDataParallel.join() is already active")
         self._join_initial = bool(divide_by_initial_world_size)
+        self._join_last = 0
         try:
             yield
             while True:
@@ -498,6 +502,12 @@ class DistributedDataParallel(nn.Module):
                 self._sync_buffers(root)
                 if sync:
                     self._shadow_backward()
+            # A rank that left early ran no optimizer step since: everyone takes the model
+            # of the ranks still training at the last step (the lowest of them).
+            with torch.no_grad():
+                self._broadcast_coalesced(list(self._params) + (
+                    list(self.module.buffers()) if self.broadcast_buffers else []),
+                    self._join_last)
         finally:
             self._join_initial = None
             self._active = self.size
@@ -510,7 +520,10 @@ class DistributedDataParallel(nn.Module):
             flags[self.size] = int(self._require_sync and torch.is_grad_enabled())
         functional.all_reduce(flags, "sum", comm=self.comm)
         active = int(flags[:self.size].sum())
-        return active, int(torch.argmax(flags[:self.size])), bool(flags[self.size])
+        root = int(torch.argmax(flags[:self.size]))
+        if active:
+            self._join_last = root  # the same on every rank: all take part in each agreement
+        return active, root, bool(flags[self.size])
 
     def _shadow_backward(self) -> None:
         """A joined rank's part of one synchronized backward: the same collectives, zeros."""
