@@ -349,8 +349,10 @@ def _single_node(comm) -> bool:
 def test_auto_runs_the_tables_pick(collective):
     """``auto`` runs what ``select.auto`` reads from the tuning table in force (the default
     table here) for every rule's sizes, out of place and in place, and ``api.auto_pick`` names
-    it; the result is right and bitwise the one the named pick gives, the same on every
-    rank."""
+    it; the result is the one the named pick gives, run the same way (non-blocking), the same
+    on every rank. Bitwise for our algorithms, whose order of operations is fixed; MPI's own
+    reductions (``native``) to float32 rounding: MPI does not promise that two calls sum in the
+    same order (Open MPI's MPI_Iallreduce and MPI_Allreduce do not at 4-64 KiB)."""
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     rules = select.load_table()[collective]
@@ -381,14 +383,22 @@ def test_auto_runs_the_tables_pick(collective):
                 if f"({pick}, " not in req.description:
                     bad.append(f"{n} B in place {inplace}: ran {req.description}, not {pick}")
                 y = x.copy()
-                named = getattr(coll, collective)(y, comm=comm, algorithm=pick, **(
-                    dict(out=y) if inplace else {}))
+                named = run(y, comm=comm, algorithm=pick, **(
+                    dict(out=y) if inplace else {})).wait()
                 if got is None or named is None:  # reduce off the root
                     if (got is None) != (named is None) or (rank == 0) == (got is None):
                         bad.append(f"{n} B: reduce gave {type(got)} / {type(named)}")
                     continue
-                if np.asarray(got).tobytes() != np.asarray(named).tobytes():
-                    bad.append(f"{n} B in place {inplace}: not {pick}'s bits")
+                got, named = np.asarray(got), np.asarray(named)
+                if pick == "native" and collective in ("allreduce", "reduce",
+                                                       "reduce_scatter"):
+                    # |x| <= ~5 * 10**(size-1): float32 sums in any order agree to this
+                    same = got.shape == named.shape and np.allclose(
+                        got, named, rtol=1e-5, atol=1e-5 * 10.0 ** (size - 1))
+                else:
+                    same = got.tobytes() == named.tobytes()
+                if not same:
+                    bad.append(f"{n} B in place {inplace}: not {pick}'s result")
                 if collective not in ("reduce", "reduce_scatter") and \
                         not identical(np.asarray(got), comm):
                     bad.append(f"{n} B in place {inplace}: ranks differ")
