@@ -2,9 +2,9 @@
 
 ``empty(shape, dtype, comm=comm)`` is collective over ``comm`` (every rank calls it, in the same
 order; shapes may differ between ranks): it returns this rank's segment of a shared window on
-the node communicator (``comm.Split_type(COMM_TYPE_SHARED)``) as an array. Every rank maps
-every segment, so a collective on registered buffers can read a peer's input and write a peer's
-output directly (``collectives.onepass``).
+the node communicator (``topology.node_comm``, which honours simulated nodes) as an array.
+Every rank maps every segment of its node, so a collective on registered buffers can read a
+peer's input and write a peer's output directly (``collectives.onepass``).
 
 *Size classes and reuse.* A rank's segment is its request rounded up to a power of two (4 KiB
 at least, so every segment is page-aligned). Windows are pooled: an array that dies gives its
@@ -77,10 +77,12 @@ class _Node:
     """What one communicator's registrations share: its node communicator and windows."""
 
     def __init__(self, comm):
-        from mpi4py import MPI
+        from .topology import node_comm, topology
         self.comm = comm
-        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.single = comm.allreduce(self.node.Get_size(), op=MPI.MIN) == comm.Get_size()
+        # The topology's nodes, simulated ones included, so that every layer that asks
+        # "one node?" (dispatch, DDP, ZeRO) hears the same answer.
+        self.node = node_comm(comm)
+        self.single = topology(comm).single_node
         self.next = 0
         self.live: dict = {}       # seq -> Registration with an array in it on this rank
         self.released: set = set()  # seqs whose array died here, not yet agreed on

@@ -50,7 +50,7 @@ import numpy as np
 
 from . import config
 
-__all__ = ["Topology", "topology", "simulated", "communicators", "Communicators",
+__all__ = ["Topology", "topology", "simulated", "communicators", "Communicators", "node_comm",
            "LinkTraffic", "count_traffic", "SAME_NUMA", "SAME_NODE", "OTHER_NODE",
            "LINK_NAMES", "numa_of_cpus", "sim_traffic", "discover", "traffic_table"]
 
@@ -387,6 +387,13 @@ def communicators(comm=None) -> Communicators:
         comms = Communicators(node, cross, numa, leaders)
         ctx.stash["topology.comms"] = comms
     return comms
+
+
+def node_comm(comm=None):
+    """The communicator of this rank's node within ``comm``: the one answer to "which ranks
+    share a node", simulated ones (``COLLECTIVES_RANKS_PER_NODE``) included. Cached with the
+    other sub-communicators (collective on first use); the caller must not free it."""
+    return communicators(comm).node
 
 
 # -- traffic accounting ---------------------------------------------------------------------

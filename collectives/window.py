@@ -210,7 +210,6 @@ class Window:
 
 def window(ctx, chunk: int | None = None) -> Window:
     """The (cached) shared window of ``ctx`` for ``chunk`` bytes per slot; collective."""
-    from mpi4py import MPI
     # A slot holds at least one element of the widest dtype (16 bytes) per rank.
     chunk = round_up(max(64, 16 * ctx.size, chunk or config.get("COLLECTIVES_SHM_CHUNK_BYTES")),
                      64)
@@ -218,16 +217,13 @@ def window(ctx, chunk: int | None = None) -> Window:
     win = ctx.stash.get(key)
     if win is not None:
         return win
-    from .topology import topology
+    from .topology import node_comm, topology
     topo = topology(ctx)
-    shared = ctx.comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
-    if shared.Get_size() != ctx.size or not topo.single_node:
-        nodes = len(topo.nodes) if not topo.single_node else "several"
-        shared.Free()
+    if not topo.single_node:
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but the {ctx.size} "
-                         f"ranks of this communicator span {nodes} nodes ({topo.source}); use "
-                         f"'hierarchical' or a node communicator")
-    win = Window(shared, chunk)
+                         f"ranks of this communicator span {len(topo.nodes)} nodes "
+                         f"({topo.source}); use 'hierarchical' or a node communicator")
+    win = Window(node_comm(ctx).Dup(), chunk)  # the window's own, freed with it
     ctx.stash[key] = win
     return win
 
