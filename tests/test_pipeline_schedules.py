@@ -106,8 +106,9 @@ def test_bookkeeping_faults():
 def test_no_messages_when_stages_share_a_rank():
     s = verify(schedule("interleaved", 1, 3, 4))
     assert all(a.kind in (F, B) for a in s.actions(0))
-    # one micro-batch per round: each goes depth first through the four chunks
-    assert s.actions(0)[:5] == [(F, 0, 0), (F, 0, 1), (F, 0, 2), (F, 0, 3), (F, 1, 0)]
+    # one micro-batch per round: depth first through the four chunks, then 1F1B
+    assert s.actions(0)[:6] == [(F, 0, 0), (F, 0, 1), (F, 0, 2), (F, 0, 3), (B, 0, 3),
+                                (F, 1, 0)]
 
 
 # -- simulate ---------------------------------------------------------------------------------
