@@ -1,0 +1,260 @@
+"""A small GPT-style decoder trained with tensor (and sequence) parallelism times data parallelism.
+
+    mpiexec -n 2 python examples/train_gpt.py --tp 2                      # tensor parallel
+    mpiexec -n 2 python examples/train_gpt.py --tp 2 --sequence-parallel
+    mpiexec -n 4 python examples/train_gpt.py --tp 2 --dp 2 --zero 2      # 2-D: ZeRO-2 on dp
+
+The model: a token embedding, ``--layers`` pre-norm blocks (causal self-attention, its heads
+split across the tensor-parallel ranks; a GELU MLP; two LayerNorms), a final LayerNorm and an
+output head tied to the embedding; no positional embedding (the causal mask carries the order).
+Linear layers have no bias, so every tensor-parallel layer is split whole. The fused q/k/v
+projection holds its rows head by head (q, k, v of head 0, then of head 1, ...), so a
+column-parallel split in whole heads (the plan's ``colwise:3*head_dim``) gives each rank its own
+heads, and the attention reads its number of heads from the tensor, never from a constant.
+
+The corpus: the bytes of the Python standard library's top-level ``*.py`` files in sorted order
+(``--corpus-bytes`` of them), one token per byte, the vocabulary padded to ``--vocab`` (a
+multiple of the tensor-parallel size). Step s draws ``--batch`` windows of ``--seq`` + 1 tokens
+from a generator seeded with (``--seed``, s); data-parallel rank d trains on its ``batch / dp``
+rows. The ranks form ``Mesh((dp, tp), ("dp", "tp"))``; the model is converted by
+``tensor_parallel.parallelize`` over ``mesh.comm("tp")`` and wrapped in ``DistributedDataParallel``
+(``--zero 0``) or ``ShardedDataParallel`` (``--zero 1..3``) over ``mesh.comm("dp")``.
+
+Rank 0 prints the loss of every step, then a JSON summary as the last line: the final loss,
+tokens/s (the global batch's tokens over the median step time), the bytes per step this rank hands
+to the tensor-parallel collectives and to the data-parallel ones, and the tensor-parallel layers'
+parameter bytes on this rank against their full size.
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import time
+
+os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")  # see train_ddp.py
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+__all__ = ["GPT", "plan", "corpus", "batch", "build", "train", "main"]
+
+
+class Attention(nn.Module):
+    """Causal self-attention; q/k/v rows grouped by head."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} is not divisible by heads {heads}")
+        self.head_dim = dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        qkv = self.qkv(x)
+        b, t, f = qkv.shape  # t is the whole sequence, f this rank's heads' q, k and v
+        q, k, v = qkv.view(b, t, f // (3 * self.head_dim), 3, self.head_dim).unbind(3)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """Two linear layers around a GELU."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim, bias=False)
+        self.fc2 = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn, self.mlp = Attention(dim, heads), MLP(dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token embedding, blocks, final norm, head tied to the embedding."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def plan(model: GPT, sequence_parallel: bool) -> dict:
+    """The tensor-parallel plan of ``GPT``: attention heads and MLP columns split, vocabulary
+    split, norms marked for sequence parallelism."""
+    hd = model.blocks[0].attn.head_dim
+    out = {"embed": "vocab", "head": "colwise",
+           "blocks.*.attn.qkv": f"colwise:{3 * hd}", "blocks.*.attn.proj": f"rowwise:{hd}",
+           "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    if sequence_parallel:
+        out.update({"blocks.*.norm*": "sequence", "norm": "sequence"})
+    return out
+
+
+def corpus(nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` bytes of the standard library's top-level sources, as int64 ids."""
+    out, have = [], 0
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+        with open(path, "rb") as f:
+            data = f.read(nbytes - have)
+        out.append(data)
+        have += len(data)
+        if have >= nbytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).long()
+
+
+def batch(text: torch.Tensor, step: int, rows: int, seq: int, seed: int):
+    """Step ``step``'s ``rows`` windows: inputs and next-token targets, (rows, seq) each."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(0, len(text) - seq - 1, (rows,), generator=g)
+    win = text[start.unsqueeze(1) + torch.arange(seq + 1)]
+    return win[:, :-1], win[:, 1:]
+
+
+def build(args, mesh=None):
+    """The model on this rank: plain (``mesh`` None) or parallelized over the mesh's "tp"
+    axis and wrapped for data parallelism over its "dp" axis. Returns (model, inner, optimizer,
+    loss function)."""
+    from collectives.torch import DistributedDataParallel, ShardedDataParallel
+    from collectives.torch import tensor_parallel as tp
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.dim, args.heads, args.layers)
+    if mesh is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        return model, model, opt, lambda logits, y: F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    tp_comm, dp_comm = mesh.comm("tp"), mesh.comm("dp")
+    if args.heads % tp_comm.Get_size():
+        # the plan's unit says the same for blocks.*.attn.qkv; this names the model's setting
+        raise ValueError(f"--heads {args.heads} is not divisible by --tp {tp_comm.Get_size()}")
+    tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel))
+    if args.zero:
+        wrapped = ShardedDataParallel(model, stage=args.zero, comm=dp_comm)
+    else:
+        wrapped = DistributedDataParallel(model, comm=dp_comm)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=args.lr)
+    return wrapped, model, opt, lambda logits, y: tp.vocab_parallel_cross_entropy(
+        logits, y, tp_comm)
+
+
+def train(args, mesh=None, text=None, on_step=None):
+    """Train for ``args.steps``; returns (losses, step times, model, inner module). With a mesh,
+    this rank trains on its data-parallel slice and the loss is averaged over "dp"."""
+    import collectives as coll
+    text = corpus(args.corpus_bytes) if text is None else text
+    model, inner, opt, loss_fn = build(args, mesh)
+    dp = 1 if mesh is None else mesh.size("dp")
+    if args.batch % dp:
+        raise ValueError(f"--batch {args.batch} is not divisible by --dp {dp}")
+    rows = args.batch // dp
+    me = 0 if mesh is None else mesh.coord("dp")
+    losses, times = [], []
+    for step in range(args.steps):
+        x, y = batch(text, step, args.batch, args.seq, args.seed)
+        x, y = x[me * rows:(me + 1) * rows], y[me * rows:(me + 1) * rows]
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        value = loss.detach().reshape(1)
+        if dp > 1:
+            value = coll.allreduce(value, op="avg", comm=mesh.comm("dp"))
+        losses.append(float(value))
+        if on_step:
+            on_step(step, losses[-1])
+    return losses, times, model, inner
+
+
+def parser():
+    """The example's flags."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (ranks / dp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (1)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="data parallelism: 0 DistributedDataParallel, 1-3 ZeRO stage (0)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=264, help="byte vocabulary, padded (264)")
+    p.add_argument("--dim", type=int, default=96)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=96, help="tokens per window (96)")
+    p.add_argument("--batch", type=int, default=8, help="windows per step, global (8)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--corpus-bytes", type=int, default=1 << 20)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    from mpi4py import MPI
+
+    from collectives import Mesh
+    from collectives.torch import tensor_parallel as tp
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    tp_size = args.tp or world.Get_size() // args.dp
+    mesh = Mesh((args.dp, tp_size), ("dp", "tp"))
+    rank0 = world.Get_rank() == 0
+
+    def show(step, loss):
+        if rank0:
+            print(f"step {step}: loss {loss:.4f}", flush=True)
+
+    tp.traffic.reset()
+    losses, times, model, inner = train(args, mesh, on_step=show)
+    here, full = tp.sharded_parameter_bytes(inner)
+    dp_bytes = 0
+    if hasattr(model, "stats"):
+        dp_bytes = model.stats.wire_bytes / max(1, model.stats.steps)
+    else:  # ZeRO: every parameter's gradient is reduce-scattered, its shard all-gathered
+        dp_bytes = 2 * sum(p.numel() * p.element_size() for p in inner.parameters())
+    median = statistics.median(times[1:] or times)
+    summary = {"tp": tp_size, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
+               "zero": args.zero, "steps": args.steps, "loss": round(losses[-1], 5),
+               "tokens_per_s": round(args.batch * args.seq / median, 1),
+               "step_ms": round(median * 1e3, 2),
+               "tp_bytes_per_step": tp.traffic.total() // args.steps,
+               "dp_bytes_per_step": int(dp_bytes) if args.dp > 1 else 0,
+               "tp_param_bytes_per_rank": here, "tp_param_bytes_full": full,
+               "param_bytes_per_rank": sum(p.numel() * p.element_size()
+                                           for p in inner.parameters())}
+    if rank0:
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
