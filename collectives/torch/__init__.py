@@ -12,6 +12,7 @@ from .buckets import GradBucket
 from .ddp import CommStats, DistributedDataParallel
 from .memory import empty, zeros
 from .sharded import ShardedDataParallel
+from . import pipeline
 from .functional import (
     Work,
     all_gather_into_tensor,
@@ -36,7 +37,7 @@ from .hooks import (
 )
 
 __all__ = [
-    "DistributedDataParallel", "CommStats", "GradBucket", "ShardedDataParallel",
+    "DistributedDataParallel", "CommStats", "pipeline", "GradBucket", "ShardedDataParallel",
     "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "Work",
     "all_to_all_single", "all_to_all", "gather", "scatter",
     "wait_future", "empty", "zeros",

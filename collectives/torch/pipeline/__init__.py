@@ -14,6 +14,8 @@ stages. docs/pipeline.md walks through all of it.
 from .schedules import Action, Schedule, SCHEDULES, schedule
 from .verify import ScheduleError, verify
 from .simulate import Simulation, p2p_time, simulate
+from .runner import Pipeline, PipelineError
+from .split import split
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "schedule", "verify", "ScheduleError",
-           "simulate", "Simulation", "p2p_time"]
+           "simulate", "Simulation", "p2p_time", "Pipeline", "PipelineError", "split"]

@@ -1,0 +1,274 @@
+"""``pp.Pipeline``: run a schedule's actions on this rank's stages, over MPI point-to-point.
+
+    runner = pp.Pipeline(stage_module, comm=pp_comm, schedule=sched, loss_fn=loss_fn)
+    loss = runner.step(x, target)     # x used on the first stage, target on the last
+
+The runner walks ``sched.actions(rank)`` in order, the same list ``pp.verify`` proved and
+``pp.simulate`` priced:
+
+1. F runs the stage on its input (the micro-batch of x, the previous stage's output on this
+   rank, or what a receive brought) and keeps input and output for the backward; on the last
+   stage the output goes through ``loss_fn`` and is weighted by the micro-batch's share of the
+   batch, so that the summed gradients are those of one process on the whole batch (a
+   ``loss_fn`` that takes the mean over its micro-batch, as torch's losses do by default).
+2. B is ``autograd.backward`` from the output (the loss on the last stage) with the gradient
+   the next stage sent; with a split backward (``zero_bubble``) B asks autograd for the
+   input's gradient alone and keeps the graph, and W later runs it into the weights.
+3. A send is an ``Isend`` of the tensor's bytes, completed at the end of the step (or earlier
+   once done), so a rank never waits for a receiver; a receive takes its message by tag.
+
+Messages. The runner works on its own ``Dup`` of ``comm``; a message's tag names it (direction,
+micro-batch, receiving stage), so messages match by name whatever order they arrive in. A
+receive probes for any message from its peer (``Mprobe``) and files what it finds by tag until
+its own is there. Shapes are learned: the first message of a (direction, micro-batch, stage)
+is preceded by a small header (dtype and shape), and later ones only when the shape or dtype
+changes (a new sequence length); both sides remember the last shape per message name, so
+they agree on when a header comes, and MPI's non-overtaking rule (one sender, one receiver,
+one communicator, a probe that matches any tag) delivers the header first. A gradient whose
+shape is not the shape of the output it belongs to is an error naming both stages.
+
+Failures. An exception in a stage is raised again as ``PipelineError`` naming the stage, the
+rank and the action; uncaught, the toolkit's hook (``collectives.abort``) ends the whole job.
+A receive that waits longer than ``COLLECTIVES_TIMEOUT`` raises ``CollectiveTimeout`` naming
+what it waits for, so a rank whose neighbour died does not hang.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from collectives import config
+from collectives.errors import CollectiveError, CollectiveTimeout
+
+from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule
+from .verify import verify
+
+__all__ = ["Pipeline", "PipelineError"]
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128)
+_MAXDIM = 8
+_HEADER = 2 + _MAXDIM          # dtype code, ndim, dims
+
+
+class PipelineError(CollectiveError):
+    """A stage raised, or neighbouring stages disagree about a tensor."""
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, as numpy sees them (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Pipeline:
+    """Execute ``schedule``'s actions for this rank's stages over ``comm`` (one rank per
+    pipeline position; default ``COMM_WORLD``).
+
+    ``stage_module``: this rank's stage, or a list of its ``schedule.virtual`` stages
+    (stages r, r + p, ...: ``[stages[s] for s in schedule.local_stages(rank)]``).
+    ``loss_fn(output, target)`` runs on the last stage.
+    """
+
+    def __init__(self, stage_module, comm=None, schedule: Schedule | None = None,
+                 loss_fn=None):
+        from mpi4py import MPI
+        if schedule is None:
+            raise ValueError("Pipeline needs a schedule: pp.schedule(name, stages, microbatches)")
+        if loss_fn is None:
+            raise ValueError("Pipeline needs loss_fn(output, target) for the last stage")
+        base = comm if comm is not None else MPI.COMM_WORLD
+        if base.Get_size() != schedule.ranks:
+            raise ValueError(f"the schedule is for {schedule.ranks} pipeline ranks, the "
+                             f"communicator has {base.Get_size()}")
+        modules = list(stage_module) if isinstance(stage_module, (list, tuple)) \
+            else [stage_module]
+        if len(modules) != schedule.virtual:
+            raise ValueError(f"expecting {schedule.virtual} stage module(s) on this rank "
+                             f"(virtual={schedule.virtual}), got {len(modules)}")
+        verify(schedule)
+        self.comm = base.Dup()
+        self.rank = self.comm.Get_rank()
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.modules = {s: mod for s, mod in zip(schedule.local_stages(self.rank), modules)}
+        self._actions = schedule.actions(self.rank)
+        top = 4 * schedule.microbatches * schedule.stages
+        ub = self.comm.Get_attr(MPI.TAG_UB)
+        if ub is not None and top > ub:
+            raise ValueError(f"{schedule.microbatches} micro-batches x {schedule.stages} stages "
+                             f"need tags up to {top}; this MPI allows {ub}")
+        self._sent_shape: dict = {}      # message -> (dtype, shape) last sent
+        self._known_shape: dict = {}     # message -> (dtype, shape) last announced to us
+        self._mailbox: dict = {}         # tag -> tensor received before its turn
+        self.headers_sent = 0            # how many shape headers this rank has sent
+
+    def parameters(self):
+        """The parameters of this rank's stages."""
+        for mod in self.modules.values():
+            yield from mod.parameters()
+
+    # -- messages -------------------------------------------------------------------------
+    def _tag(self, direction: str, mb: int, stage: int, header: bool = False) -> int:
+        return ((mb * self.schedule.stages + stage) * 2 + (direction == B)) * 2 + header
+
+    def _send(self, t: torch.Tensor, direction: str, mb: int, stage: int, pending: list):
+        from mpi4py import MPI
+        dest = self.schedule.rank_of(stage)
+        t = t.detach().contiguous()
+        key = (direction, mb, stage)
+        sig = (t.dtype, tuple(t.shape))
+        if self._sent_shape.get(key) != sig:
+            if t.dim() > _MAXDIM or t.dtype not in _DTYPES:
+                raise PipelineError(f"stage {stage - 1 if direction == F else stage + 1} sends "
+                                    f"a {t.dtype} tensor of {t.dim()} dims; the pipeline "
+                                    f"carries {_MAXDIM} dims at most of {_DTYPES}")
+            hdr = np.zeros(_HEADER, np.int64)
+            hdr[0], hdr[1] = _DTYPES.index(t.dtype), t.dim()
+            hdr[2:2 + t.dim()] = t.shape
+            pending.append((self.comm.Isend(hdr, dest, self._tag(*key, header=True)), hdr))
+            self._sent_shape[key] = sig
+            self.headers_sent += 1
+        buf = _bytes(t)
+        pending.append((self.comm.Isend([buf, MPI.BYTE], dest, self._tag(*key)), t))
+
+    def _recv(self, direction: str, mb: int, stage: int, source: int) -> torch.Tensor:
+        """The tensor of message (direction, mb, stage), filing others from ``source``."""
+        from mpi4py import MPI
+        want = self._tag(direction, mb, stage)
+        limit = config.get("COLLECTIVES_TIMEOUT")
+        start = time.monotonic()
+        status = MPI.Status()
+        while want not in self._mailbox:
+            msg = self.comm.Improbe(source, MPI.ANY_TAG, status)
+            if msg is None:
+                if limit and time.monotonic() - start > limit:
+                    raise CollectiveTimeout(
+                        f"pipeline stage {stage} (rank {self.rank}) waited {limit:.0f} s for "
+                        f"{'the activation' if direction == F else 'the gradient'} of micro-"
+                        f"batch {mb} from rank {source} (COLLECTIVES_TIMEOUT)")
+                continue
+            tag = status.Get_tag()
+            d, s = (tag >> 1) & 1, tag >> 2
+            key = (B if d else F, s // self.schedule.stages, s % self.schedule.stages)
+            if tag & 1:
+                hdr = np.empty(_HEADER, np.int64)
+                msg.Recv(hdr)
+                self._known_shape[key] = (_DTYPES[hdr[0]], tuple(int(n) for n in
+                                                              hdr[2:2 + hdr[1]]))
+                continue
+            if key not in self._known_shape:
+                raise PipelineError(f"stage {key[2]} (rank {self.rank}) got data for {key} "
+                                    f"from rank {source} before its header")
+            dtype, shape = self._known_shape[key]
+            t = torch.empty(shape, dtype=dtype)
+            got = status.Get_count(MPI.BYTE)
+            if got != t.numel() * t.element_size():
+                raise PipelineError(f"stage {key[2]} (rank {self.rank}) expected "
+                                    f"{t.numel() * t.element_size()} bytes for {key} from "
+                                    f"rank {source}, received {got}")
+            msg.Recv([_bytes(t), MPI.BYTE])
+            self._mailbox[tag] = t
+        return self._mailbox.pop(want)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self, x=None, target=None) -> torch.Tensor:
+        """One training step's forward and backward over every micro-batch; gradients are
+        accumulated into this rank's stages' parameters (zero them between steps). Returns
+        the batch's loss on every rank."""
+        from mpi4py import MPI
+        sched, r, m = self.schedule, self.rank, self.schedule.microbatches
+        S = sched.stages
+        xs = ts = shares = None
+        if 0 in self.modules:
+            if x is None:
+                raise ValueError("the first stage needs the batch x")
+            xs = self._chunks(x, "x")
+        if S - 1 in self.modules:
+            if target is None:
+                raise ValueError("the last stage needs the target")
+            ts = self._chunks(target, "target")
+            total = sum(len(t) for t in ts)
+            shares = [len(t) / total for t in ts]
+        inputs, outputs, grads, in_grads = {}, {}, {}, {}
+        pending: list = []
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, (kind, mb, s) in enumerate(self._actions):
+            try:
+                if kind == F:
+                    if s == 0:
+                        inp = xs[mb]
+                    elif (mb, s) in inputs:
+                        inp = inputs[(mb, s)]
+                    else:                       # the previous stage is on this rank
+                        inp = outputs[(mb, s - 1)].detach()
+                        if inp.is_floating_point():
+                            inp.requires_grad_()
+                    inputs[(mb, s)] = inp
+                    out = self.modules[s](inp)
+                    if s == S - 1:
+                        out = self.loss_fn(out, ts[mb]) * shares[mb]
+                        loss += out.detach().double()
+                    outputs[(mb, s)] = out
+                elif kind == B:
+                    self._backward(mb, s, inputs, outputs, grads, in_grads)
+                elif kind == W:
+                    out, g = outputs.pop((mb, s)), grads.pop((mb, s), None)
+                    params = [q for q in self.modules[s].parameters() if q.requires_grad]
+                    if params:
+                        torch.autograd.backward(out, g, inputs=params)
+                    inputs.pop((mb, s), None)
+                elif kind == SEND_F:
+                    self._send(outputs[(mb, s)], F, mb, s + 1, pending)
+                elif kind == SEND_B:
+                    self._send(in_grads.pop((mb, s)), B, mb, s - 1, pending)
+                elif kind == RECV_F:
+                    t = self._recv(F, mb, s, sched.rank_of(s - 1))
+                    if t.is_floating_point():
+                        t.requires_grad_()
+                    inputs[(mb, s)] = t
+                else:  # RECV_B
+                    g = self._recv(B, mb, s, sched.rank_of(s + 1))
+                    out = outputs[(mb, s)]
+                    if g.shape != out.shape or g.dtype != out.dtype:
+                        raise PipelineError(
+                            f"stage {s + 1} (rank {sched.rank_of(s + 1)}) sent a gradient of "
+                            f"{g.dtype} {tuple(g.shape)} for micro-batch {mb}, but stage {s} "
+                            f"(rank {r}) produced an output of {out.dtype} {tuple(out.shape)}")
+                    grads[(mb, s)] = g
+            except (PipelineError, CollectiveTimeout):
+                raise
+            except Exception as exc:
+                raise PipelineError(f"pipeline stage {s} (rank {r} of {sched.ranks}) raised "
+                                    f"{type(exc).__name__} in action {i} {kind}({mb}, {s}) of "
+                                    f"{sched.name}: {exc}") from exc
+            if len(pending) > 64:        # release the buffers of sends already delivered
+                pending = [(q, b) for q, b in pending if not q.Test()]
+        MPI.Request.Waitall([q for q, _ in pending])
+        self.comm.Bcast(loss.numpy(), root=sched.rank_of(S - 1))
+        return loss.float()
+
+    def _backward(self, mb, s, inputs, outputs, grads, in_grads):
+        out = outputs[(mb, s)]
+        g = grads.get((mb, s))
+        inp = inputs[(mb, s)]
+        wants = s > 0 and inp.requires_grad
+        if self.schedule.split_backward:
+            if wants:
+                in_grads[(mb, s)], = torch.autograd.grad(out, inp, g, retain_graph=True)
+        else:
+            torch.autograd.backward(out, g)
+            outputs.pop((mb, s)), grads.pop((mb, s), None), inputs.pop((mb, s))
+            if wants:
+                in_grads[(mb, s)] = inp.grad
+        if s > 0 and self.schedule.rank_of(s - 1) == self.rank:
+            # the previous stage is on this rank: hand the gradient over in memory
+            grads[(mb, s - 1)] = in_grads.pop((mb, s))
+
+    def _chunks(self, t: torch.Tensor, what: str) -> list:
+        m = self.schedule.microbatches
+        if len(t) < m:
+            raise ValueError(f"{what} has {len(t)} rows, fewer than the {m} micro-batches")
+        return list(torch.tensor_split(t, m))

@@ -1,0 +1,172 @@
+"""``pp.Pipeline`` under MPI: every schedule trains exactly as one process on the whole batch.
+
+Each case runs on a sub-communicator of the first p ranks (the others wait at the agreement),
+so the tests run at any n >= 2 and skip below. After 3 SGD steps every rank's stage parameters
+are compared with one process that took the same steps on the whole batch (float32 tolerance),
+and the loss every rank returns with the reference's. Then shapes: learned once, learned again
+when the batch changes. The in-process tier runs ``split`` and, as real ``mpiexec -n 2`` jobs
+(tests/faults/pipeline.py), a stage that raises and a gradient of the wrong shape: each ends
+the job, naming the stages.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from collectives.torch import pipeline as pp  # noqa: E402
+from mpiutil import assert_all, world  # noqa: E402
+
+torch.set_num_threads(1)
+
+WIDTH, BATCH, STEPS, LR = 6, 10, 3, 0.1   # 10 rows: micro-batches of unequal sizes at m = 4
+
+
+def _model(pieces, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(pieces):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _data(step, rows=BATCH):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
+
+
+def _sub(p):
+    """The communicator of ranks 0..p-1 (None on the others)."""
+    from mpi4py import MPI
+    comm = world()
+    if comm.Get_size() < p:
+        pytest.skip(f"needs {p} ranks")
+    sub = comm.Split(0 if comm.Get_rank() < p else MPI.UNDEFINED, comm.Get_rank())
+    return None if sub == MPI.COMM_NULL else sub
+
+
+CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zero_bubble")
+         for p in (2, 3, 4) for m in (1, 4)] + \
+        [("interleaved", p, m, 2) for p in (2, 3) for m in (1, 2, 4)]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_pipeline_equals_one_process(name, p, m, v):
+    comm = _sub(p)
+    ok, msg = True, ""
+    if comm is not None:
+        r = comm.Get_rank()
+        sched = pp.schedule(name, p, m, v)
+        model = _model(p * v)
+        stages = pp.split(model, [str(2 * k) for k in range(1, p * v)])
+        runner = pp.Pipeline([stages[s] for s in sched.local_stages(r)], comm=comm,
+                             schedule=sched, loss_fn=nn.functional.mse_loss)
+        opt = torch.optim.SGD(list(runner.parameters()), lr=LR)
+        ref = _model(p * v)
+        ropt = torch.optim.SGD(ref.parameters(), lr=LR)
+        for step in range(STEPS):
+            x, y = _data(step)
+            opt.zero_grad()
+            loss = runner.step(x if r == 0 else None, y if r == p - 1 else None)
+            opt.step()
+            ropt.zero_grad()
+            want = nn.functional.mse_loss(ref(x), y)
+            want.backward()
+            ropt.step()
+            if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
+                ok, msg = False, f"step {step}: loss {loss.item()} != {want.item()}"
+        ours = dict(model.named_parameters())   # the stages share model's parameters
+        mine = {n for s in sched.local_stages(r) for n in (f"{2 * s}.weight", f"{2 * s}.bias")}
+        for n, q in ref.named_parameters():
+            if n in mine and not torch.allclose(ours[n], q, rtol=1e-4, atol=1e-6):
+                ok, msg = False, f"{n}: {(ours[n] - q).abs().max().item()} off after {STEPS} steps"
+        comm.Free()
+    assert_all(ok, f"{name} p={p} m={m} v={v}: {msg}")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_shapes_are_learned_once_and_again_when_they_change():
+    comm = _sub(2)
+    ok, msg = True, ""
+    if comm is not None:
+        r = comm.Get_rank()
+        sched = pp.schedule("1f1b", 2, 2)
+        stages = pp.split(_model(2), ["2"])
+        runner = pp.Pipeline(stages[r], comm=comm, schedule=sched,
+                             loss_fn=nn.functional.mse_loss)
+        counts = []
+        for rows in (8, 8, 8, 12, 12, 8):
+            x, y = _data(0, rows)
+            runner.step(x, y)
+            counts.append(runner.headers_sent)
+        # one header per message name (2 micro-batches, one direction per rank) at first,
+        # none while the shapes hold, then again at each change
+        want = [2, 2, 2, 4, 4, 6]
+        if counts != want:
+            ok, msg = False, f"headers sent after each step {counts}, expected {want}"
+        comm.Free()
+    assert_all(ok, msg)
+
+
+# -- in-process tier -------------------------------------------------------------------------
+
+def test_split_by_names():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)),
+                          nn.Linear(4, 2))
+    names = [n for n, _ in pp.split.__globals__["pieces"](model)]
+    assert names == ["0", "1.0", "1.1", "2"]
+    stages = pp.split(model, ["1.1", "2"])
+    assert [len(s) for s in stages] == [2, 1, 1]
+    x = torch.randn(5, 3)
+    y = x
+    for s in stages:
+        y = s(y)
+    assert torch.equal(y, model(x))
+    assert stages[1][0].weight is model[1][1].weight
+    with pytest.raises(ValueError, match="no piece named 'body'"):
+        pp.split(model, ["body"])
+    with pytest.raises(ValueError, match="in model order"):
+        pp.split(model, ["2", "1.1"])
+    with pytest.raises(ValueError, match="has its own forward"):
+        pp.split(nn.Linear(2, 2), ["0"])
+
+
+FAULT = Path(__file__).resolve().parent / "faults" / "pipeline.py"
+UNDER_MPI = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+
+
+def _job(mode):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
+    if mpiexec is None or UNDER_MPI:
+        pytest.skip("launches its own mpiexec -n 2 job: run without mpiexec")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(COLLECTIVES_TIMEOUT="10", PYTHONPATH=str(FAULT.parents[2]))
+    return subprocess.run([mpiexec, "-n", "2", sys.executable, str(FAULT), mode],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.timeout(90)
+def test_a_stage_that_raises_ends_the_job_naming_it():
+    job = _job("raise")
+    text = job.stdout + job.stderr
+    assert job.returncode != 0, text
+    assert "pipeline stage 1 (rank 1 of 2) raised RuntimeError in action" in text, text
+    assert "stage one is broken" in text
+
+
+@pytest.mark.timeout(90)
+def test_a_gradient_of_the_wrong_shape_names_both_stages():
+    job = _job("mismatch")
+    text = job.stdout + job.stderr
+    assert job.returncode != 0, text
+    assert "stage 1 (rank 1) sent a gradient of torch.float32 (2, 5)" in text, text
+    assert "but stage 0 (rank 0) produced an output of torch.float32 (2, 6)" in text, text
