@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
+import collectives as coll  # noqa: E402
 from collectives import config  # noqa: E402
 from collectives.progress import use_thread  # noqa: E402
 from collectives.torch import (  # noqa: E402
@@ -157,7 +158,9 @@ def main(argv=None):
                         "average, instead of in the hook before compression")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="bucket cap (0.1 MB: this small model still gets two buckets)")
-    p.add_argument("--algorithm", default="auto")
+    p.add_argument("--algorithm", default="auto",
+                   choices=("auto",) + coll.algorithms("allreduce"),
+                   help="the buckets' allreduce algorithm (auto)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -1,0 +1,259 @@
+"""Every command that README.md and docs/*.md show runs, as a new user would run it, at its
+smallest sizes.
+
+The commands are read from the documents themselves, so a changed command is tested as written:
+every line of a ```sh block (a line ending in ``\\`` continues; a ``for ... done`` block is one
+shell script), and an inline ``mpiexec -n N python FILE.py`` that runs a snippet of the same
+document. A snippet is a ```python block whose paragraph names the file (``Save this as
+`allreduce_demo.py```); it is written to the run's folder first. Each command then runs through
+``bash`` in a fresh folder (``examples`` and ``tests`` linked there, ``python`` and ``mpiexec``
+those of this interpreter's environment, ``XDG_CACHE_HOME`` inside the folder so that ``tune``
+and ``calibrate`` write nothing outside it), at one rank count (``mpiexec -n 2``), shrunk by
+``SHRINK`` (sizes, rounds, epochs, steps: an option given is set, one missing is added), with a
+timeout; ``SKIP`` lists what is not run and why (a GPU, an installation, the suite itself).
+
+The test launches its own ``mpiexec`` jobs: it runs in the in-process tier and is skipped under
+``mpiexec``, as tests/test_examples.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+UNDER_MPI = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+RANKS = 2  # every mpiexec command runs at this rank count
+LIMIT = 90  # seconds per command
+
+# Commands not run, by a pattern of their text, and why.
+SKIP = [
+    (r"^make\b", "creates .venv and installs into it (make demo runs the commands shown "
+                 "beside it; make test is this suite)"),
+    (r"-m pytest\b", "the test suite itself"),
+    (r"^bash tests/gpu/", "needs a GPU machine"),
+    (r"\.venv-ompi|^export OMPI_|pip install", "installs packages from the network"),
+]
+
+# What each program is shrunk to: option -> value (set where given, added where not). Keys are
+# matched against the program a command runs: "bench <command>" or the script's path.
+_SIZES = {"-b": "4K", "-e": "4K", "--rounds": "1"}
+SHRINK = {
+    "bench allreduce": _SIZES, "bench reduce_scatter": _SIZES, "bench allgather": _SIZES,
+    "bench broadcast": _SIZES, "bench reduce": _SIZES, "bench alltoall": _SIZES,
+    "bench gather": _SIZES, "bench scatter": _SIZES, "bench $c": _SIZES,
+    "bench tune": {"--collectives": "allreduce", "-b": "8", "-e": "64", "-f": "8",
+                   "--rounds": "1"},
+    "bench overhead": {"--sizes": "8", "--rounds": "1", "--calls": "10"},
+    "bench ddp": {"--rounds": "1", "--steps": "1", "--warmup": "1"},
+    "bench zero": {"--rounds": "1", "--steps": "1"},
+    "bench model --validate": {"-b": "8", "-e": "8", "--rounds": "1"},
+    "bench -h": {}, "bench calibrate": {},  # help; a few seconds of ping-pongs
+    # thousands of simulated ranks take minutes; the same code paths at 64
+    "bench model": {"--ranks": "64", "--bytes": "1M"},
+    "examples/train_ddp.py": {"--epochs": "1", "--samples": "384", "--no-progress": None},
+    "examples/train_numpy.py": {"--epochs": "1", "--samples": "600"},
+    "examples/train_moe.py": {"--epochs": "1", "--steps": "2"},
+    "examples/train_fsdp.py": {"--steps": "2"},
+    "examples/train_zero.py": {"--epochs": "1", "--samples": "384"},
+    "tests/faults/cost.py": {"#args": "20 1"},
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str   # document:line
+    text: str    # as the document shows it
+    doc: Path
+
+
+def _blocks(text: str):
+    """``(language, first line number, body)`` of every fenced block of ``text``."""
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        yield m.group(1), text.count("\n", 0, m.start()) + 2, m.group(2)
+
+
+def snippets(doc: Path) -> dict[str, str]:
+    """The ```python blocks of ``doc`` that its text names a file for: {name: source}."""
+    text = doc.read_text()
+    found, last = {}, 0
+    for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+        before = text[last:m.start()].strip().split("\n\n")[-1]  # the paragraph above
+        names = re.findall(r"(?<![\w/.])([A-Za-z_]\w*\.py)\b", before)
+        if names:
+            found[names[-1]] = m.group(1)
+        last = m.end()
+    return found
+
+
+def commands() -> list[Command]:
+    """Every command of the documents (see the module's docstring)."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        name = doc.relative_to(ROOT).as_posix()
+        for lang, line, body in _blocks(text):
+            if lang not in ("sh", "bash", "shell"):
+                continue
+            if re.search(r"^\s*for .*; do", body, re.M):  # a loop: one script
+                out.append(Command(f"{name}:{line}", _strip(body), doc))
+                continue
+            pending, start = "", line
+            for i, raw in enumerate(body.splitlines()):
+                if not pending:
+                    start = line + i
+                pending += raw.rstrip("\\").rstrip() + " " if raw.endswith("\\") else raw
+                if raw.endswith("\\"):
+                    continue
+                cmd = _strip(pending)
+                pending = ""
+                if cmd and not cmd.startswith("#"):
+                    out.append(Command(f"{name}:{start}", cmd, doc))
+        for file in snippets(doc):
+            for m in re.finditer(rf"`(mpiexec -n \d+ python {re.escape(file)})`", text):
+                out.append(Command(f"{name}:{text.count(chr(10), 0, m.start()) + 1}",
+                                   m.group(1), doc))
+    return out
+
+
+def _strip(cmd: str) -> str:
+    """``cmd`` without its trailing comment (`` # ...`` after the command)."""
+    lines = [re.sub(r"\s+#\s.*$", "", ln).rstrip() for ln in cmd.splitlines()]
+    return "\n".join(ln for ln in lines if ln.strip()).strip()
+
+
+def program(cmd: str) -> str | None:
+    """The program a command runs: ``bench <command>`` (``bench model --validate`` apart) or
+    a script's path; None for a shell construct."""
+    m = re.search(r"python3? -m bench (\S+)", cmd)
+    if m:
+        return "bench model --validate" if m.group(1) == "model" and "--validate" in cmd \
+            else f"bench {m.group(1)}"
+    m = re.search(r"python3? (\S+\.py)\b", cmd)
+    return m.group(1) if m else None
+
+
+def _set(cmd: str, option: str, value: str | None) -> str:
+    """``cmd`` with ``option`` set to ``value`` (a flag when None), replacing its value where
+    ``cmd`` gives one."""
+    pat = rf"(?<=\s){re.escape(option)}(?=\s|$)" + ("" if value is None else r"\s+\S+")
+    new = option if value is None else f"{option} {value}"
+    if re.search(pat, cmd):
+        return re.sub(pat, new, cmd, count=1)
+    # Added after the program's own arguments, before a redirection or the loop's end.
+    m = re.search(r"\s*(?:[;|&>]|\n|$)", cmd[cmd.index(program(cmd) or "python"):])
+    at = cmd.index(program(cmd) or "python") + m.start()
+    return f"{cmd[:at]} {new}{cmd[at:]}"
+
+
+def shrink(cmd: str) -> str:
+    """``cmd`` at ``RANKS`` ranks and its smallest sizes (``SHRINK``)."""
+    cmd = re.sub(r"(mpiexec(?: --?[\w-]+)*) -n \S+", rf"\1 -n {RANKS}", cmd)
+    cmd = re.sub(r"^(\s*for \w+ in) (\S+)[^;\n]*;", r"\1 \2;", cmd, flags=re.M)  # first value
+    rules = SHRINK.get(program(cmd) or "", {})
+    for option, value in rules.items():
+        if option == "#args":  # positional arguments: replace what follows the script
+            cmd = re.sub(rf"({re.escape(program(cmd))})(?: [^-\s]\S*)*", rf"\1 {value}", cmd)
+        else:
+            cmd = _set(cmd, option, value)
+    return cmd
+
+
+def skipped(cmd: str) -> str | None:
+    return next((why for pat, why in SKIP if re.search(pat, cmd, re.M)), None)
+
+
+ALL = commands()
+
+
+def _cases():
+    seen, cases = set(), []
+    for c in ALL:
+        run = shrink(c.text)
+        same = re.sub(r"(--json|--csv|--plot) \S+", r"\1 FILE", run)  # one run per command
+        if same in seen:
+            continue
+        seen.add(same)
+        why = skipped(c.text)
+        marks = [pytest.mark.skip(reason=why)] if why else []
+        cases.append(pytest.param(c, run, id=c.where, marks=marks))
+    return cases
+
+
+# -- the extraction and the shrink rules ----------------------------------------------------------
+def test_commands_are_found_in_every_kind_of_place():
+    texts = [c.text for c in ALL]
+    assert any(t.startswith("mpiexec -n 3 python examples/train_ddp.py") for t in texts)
+    assert any("python -m bench model --validate" in t for t in texts)
+    assert any(t.startswith("for n in") and t.endswith("done") for t in texts)
+    assert "allreduce_demo.py" in snippets(ROOT / "README.md")
+    assert all("  #" not in t for t in texts), [t for t in texts if "  #" in t]
+
+
+def test_shrink_sets_or_adds_each_option():
+    cmd = "mpiexec -n 3 python -m bench allreduce -b 8 -e 64M -f 4 --rounds 11 --plot busbw.png"
+    assert shrink(cmd) == "mpiexec -n 2 python -m bench allreduce -b 4K -e 4K -f 4 " \
+                          "--rounds 1 --plot busbw.png"
+    assert shrink("mpiexec -n 2 python -m bench reduce_scatter --latency") == \
+        "mpiexec -n 2 python -m bench reduce_scatter --latency -b 4K -e 4K --rounds 1"
+    assert shrink("mpiexec -n 3 python examples/train_ddp.py --epochs 12 --hook H") == \
+        "mpiexec -n 2 python examples/train_ddp.py --epochs 1 --hook H --samples 384 " \
+        "--no-progress"
+    assert shrink("for H in a b; do\n  mpiexec -n 3 python examples/train_ddp.py --hook $H\n"
+                  "done") == "for H in a; do\n  mpiexec -n 2 python examples/train_ddp.py " \
+                             "--hook $H --epochs 1 --samples 384 --no-progress\ndone"
+    assert shrink("mpiexec -n 2 python tests/faults/cost.py 2000 9") == \
+        "mpiexec -n 2 python tests/faults/cost.py 20 1"
+    assert program("COLLECTIVES_X=1 mpiexec -n 2 python -m bench model --validate -b 1M") == \
+        "bench model --validate"
+
+
+def test_every_program_a_document_runs_has_shrink_rules_or_is_skipped():
+    loose = {program(c.text) for c in ALL if not skipped(c.text)} - set(SHRINK) - {None}
+    loose -= {f for doc in DOCS for f in snippets(doc)}  # the documents' own small snippets
+    assert not loose, f"no shrink rule for {sorted(loose)}: add one to SHRINK"
+
+
+# -- running them ---------------------------------------------------------------------------------
+_FOLDERS: dict = {}
+
+
+def _folder(doc: Path, factory) -> Path:
+    """The folder where ``doc``'s commands run, in the document's order (a command may read
+    what one above it wrote: a tuning file), with its snippets and the repository's
+    ``examples`` and ``tests``."""
+    if doc not in _FOLDERS:
+        path = factory.mktemp(doc.stem)
+        for name, source in snippets(doc).items():
+            (path / name).write_text(source)
+        for folder in ("examples", "tests"):
+            (path / folder).symlink_to(ROOT / folder)
+        _FOLDERS[doc] = path
+    return _FOLDERS[doc]
+
+
+@pytest.mark.timeout(LIMIT + 60)
+@pytest.mark.parametrize("command,run", _cases())
+def test_documented_command_runs(command, run, tmp_path_factory):
+    if UNDER_MPI:
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    if not (BIN / "mpiexec").exists():
+        pytest.skip("mpiexec not found beside the interpreter")
+    tmp_path = _folder(command.doc, tmp_path_factory)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               XDG_CACHE_HOME=str(tmp_path / "cache"), MPIEXEC_TIMEOUT=str(LIMIT))
+    done = subprocess.run(["timeout", str(LIMIT + 10), "bash", "-e", "-c", run],
+                          cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=LIMIT + 30)
+    tail = (done.stdout[-3000:] + "\n" + done.stderr[-3000:]).strip()
+    assert done.returncode == 0, f"{command.where}: {run}\nexit {done.returncode}\n{tail}"
+    assert done.stdout.strip() or "-h" in shlex.split(run), f"{run}: printed nothing\n{tail}"
