@@ -1,0 +1,266 @@
+"""collectives.torch.tensor_parallel: examples/train_gpt.py's GPT at tp = 2 and 3 and dp x tp =
+2 x 2, with and without sequence parallelism, against one process on the whole batch; the
+layers with biases under sequence parallelism; bad input on every rank; parameter memory; torch's
+own clients (DTensor, FSDP2) on the Mesh's groups.
+
+Each MPI test runs on a sub-communicator of the first ranks it needs (the other ranks wait at the
+next test), so it runs at every rank count that holds it and skips below."""
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+import train_gpt  # noqa: E402
+
+from collectives.torch import tensor_parallel as tp  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY = ["--vocab", "264", "--dim", "24", "--heads", "6", "--layers", "2", "--seq", "12",
+        "--batch", "4", "--steps", "5", "--lr", "0.01", "--corpus-bytes", "65536"]
+
+
+def _args(*extra):
+    return train_gpt.parser().parse_args(TINY + list(extra))
+
+
+def _first(n):
+    """A communicator of world ranks 0..n-1 (None on the others), or a skip below n ranks."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() < n:
+        pytest.skip(f"needs {n} ranks")
+    sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
+    return None if sub == MPI.COMM_NULL else sub
+
+
+def _agree(ok, message, comm):
+    """Every rank of the job learns whether any failed (ranks outside ``comm`` pass ok)."""
+    from mpiutil import assert_all
+    assert_all(ok, message)
+
+
+def test_plan_naming_no_module_is_an_error():
+    from mpi4py import MPI
+    model = train_gpt.GPT(16, 8, 2, 1)
+    with pytest.raises(ValueError, match=r"plan entries \['blocks.\*.attn.qkvx'\] name no module"):
+        tp.parallelize(model, MPI.COMM_SELF, {"blocks.*.attn.qkvx": "colwise"})
+    with pytest.raises(ValueError, match="style 'colwise' converts a Linear, this is a LayerNorm"):
+        tp.parallelize(model, MPI.COMM_SELF, {"norm": "colwise"})
+    with pytest.raises(ValueError, match="style 'diagonal'"):
+        tp.parallelize(model, MPI.COMM_SELF, {"norm": "diagonal"})
+
+
+def test_vocab_cross_entropy_of_one_rank_is_cross_entropy():
+    from mpi4py import MPI
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5, 11, generator=g, requires_grad=True)
+    target = torch.randint(0, 11, (4, 5), generator=g)
+    ours = tp.vocab_parallel_cross_entropy(logits, target, MPI.COMM_SELF)
+    (ga,) = torch.autograd.grad(ours, logits)
+    ref = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1))
+    (gb,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ga, gb, rtol=1e-6, atol=1e-7)
+
+
+CASES = [(2, 1, False, 0), (2, 1, True, 0), (3, 1, False, 0), (3, 1, True, 0),
+         (2, 2, False, 0), (2, 2, True, 0), (2, 2, True, 2)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp_size, dp, sp, zero", CASES,
+                         ids=[f"tp{t}-dp{d}{'-sp' if s else ''}{f'-zero{z}' if z else ''}"
+                              for t, d, s, z in CASES])
+def test_gpt_equals_one_process(tp_size, dp, sp, zero):
+    """Loss at every step and parameters after 5 AdamW steps equal one process on the whole
+    batch (rtol 1e-4); the norms identical on every rank of a tp group."""
+    from collectives import Mesh
+    comm = _first(tp_size * dp)
+    msgs = []
+    if comm is not None:
+        extra = ["--zero", str(zero)] + (["--sequence-parallel"] if sp else [])
+        args = _args(*extra)
+        text = train_gpt.corpus(args.corpus_bytes)
+        ref_losses, _, ref_model, _ = train_gpt.train(args, None, text)
+        mesh = Mesh((dp, tp_size), ("dp", "tp"), comm=comm)
+        losses, _, model, inner = train_gpt.train(args, mesh, text)
+        tpc = mesh.comm("tp")
+        for s, (a, b) in enumerate(zip(losses, ref_losses)):
+            if abs(a - b) > 1e-4 * abs(b):
+                msgs.append(f"step {s}: loss {a} vs one process {b}")
+        state = model.full_state_dict() if zero else None
+        full = tp.full_state_dict(inner, tpc, state)
+        for k, v in ref_model.state_dict().items():
+            if not torch.allclose(full[k], v, rtol=1e-4, atol=1e-6):
+                msgs.append(f"{k}: largest difference {float((full[k] - v).abs().max())}")
+        if not zero:  # the norms as this rank holds them, bitwise against the tp group's
+            for k, v in inner.state_dict().items():
+                if "norm" in k:
+                    every = tp._all_gather(v.detach().reshape(1, -1), 0, tpc)
+                    if not bool((every == every[0]).all()):
+                        msgs.append(f"{k} differs across the tp group")
+        if len(losses) != 5:
+            msgs.append(f"{len(losses)} steps")
+    _agree(not msgs, "; ".join(msgs[:6]), comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_layers_with_biases_under_sequence_parallelism(tp_size):
+    """LayerNorm, column- and row-parallel linear with biases, sequence split: output slices and
+    every gradient (through full_state_dict after one SGD step) equal the dense module's."""
+    comm = _first(tp_size)
+    msgs = []
+    if comm is not None:
+        r = comm.Get_rank()
+        torch.manual_seed(0)
+        dense = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+        model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+        model.load_state_dict(dense.state_dict())
+        tp.parallelize(model, comm, {"0": "sequence", "1": "colwise", "3": "rowwise"})
+        x = torch.randn(2, 3 * tp_size, 6, generator=torch.Generator().manual_seed(1))
+        t = 3
+        mine = model(x[:, r * t:(r + 1) * t])
+        want = dense(x)
+        if not torch.allclose(mine, want[:, r * t:(r + 1) * t], rtol=1e-5, atol=1e-6):
+            msgs.append("output")
+        # the loss of the whole sequence: this rank's tokens' share, summed over ranks
+        (mine ** 2).sum().backward()
+        (want ** 2).sum().backward()
+        for opt_model in (model, dense):
+            with torch.no_grad():
+                for p in opt_model.parameters():
+                    p -= 0.1 * p.grad
+        full = tp.full_state_dict(model, comm)
+        for k, v in dense.state_dict().items():
+            if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6):
+                msgs.append(f"{k}: {float((full[k] - v).abs().max())}")
+    _agree(not msgs, "; ".join(msgs), comm)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.mpi
+def test_bad_input_is_an_error_on_every_rank():
+    comm = _first(2)
+    msgs = []
+    if comm is not None:
+        r = comm.Get_rank()
+        # heads: 3 heads of 8 do not split over 2 ranks (the qkv unit is 3 * 8)
+        model = train_gpt.GPT(264, 24, 3, 1)
+        got = _raises(lambda: tp.parallelize(model, comm, train_gpt.plan(model, False)))
+        if not got or "blocks.0.attn.qkv" not in got or "72 are 3 blocks of 24" not in got:
+            msgs.append(f"heads: {got}")
+        # hidden size: 7 output features over 2 ranks
+        odd = nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 4))
+        got = _raises(lambda: tp.parallelize(odd, comm, {"0": "colwise", "1": "rowwise"}))
+        if not got or "0: out_features 7 is not divisible by the tensor-parallel size 2" \
+                not in got:
+            msgs.append(f"hidden: {got}")
+        # a layer whose full shape differs across ranks
+        diff = nn.Sequential(nn.Linear(4, 8 + 2 * r))
+        got = _raises(lambda: tp.parallelize(diff, comm, {"0": "colwise"}))
+        if not got or "rank 0: 0 colwise weight (8, 4)" not in got or \
+                "rank 1: 0 colwise weight (10, 4)" not in got:
+            msgs.append(f"shapes: {got}")
+        # the plan names no module (every rank, before any collective)
+        got = _raises(lambda: tp.parallelize(nn.Sequential(nn.Linear(4, 4)), comm, {"9": "rowwise"}))
+        if not got or "name no module" not in got:
+            msgs.append(f"plan: {got}")
+        # the communicator still works: nothing was left half started
+        s = tp._all_reduce(torch.ones(3), comm)
+        if not torch.equal(s, torch.full((3,), 2.0)):
+            msgs.append(f"allreduce after the errors: {s}")
+    _agree(not msgs, "; ".join(msgs), comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_parameter_bytes_are_one_over_tp(tp_size):
+    comm = _first(tp_size)
+    msgs = []
+    if comm is not None:
+        torch.manual_seed(0)
+        plain = train_gpt.GPT(264, 24, 6, 2)
+        layers = [plain.embed.weight] + [m.weight for n, m in plain.named_modules()
+                                         if isinstance(m, nn.Linear) and n != "head"]
+        full_bytes = sum(p.numel() * p.element_size() for p in layers)
+        torch.manual_seed(0)
+        model = train_gpt.GPT(264, 24, 6, 2)
+        tp.parallelize(model, comm, train_gpt.plan(model, True))
+        here, full = tp.sharded_parameter_bytes(model)
+        mine = sum(p.numel() * p.element_size() for p in model.parameters())
+        norms = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
+                    if "norm" in n)
+        if full != full_bytes or here * tp_size != full_bytes or mine != here + norms:
+            msgs.append(f"here {here}, full {full}, plain {full_bytes}, all {mine}")
+        if model.head.weight is not model.embed.weight:
+            msgs.append("the head is no longer tied to the embedding")
+        # a checkpoint round trip: full weights back, and loaded into a fresh conversion
+        state = tp.full_state_dict(model, comm)
+        if any(not torch.equal(state[k], v) for k, v in plain.state_dict().items()):
+            msgs.append("full_state_dict differs from the plain model")
+        torch.manual_seed(5)  # other full weights: the loaded state must replace them
+        again = tp.parallelize(train_gpt.GPT(264, 24, 6, 2), comm, train_gpt.plan(model, True))
+        tp.load_full_state_dict(again, state, comm)
+        if any(not torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                     model.state_dict().values())):
+            msgs.append("load_full_state_dict")
+    _agree(not msgs, "; ".join(msgs), comm)
+
+
+@pytest.mark.mpi
+def test_torch_clients_take_the_mesh_groups():
+    """DTensor's parallelize_module on mesh.group("tp") and FSDP2 on mesh.group("dp") train a
+    2 x 2 model like one process."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    import collectives.torch.backend as cb
+    from collectives import Mesh
+    from mpiutil import assert_all
+    if MPI.COMM_WORLD.Get_size() != 4:
+        pytest.skip("needs 4 ranks (torch's groups span COMM_WORLD)")
+    if not dist.is_initialized():
+        cb.init_process_group()
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    dm = DeviceMesh.from_group([mesh.group("dp"), mesh.group("tp")], "cpu",
+                               mesh=torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref.load_state_dict(model.state_dict())
+    parallelize_module(model, dm["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=dm["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    d = mesh.coord("dp")
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        F.mse_loss(model(x[d * 4:(d + 1) * 4]), y[d * 4:(d + 1) * 4]).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = [p.full_tensor().detach() for p in model.parameters()]
+    worst = max(float((a - b).abs().max()) for a, b in zip(full, ref.parameters()))
+    assert_all(worst < 1e-5, f"largest difference {worst}")
