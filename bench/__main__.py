@@ -30,6 +30,7 @@ COMMANDS = {
     "model": "predict every algorithm's time at any scale (--validate: against measurement)",
     "plot": "draw busbw vs size from JSON results",
     "ps": "parameter server: straggler study (BSP, SSP, ASP), bytes against allreduce",
+    "pipeline": "pipeline schedules: step, bubble, activations beside pp.simulate and torch's",
 }
 
 

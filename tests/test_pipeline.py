@@ -82,6 +82,12 @@ def test_pipeline_equals_one_process(name, p, m, v):
             ropt.step()
             if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
                 ok, msg = False, f"step {step}: loss {loss.item()} != {want.item()}"
+        # activations held, counted on the runner's graphs, as predicted (gpipe: m, 1f1b:
+        # min(p - r, m))
+        want = pp.simulate(sched).peak[r]
+        if runner.peak != want or (r == 0 and name in ("gpipe", "1f1b") and
+                                   runner.peak != (m if name == "gpipe" else min(p, m))):
+            ok, msg = False, f"rank {r} held {runner.peak} activations, predicted {want}"
         ours = dict(model.named_parameters())   # the stages share model's parameters
         mine = {n for s in sched.local_stages(r) for n in (f"{2 * s}.weight", f"{2 * s}.bias")}
         for n, q in ref.named_parameters():

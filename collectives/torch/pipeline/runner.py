@@ -52,6 +52,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.complex128)
 _MAXDIM = 8
 _HEADER = 2 + _MAXDIM          # dtype code, ndim, dims
+_SPINS, _NAP = 64, 5e-5        # empty probes before a receive naps between probes; the nap (s)
 
 
 class PipelineError(CollectiveError):
@@ -104,6 +105,7 @@ class Pipeline:
         self._known_shape: dict = {}     # message -> (dtype, shape) last announced to us
         self._mailbox: dict = {}         # tag -> tensor received before its turn
         self.headers_sent = 0            # how many shape headers this rank has sent
+        self.peak = 0                    # most (micro-batch, stage) activations held, last step
 
     def parameters(self):
         """The parameters of this rank's stages."""
@@ -141,9 +143,15 @@ class Pipeline:
         limit = config.get("COLLECTIVES_TIMEOUT")
         start = time.monotonic()
         status = MPI.Status()
+        idle = 0
         while want not in self._mailbox:
             msg = self.comm.Improbe(source, MPI.ANY_TAG, status)
             if msg is None:
+                idle += 1
+                if idle > _SPINS:
+                    # give the core back: a pipeline rank can wait a whole stage's compute,
+                    # and ranks that spin take cores from the ones computing
+                    time.sleep(_NAP)
                 if limit and time.monotonic() - start > limit:
                     raise CollectiveTimeout(
                         f"pipeline stage {stage} (rank {self.rank}) waited {limit:.0f} s for "
@@ -195,6 +203,7 @@ class Pipeline:
         inputs, outputs, grads, in_grads = {}, {}, {}, {}
         pending: list = []
         loss = torch.zeros((), dtype=torch.float64)
+        self.peak = 0
         for i, (kind, mb, s) in enumerate(self._actions):
             try:
                 if kind == F:
@@ -212,6 +221,8 @@ class Pipeline:
                         out = self.loss_fn(out, ts[mb]) * shares[mb]
                         loss += out.detach().double()
                     outputs[(mb, s)] = out
+                    # the graphs this rank holds: one per (micro-batch, stage) until its backward
+                    self.peak = max(self.peak, len(outputs))
                 elif kind == B:
                     self._backward(mb, s, inputs, outputs, grads, in_grads)
                 elif kind == W:
