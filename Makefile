@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_ddp.py
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_moe.py
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_fsdp.py
+	$(MPIEXEC) -n 2 $(BIN)/python examples/train_gpt.py --tp 2 --sequence-parallel --steps 20
 
 test: test-inprocess test-mpi
 

@@ -25,6 +25,7 @@ COMMANDS = {
     "overhead": "per-call cost of coll.allreduce against bare mpi4py, small sizes",
     "ddp": "data-parallel training step time (torch)",
     "zero": "ZeRO stages 1-3 against our DDP: step time, bytes per parameter, peak RSS",
+    "tp": "tensor-parallel GPT step: our layers against torch's DTensor on gloo and on ours",
     "tune": "measure every algorithm and write the tuning table auto reads",
     "calibrate": "measure alpha, beta, gamma of this machine for the cost model",
     "model": "predict every algorithm's time at any scale (--validate: against measurement)",
