@@ -259,12 +259,20 @@ class Sweep:
         out = np.zeros(cout, dtype)
         root = max(self.root, 0)
         calls = {}
-        rows = [(a, a, x, buf, out) for a in algorithms or self.algorithms if a != "gloo"]
+        names = [a for a in algorithms or self.algorithms if a != "gloo"]
+        # an algorithm that runs on registered buffers only gets buffers in shared windows
+        only = {a for a in names if coll is not None and a != "auto" and
+                coll.select.get(spec.name, a).registered}
+        shared = (coll.empty(cin, dtype), coll.empty(cin, dtype), coll.empty(cout, dtype)) \
+            if coll is not None and (only or self.registered) else None
+        if shared is not None:
+            np.copyto(shared[0], data)
+            np.copyto(shared[1], data)
+        rows = [(a, a, *(shared if a in only else (x, buf, out))) for a in names]
         if algorithms and "gloo" in algorithms:
             rows.append(("gloo", "gloo", x, buf, out))
         if self.registered and coll is not None:  # auto on buffers in shared windows
-            rows.append(("registered", "auto", coll.empty(cin, dtype), coll.empty(cin, dtype),
-                         coll.empty(cout, dtype)))
+            rows.append(("registered", "auto", *shared))
         for label, alg, x, buf, out in rows:
             for mode in self.modes:
                 arr = buf if mode == "in" else x

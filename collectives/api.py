@@ -97,14 +97,14 @@ class _Checked:
 
 
 def _keep(x, out, comm, op, algorithm, call: Call) -> None:
-    if call.algorithm not in REGISTRY["allreduce"]:  # one-pass: agreed afresh on every call
+    if call.algo.agree is not None:  # chosen for these buffers: agreed afresh on every call
         return
     ctx = call.ctx
     checked = object.__new__(_Checked)
     checked.x, checked.out, checked.comm, checked.dtype = x, out, comm, call.x.dtype
     checked.tuning, checked.call, checked.finalize = config.get("COLLECTIVES_TUNING"), call, \
         avg_finalizer(call)
-    checked.algo = algo = REGISTRY["allreduce"][call.algorithm]
+    checked.algo = algo = call.algo
     # MPI's own on more than one rank: the call bound to its buffers once
     checked.bound = native.bind(call) if algo.kind is NATIVE and ctx.size > 1 and \
         call.x.count else None

@@ -21,13 +21,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import check as _check
-from . import config, onepass, registered, select
+from . import config, select
 from . import timeline as _timeline
 from . import watchdog as _watchdog
 from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
 from .progress import Done, Request
-from .select import NATIVE, ONE_NODE, REGISTRY, SCHEDULE, TOPOLOGY
+from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
 __all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer", "RAGGED"]
 
@@ -40,7 +40,7 @@ class Call:
     """
 
     __slots__ = ("collective", "ctx", "x", "out", "op", "root", "counts", "algorithm",
-                 "inplace", "seq", "blocking")
+                 "inplace", "seq", "blocking", "algo")
 
     def __init__(self, collective, ctx, x, out, op=None, *, root=0, counts=None,
                  inplace=False, blocking=True):
@@ -59,7 +59,7 @@ class Call:
 def _fill(call, collective, ctx, x, out, op, root, counts, inplace, blocking):
     call.collective, call.ctx, call.x, call.out, call.op = collective, ctx, x, out, op
     call.root, call.counts, call.inplace, call.blocking = root, counts, inplace, blocking
-    call.algorithm, call.seq = None, -1
+    call.algorithm, call.seq, call.algo = None, -1, None
     return call
 
 
@@ -184,12 +184,12 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         finalize = _traced(call, _timeline.now(), finalize)
     named = algo is None and algorithm != "auto"
     if named:  # an unknown name is this rank's own error, told to the others by the check
-        try:  # "onepass" is not in the registry: it needs registered buffers
-            algo = onepass.ALGORITHM if algorithm == "onepass" else \
-                select.get(collective, algorithm)
+        try:
+            algo = select.get(collective, algorithm)
         except (TypeError, ValueError) as exc:
             raise _check.failed(ctx, collective, check, exc)
     call.algorithm = algorithm if algo is None else algo.name
+    call.algo, plan = algo, None
     call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
     ctx.seq = seq + 1
     if ctx.pending:
@@ -217,15 +217,19 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
                 entry.phase = "run"
         if algo is None:
             nbytes = _auto_bytes(call)
-            # registered buffers on this communicator (known alike on every rank): one-pass?
-            algo = onepass.ALGORITHM if registered.on(ctx.user_comm) and \
-                onepass.chosen(call, nbytes) else _auto(ctx, collective, nbytes, call.inplace)
-            call.algorithm = algo.name
+            for preferred in PREFERENCES[collective]:  # buffer-dependent, agreed by every rank
+                plan = preferred.agree(call, nbytes)
+                if plan is not None:
+                    algo = preferred
+                    break
+            else:
+                algo = _auto(ctx, collective, nbytes, call.inplace)
+            call.algorithm, call.algo = algo.name, algo
         elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
                              f"communicator of {ctx.size} ranks spans nodes")
         # bound: MPI's own blocking call, done on return (work None, as the watchdog reads it)
-        work = _run(call, algo) if bound is None else bound()
+        work = _run(call, algo, plan) if bound is None else bound()
         if entry is not None:
             entry.work = work  # what the watchdog asks where this rank waits
         if call.blocking:
@@ -259,8 +263,9 @@ def _traced(call: Call, t0: float, finalize):
     return record
 
 
-def _run(call: Call, algo: select.Algorithm):
-    """Start ``call`` with ``algo``, by its kind: the one place that dispatches on it."""
+def _run(call: Call, algo: select.Algorithm, plan=None):
+    """Start ``call`` with ``algo``, by its kind: the one place that dispatches on it
+    (``plan``: what ``algo.agree`` agreed, for a record that agrees)."""
     ctx = call.ctx
     if ctx.size == 1 or _nothing_to_move(call):
         return _trivial(call)
@@ -271,7 +276,7 @@ def _run(call: Call, algo: select.Algorithm):
         from . import cuda_transport
         return cuda_transport.native(call, algo.launch) if algo.kind is NATIVE else \
             cuda_transport.staged(call, algo.launch)
-    return algo.launch(call)
+    return algo.launch(call) if algo.agree is None else algo.launch(call, plan)
 
 
 def _topology_kwargs(ctx) -> tuple:
@@ -308,13 +313,13 @@ _DONE = Done()
 
 
 def avg_finalizer(call: Call):
-    """The finalizer of ``op="avg"``: one division of the summed result by the rank count
-    (``onepass`` divides each chunk while it is in cache instead)."""
+    """The finalizer of ``op="avg"``: one division of the summed result by the rank count,
+    unless the algorithm that ran divides itself (its record ``averages``)."""
     if call.op is None or not call.op.is_avg or call.out is None:
         return None
     size, flat = call.ctx.size, call.out.flat
 
     def divide():
-        if size > 1 and call.algorithm != "onepass":
+        if size > 1 and not call.algo.averages:
             np.divide(flat, size, out=flat)
     return divide

@@ -25,12 +25,12 @@ The others, for rank r:
 - ``broadcast``: slice r of the root's buffer copied into slice r of every other rank's (every
   rank copies, the root too).
 
-*Deciding collectively* (``chosen``). The one-pass path is tried for ``auto`` calls of more
-than ``THRESHOLD`` bytes (the same size on every rank) on a communicator where registered
+*Deciding collectively* (``agree``, the record's preference). The one-pass path is tried for
+``auto`` calls of more than ``THRESHOLD`` bytes (the same size on every rank) on a communicator where registered
 buffers exist, all of whose ranks share one node. Every rank contributes (registered?, window
 sequence and byte offset of x and of out) to one small ``MPI_Allreduce(MIN)`` of the values and
 their negatives; the path runs only if every rank is registered on this communicator with the
-same windows and offsets. Otherwise (mixed, another communicator's buffer, a released one, a
+same windows and offsets, and the plan ``launch`` receives is where they are. Otherwise (mixed, another communicator's buffer, a released one, a
 device tensor) every rank takes the ordinary path, with the same results.
 
 *Synchronisation: flags in a window, no MPI call per chunk.* The work runs as an ``ShmWork`` on
@@ -53,7 +53,7 @@ from . import registered
 from .select import DIRECT, ONE_NODE, Algorithm
 from .window import LATER, PHASES, ShmWork, wait_until, window
 
-__all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "chosen", "launch"]
+__all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "agree", "launch"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 THRESHOLD = 1 << 16   # bytes per rank: up to this the ordinary path runs without a check
@@ -92,20 +92,22 @@ def _needs_out(call) -> bool:
                                               call.ctx.rank == call.root)
 
 
-def chosen(call, nbytes: int) -> bool:
-    """Whether every rank runs ``call`` (``auto``, ``nbytes`` per rank, the same everywhere)
-    one-pass; collective whenever the size and communicator qualify. On several nodes (real
-    or simulated) only allreduce does, node by node (``_allreduce_nodes``), on nodes of one
-    size whose ranks share a registration's node."""
+def agree(call, nbytes: int):
+    """Where every rank's x and out are (window and offset of each; ``reduce``: the root's
+    out), if every rank runs ``call`` (``auto``, ``nbytes`` per rank, the same everywhere)
+    one-pass, else None. Collective whenever the size qualifies and the communicator has
+    registered buffers (known alike on every rank). On several nodes (real or simulated)
+    only allreduce runs one-pass, node by node (``_allreduce_nodes``), on nodes of one size
+    whose ranks share a registration's node."""
     ctx = call.ctx
-    if call.collective not in COLLECTIVES or nbytes <= THRESHOLD or ctx.size == 1:
-        return False
+    if nbytes <= THRESHOLD or ctx.size == 1 or not registered.on(ctx.user_comm):
+        return None
     from mpi4py import MPI
     from .topology import topology
     topo = topology(ctx)
     if not topo.single_node and (call.collective != "allreduce" or
                                  len({len(g) for g in topo.nodes}) != 1):
-        return False
+        return None
     x = _where(call.x, ctx)
     out = _where(call.out, ctx) if _needs_out(call) else (_NONE, _NONE, None)
     lo = np.zeros(5, np.int64)
@@ -119,10 +121,8 @@ def chosen(call, nbytes: int) -> bool:
     both = np.concatenate([lo, -hi])
     ctx.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
     if both[0] != 1 or not np.array_equal(both[:5], -both[5:]):
-        return False
-    # where every rank's x and out are (reduce: the root's out), for launch
-    ctx.stash["onepass.at"] = tuple(int(v) for v in both[1:5])
-    return True
+        return None
+    return tuple(int(v) for v in both[1:5])
 
 
 def _peers(call, seq, offset, counts, dtype, positions=None):
@@ -302,10 +302,10 @@ def _run(work, win, call, regs, body, args, desc=None):
     return None
 
 
-def launch(call) -> ShmWork:
-    """Start ``call`` one-pass (after ``chosen`` said every rank may)."""
+def launch(call, agreed=None) -> ShmWork:
+    """Start ``call`` one-pass: where ``agree`` found every rank's buffers, or by name
+    (``agreed`` None: allreduce only, each rank's buffers checked inside the call)."""
     ctx, dt = call.ctx, call.x.dtype
-    agreed = ctx.stash.pop("onepass.at", None)  # as ``chosen`` agreed; None: by name
     step = max(1, CHUNK // dt.itemsize)
     if agreed is None:
         return _launch_named(call, step)
@@ -335,9 +335,6 @@ def _launch_named(call, step) -> ShmWork:
     each rank shows where its buffers are in its window line, and the call runs one-pass
     only if every rank's are registered alike, else it is a ``ValueError`` on every rank."""
     ctx, dt = call.ctx, call.x.dtype
-    if call.collective != "allreduce":
-        raise ValueError(f"algorithm 'onepass' by name runs allreduce only (auto takes the "
-                         f"one-pass path for {call.collective} on registered buffers)")
     win = window(ctx)
     x, out = _where(call.x, ctx), _where(call.out, ctx)
     if x is None or out is None:
@@ -370,4 +367,6 @@ def _launch_nodes(call, agreed, step) -> ShmWork:
                                (ins, outs, step, comms.node.Get_rank(), comms.cross)), call)
 
 
-ALGORITHM = Algorithm("onepass", DIRECT, COLLECTIVES, launch=launch, needs=ONE_NODE)
+# By name: allreduce on one node. As ``auto``'s preference: every collective of COLLECTIVES.
+ALGORITHM = Algorithm("onepass", DIRECT, ("allreduce",), launch=launch, needs=ONE_NODE,
+                      agree=agree, prefers=COLLECTIVES, averages=True, registered=True)

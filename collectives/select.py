@@ -13,6 +13,14 @@ in one place (``collectives.api``):
 elsewhere) or ``TOPOLOGY`` (the builder takes the communicator's ``nodes``/``numas``).
 ``get`` fails loudly on an unknown name, listing the known ones.
 
+*Preferences.* A record with ``agree`` is also a buffer-dependent preference of ``auto`` for
+the collectives in ``prefers``: ``agree(call, nbytes)`` returns a *plan* when every rank's
+buffers suit it (collective when it may say yes; the same answer on every rank), or None, and
+``launch(call, plan)`` receives that plan (None when the algorithm is named). ``averages``: the
+algorithm divides an ``op="avg"`` result itself, so no division follows it. ``registered``: it
+runs on registered buffers only (``coll.empty``); named with others, it is a ``ValueError`` on
+every rank.
+
 *The tuning table.* ``auto`` is a lookup, never a measurement inside a user's call: for each
 collective, rules ``[max_bytes, algorithm]`` per communicator size, tried in order; the first
 rule whose ``max_bytes`` (null: no limit) is at least the message size wins. The table is
@@ -45,7 +53,8 @@ from typing import Callable, Mapping
 from . import config
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
-           "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "register", "get", "algorithms", "auto",
+           "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "PREFERENCES", "register", "get",
+           "algorithms", "auto",
            "rule", "load_table",
            "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "tuning_path", "describe"]
 
@@ -65,28 +74,43 @@ class Algorithm:
     kind: str
     collectives: tuple[str, ...]
     build: Mapping[str, Callable] = field(default_factory=dict)  # SCHEDULE: collective -> builder
-    launch: Callable | None = None                               # DIRECT, NATIVE: launch(call)
+    launch: Callable | None = None  # DIRECT, NATIVE: launch(call), or launch(call, plan)
     needs: str = ANY
+    agree: Callable | None = None   # agree(call, nbytes) -> plan or None (see the module doc)
+    prefers: tuple[str, ...] = ()   # the collectives whose ``auto`` tries ``agree`` first
+    averages: bool = False          # divides ``op="avg"`` itself
+    registered: bool = False        # runs on registered buffers only (``coll.empty``)
 
     def __post_init__(self):
         if self.kind == SCHEDULE:
             assert set(self.build) == set(self.collectives), self
         else:
             assert self.kind in (DIRECT, NATIVE) and self.launch is not None, self
+        assert (self.agree is None) == (not self.prefers), self
 
 
 # {collective: {name: Algorithm}}: written by ``register`` only; the API reads it on every call.
 REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
+# {collective: (Algorithm, ...)}: the records ``auto`` asks to ``agree`` before its table.
+PREFERENCES: dict[str, tuple[Algorithm, ...]] = {c: () for c in COLLECTIVES}
 
 
 def register(algorithm: Algorithm) -> None:
-    """Make ``algorithm`` available as ``algorithm=its name`` for its collectives."""
+    """Make ``algorithm`` available as ``algorithm=its name`` for its collectives (and a
+    preference of ``auto`` for those it ``prefers``); a record of the same name replaces
+    the earlier one."""
+    for collective in COLLECTIVES:
+        REGISTRY[collective].pop(algorithm.name, None)
+        PREFERENCES[collective] = tuple(a for a in PREFERENCES[collective]
+                                        if a.name != algorithm.name)
     for collective in algorithm.collectives:
         REGISTRY[collective][algorithm.name] = algorithm
+    for collective in algorithm.prefers:
+        PREFERENCES[collective] += (algorithm,)
 
 
 def _register_builtin() -> None:
-    from collectives import hierarchical, hierarchical_alltoall, native, ring, shm, tree
+    from collectives import hierarchical, hierarchical_alltoall, native, onepass, ring, shm, tree
     for name, build, needs in (
         ("ring", {"allreduce": ring.allreduce, "reduce_scatter": ring.reduce_scatter,
                   "allgather": ring.allgather, "broadcast": ring.broadcast}, ANY),
@@ -113,6 +137,7 @@ def _register_builtin() -> None:
     register(Algorithm("shm", DIRECT, SHM_COLLECTIVES, launch=shm.launch, needs=ONE_NODE))
     register(Algorithm("hierarchical_shm", DIRECT, ("allreduce",),
                        launch=hierarchical.launch_shm_nodes))
+    register(onepass.ALGORITHM)
 
 
 _register_builtin()

@@ -84,23 +84,38 @@ def identical(arr, comm) -> bool:
     return bool((everyone == everyone[0]).all())
 
 
+def _copier(collective: str, algorithm: str):
+    """How a test makes a buffer ``algorithm`` takes: a copy, or a registered one where the
+    algorithm runs on registered buffers only (collective: ``coll.empty``)."""
+    if not select.get(collective, algorithm).registered:
+        return np.copy
+
+    def registered_copy(a):
+        out = coll.empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+    return registered_copy
+
+
 @pytest.mark.parametrize("algorithm", coll.algorithms("allreduce"))
 def test_allreduce(algorithm):
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     if algorithm == "shm":
         pytest.skip("shm has its own suite")
+    copy = _copier("allreduce", algorithm)
     bad = []
     for dtype, op in pairs():
         for n in LENGTHS:
             xs = inputs(size, n, dtype, op)
-            x = xs[rank].copy()
+            x = copy(xs[rank])
             want = reference(xs, op, dtype)
-            got = coll.allreduce(x, op, algorithm=algorithm)
+            got = coll.allreduce(x, op, out=None if copy is np.copy else copy(x),
+                                 algorithm=algorithm)
             if not (close(got, want, dtype) and np.array_equal(x, xs[rank])
                     and got.dtype == x.dtype):
                 bad.append(f"{dtype.name} {op} n={n} out-of-place")
-            y = x.copy()
+            y = copy(x)
             res = coll.allreduce(y, op, out=y, algorithm=algorithm)
             if res is not y or not close(y, want, dtype):
                 bad.append(f"{dtype.name} {op} n={n} in place")
@@ -112,16 +127,19 @@ def test_allreduce_bitwise_identical_floats(algorithm):
     if algorithm == "shm":
         pytest.skip("shm has its own suite")
     comm = world()
+    copy = _copier("allreduce", algorithm)
     rng = np.random.default_rng(1234 + comm.Get_rank())
     ok = True
     for dtype in (np.float32, np.float64, np.float16, coll.buffers.bfloat16):
         for n in (1, 31, 1000):
-            x = rng.standard_normal(n).astype(dtype).reshape(-1, 1) if n > 1 else \
-                rng.standard_normal(n).astype(dtype)
+            x = copy(rng.standard_normal(n).astype(dtype).reshape(-1, 1) if n > 1 else
+                     rng.standard_normal(n).astype(dtype))
             for _ in range(2):  # also the same from run to run
-                got = coll.allreduce(x, algorithm=algorithm)
+                got = coll.allreduce(x, out=None if copy is np.copy else copy(x),
+                                     algorithm=algorithm)
                 ok &= identical(got, comm) and got.shape == x.shape
-            ok &= identical(coll.allreduce(x, "avg", algorithm=algorithm), comm)
+            ok &= identical(coll.allreduce(x, "avg", out=None if copy is np.copy else copy(x),
+                                           algorithm=algorithm), comm)
     assert_all(ok, algorithm)
 
 

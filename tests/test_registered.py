@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
-from collectives import onepass, registered
+from collectives import onepass, registered, select
 from collectives.buffers import DTYPES
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests.mpiutil import assert_all, op_inputs, world
@@ -31,12 +31,12 @@ def launches(monkeypatch):
     monkeypatch.setattr(onepass, "CHUNK", 24)
     seen = []
 
-    def counted(call):
+    def counted(call, plan=None):
         seen.append(call.collective)
-        return onepass.launch(call)
-    monkeypatch.setattr(onepass, "ALGORITHM", dataclasses.replace(onepass.ALGORITHM,
-                                                                   launch=counted))
-    return seen
+        return onepass.launch(call, plan)
+    select.register(dataclasses.replace(onepass.ALGORITHM, launch=counted))
+    yield seen
+    select.register(onepass.ALGORITHM)
 
 
 def _pairs():
@@ -329,7 +329,7 @@ def test_onepass_by_name_checks_in_the_window(launches):
     if size > 1:
         with pytest.raises(ValueError, match=rf"onepass.*rank\(s\) \[{size - 1}\]"):
             coll.allreduce(y, out=y, algorithm="onepass")
-        with pytest.raises(ValueError, match="allreduce only"):
+        with pytest.raises(ValueError, match="unknown algorithm 'onepass' for reduce_scatter"):
             coll.reduce_scatter(x, out=np.empty(1000 // size + 1, np.float32)[:len(
                 np.array_split(np.arange(1000), size)[rank])], algorithm="onepass")
     coll.allreduce(x, out=x, algorithm="onepass")  # the window is in step after a refusal

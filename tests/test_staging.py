@@ -413,7 +413,9 @@ def small_segments():
 
 
 def _all_algorithms(collective):
-    return ("auto",) + select.algorithms(collective)
+    """auto and every name, but those that run on registered buffers only (host memory)."""
+    return ("auto",) + tuple(name for name in select.algorithms(collective)
+                             if not select.get(collective, name).registered)
 
 
 @pytest.mark.mpi
