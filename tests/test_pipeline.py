@@ -176,3 +176,85 @@ def test_a_gradient_of_the_wrong_shape_names_both_stages():
     assert job.returncode != 0, text
     assert "stage 1 (rank 1) sent a gradient of torch.float32 (2, 5)" in text, text
     assert "but stage 0 (rank 0) produced an output of torch.float32 (2, 6)" in text, text
+
+
+# -- pipeline x data (x tensor): the GPT of examples/train_gpt.py ----------------------------
+
+def _example():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape,schedule", [((2, 2, 1), "1f1b"), ((2, 2, 1), "zero_bubble"),
+                                            ((2, 2, 2), "1f1b")])
+def test_gpt_3d_equals_one_process(shape, schedule):
+    """pp x dp (x tp) on the first prod(shape) ranks: full parameters after 3 steps (the tied
+    embedding included) equal one process on the whole batch."""
+    import math
+    from mpi4py import MPI
+
+    from collectives import Mesh
+    from collectives.torch import tensor_parallel as tp
+    from collectives.torch.pipeline import gpt as pgpt
+    n = math.prod(shape)
+    comm = world()
+    if comm.Get_size() < n:
+        pytest.skip(f"needs {n} ranks")
+    sub = comm.Split(0 if comm.Get_rank() < n else MPI.UNDEFINED, comm.Get_rank())
+    ok, msg = True, ""
+    if sub != MPI.COMM_NULL:
+        ex = _example()
+        args = ex.parser().parse_args(["--dim", "16", "--heads", "2", "--layers", "2",
+                                       "--seq", "8", "--batch", "8", "--vocab", "24"])
+        text = torch.arange(400) % 24
+        mesh = Mesh(shape, ("pp", "dp", "tp"), comm=sub)
+        tp_comm, dp = mesh.comm("tp"), mesh.size("dp")
+        torch.manual_seed(0)
+        model = ex.GPT(args.vocab, args.dim, args.heads, args.layers)
+        tp.parallelize(model, tp_comm, ex.plan(model, False))
+        job = pgpt.PipelinedGPT(model, mesh, schedule=schedule, microbatches=2,
+                                loss_fn=lambda z, y: tp.vocab_parallel_cross_entropy(z, y,
+                                                                                     tp_comm))
+        opt = torch.optim.SGD(list(job.parameters()), lr=0.5)
+        rows, me = args.batch // dp, mesh.coord("dp")
+
+        def batches(step):
+            x, y = ex.batch(text, step, args.batch, args.seq, 0)
+            return x[me * rows:(me + 1) * rows], y[me * rows:(me + 1) * rows]
+
+        losses, _ = pgpt.train(job, opt, batches, 3, mesh)
+        torch.manual_seed(0)
+        ref = ex.GPT(args.vocab, args.dim, args.heads, args.layers)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        want = []
+        for step in range(3):
+            x, y = ex.batch(text, step, args.batch, args.seq, 0)
+            loss = nn.functional.cross_entropy(ref(x).reshape(-1, args.vocab), y.reshape(-1))
+            loss.backward()
+            ropt.step()
+            ropt.zero_grad()
+            want.append(loss.item())
+        if max(abs(a - b) for a, b in zip(losses, want)) > 1e-4:
+            ok, msg = False, f"losses {losses} != {want}"
+        full = tp.full_state_dict(model, tp_comm)
+        k, p = mesh.coord("pp"), mesh.size("pp")
+        mine = {"embed.weight"} if k == 0 else set()
+        if k == p - 1:
+            mine |= {n for n in full if n.startswith(("norm.", "head."))}
+        for s in job.schedule.local_stages(k):
+            for i, blk in enumerate(model.blocks):
+                if any(blk is b for b in pgpt.stages(model, job.schedule.stages)[s].blocks):
+                    mine |= {n for n in full if n.startswith(f"blocks.{i}.")}
+        refs = ref.state_dict()
+        for name in sorted(mine):
+            if not torch.allclose(full[name], refs[name], rtol=1e-4, atol=1e-5):
+                ok, msg = False, (f"{name}: {(full[name] - refs[name]).abs().max().item():.2e} "
+                                  f"off after 3 steps")
+        sub.Free()
+    assert_all(ok, f"{shape} {schedule}: {msg}")

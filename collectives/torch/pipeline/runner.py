@@ -34,6 +34,7 @@ what it waits for, so a rank whose neighbour died does not hang.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -96,6 +97,12 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.modules = {s: mod for s, mod in zip(schedule.local_stages(self.rank), modules)}
         self._actions = schedule.actions(self.rank)
+        # A stage wrapped for data parallelism (DistributedDataParallel, ShardedDataParallel)
+        # reduces its gradients in the backward that finishes them: the stage's last
+        # weight-gradient action; the others run under its no_sync() and only accumulate.
+        grad_kind = W if schedule.split_backward else B
+        self._syncs_at = {s: max(i for i, a in enumerate(self._actions)
+                                 if a[0] == grad_kind and a[2] == s) for s in self.modules}
         top = 4 * schedule.microbatches * schedule.stages
         ub = self.comm.Get_attr(MPI.TAG_UB)
         if ub is not None and top > ub:
@@ -224,12 +231,14 @@ class Pipeline:
                     # the graphs this rank holds: one per (micro-batch, stage) until its backward
                     self.peak = max(self.peak, len(outputs))
                 elif kind == B:
-                    self._backward(mb, s, inputs, outputs, grads, in_grads)
+                    with self._accumulating(s, i):
+                        self._backward(mb, s, inputs, outputs, grads, in_grads)
                 elif kind == W:
                     out, g = outputs.pop((mb, s)), grads.pop((mb, s), None)
                     params = [q for q in self.modules[s].parameters() if q.requires_grad]
                     if params:
-                        torch.autograd.backward(out, g, inputs=params)
+                        with self._accumulating(s, i):
+                            torch.autograd.backward(out, g, inputs=params)
                     inputs.pop((mb, s), None)
                 elif kind == SEND_F:
                     self._send(outputs[(mb, s)], F, mb, s + 1, pending)
@@ -260,6 +269,14 @@ class Pipeline:
         MPI.Request.Waitall([q for q, _ in pending])
         self.comm.Bcast(loss.numpy(), root=sched.rank_of(S - 1))
         return loss.float()
+
+    def _accumulating(self, s: int, i: int):
+        """``no_sync()`` of stage s's data-parallel wrapper unless action i finishes its
+        gradients (a plain module: nothing)."""
+        no_sync = getattr(self.modules[s], "no_sync", None)
+        if no_sync is None or i == self._syncs_at[s]:
+            return contextlib.nullcontext()
+        return no_sync()
 
     def _backward(self, mb, s, inputs, outputs, grads, in_grads):
         out = outputs[(mb, s)]
