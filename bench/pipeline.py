@@ -9,9 +9,10 @@ runner's graphs), and beside them ``pp.simulate``'s step, bubble and peak for th
 1F1B) run the same stages over gloo and over the toolkit's backend (rows ``torch-*``).
 
 ``--compute F,B`` fixes each stage's forward at F ms and its backward at B ms with sleeps (half
-for the input's gradient, half for the weights'; a first stage has no input gradient, so its
-backward is B/2), so the comparison does not depend on the machine's cores; without it the
-stages are MLP blocks of ``--width``.
+for the input's gradient, half for the weights'; the batch requires a gradient, so the first
+stage does both halves too), so the comparison does not depend on the machine's cores; without
+it the stages are MLP blocks of ``--width``. The bubble columns are the busiest rank's idle
+share of the step, ``1 - max(busy) / step``, measured and simulated alike.
 """
 from __future__ import annotations
 
@@ -92,9 +93,7 @@ def _measured(comm, busy, v):
     every = comm.allgather(mine)
     p = len(every)
     stages = range(p * v)
-    # the first stage has no input gradient to compute
-    return ([every[s % p]["forward"] for s in stages],
-            [every[s % p]["input"] if s else 0.0 for s in stages],
+    return ([every[s % p]["forward"] for s in stages], [every[s % p]["input"] for s in stages],
             [every[s % p]["weight"] for s in stages])
 
 
@@ -109,6 +108,7 @@ def _ours(comm, name, p, m, v, make, args, busy):
     runner = pp.Pipeline([stages[s] for s in sched.local_stages(r)], comm=comm, schedule=sched,
                          loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    x.requires_grad_(args.compute is not None)
     times, busies = [], []
     for k in range(args.warmup + args.steps):
         comm.Barrier()
@@ -132,6 +132,7 @@ def _torch(comm, group, cls, p, m, make, args, busy):
     stage = pipelining.PipelineStage(stages[r], r, p, torch.device("cpu"), group=group)
     sched = getattr(pipelining, cls)(stage, m, loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    x.requires_grad_(args.compute is not None)
     times, busies = [], []
     for k in range(args.warmup + args.steps):
         comm.Barrier()
@@ -153,7 +154,7 @@ def _torch(comm, group, cls, p, m, make, args, busy):
 def _row(comm, label, m, times, busies, sim, peak):
     """One line of the table on rank 0: the slowest rank's median step."""
     step = comm.allreduce(statistics.median(times), op=_max())
-    busy = comm.allreduce(statistics.median(busies)) / comm.Get_size()
+    busy = comm.allreduce(statistics.median(busies), op=_max())
     peak0 = comm.bcast(peak, root=0)
     if comm.Get_rank():
         return None
@@ -161,13 +162,14 @@ def _row(comm, label, m, times, busies, sim, peak):
     cols = [f"{label:<16}", f"{m:>3}", f"{step * 1e3:>9.1f}", f"{bubble:>7.3f}",
             f"{peak0 if peak0 is not None else '-':>5}"]
     if sim is not None:
-        cols += [f"{sim.step * 1e3:>9.1f}", f"{sim.bubble:>7.3f}", f"{sim.peak[0]:>5}",
+        cols += [f"{sim.step * 1e3:>9.1f}", f"{1 - max(sim.busy) / sim.step:>7.3f}",
+                 f"{sim.peak[0]:>5}",
                  f"{step / sim.step:>8.3f}"]
     line = " ".join(cols)
     print(line, flush=True)
     return {"schedule": label, "m": m, "step_ms": step * 1e3, "bubble": bubble, "peak": peak0,
             "sim_step_ms": sim.step * 1e3 if sim else None,
-            "sim_bubble": sim.bubble if sim else None}
+            "sim_bubble": 1 - max(sim.busy) / sim.step if sim else None}
 
 
 def _max():
@@ -233,6 +235,8 @@ def main(argv=None) -> int:
             make = _stage_factory(args.compute and tuple(t / v for t in args.compute),
                                   args.width, busy)
             if name in TORCH:
+                if m < P:   # torch's schedules refuse fewer micro-batches than stages
+                    continue
                 for backend, group in groups.items():
                     times, busies = _torch(comm, group, TORCH[name], P, m, make, args, busy)
                     sim = None

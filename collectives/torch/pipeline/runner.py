@@ -284,8 +284,11 @@ class Pipeline:
         inp = inputs[(mb, s)]
         wants = s > 0 and inp.requires_grad
         if self.schedule.split_backward:
-            if wants:
-                in_grads[(mb, s)], = torch.autograd.grad(out, inp, g, retain_graph=True)
+            # the first stage's input gradient too when the batch asks for one (x.requires_grad)
+            if inp.requires_grad:
+                got, = torch.autograd.grad(out, inp, g, retain_graph=True)
+                if s > 0:
+                    in_grads[(mb, s)] = got
         else:
             torch.autograd.backward(out, g)
             outputs.pop((mb, s)), grads.pop((mb, s), None), inputs.pop((mb, s))
