@@ -3,6 +3,7 @@
     mpiexec -n 2 python examples/train_gpt.py --tp 2                      # tensor parallel
     mpiexec -n 2 python examples/train_gpt.py --tp 2 --sequence-parallel
     mpiexec -n 4 python examples/train_gpt.py --tp 2 --dp 2 --zero 2      # 2-D: ZeRO-2 on dp
+    mpiexec -n 8 python examples/train_gpt.py --pp 2 --tp 2 --dp 2        # 3-D: pipelined
 
 The model: a token embedding, ``--layers`` pre-norm blocks (causal self-attention, its heads
 split across the tensor-parallel ranks; a GELU MLP; two LayerNorms), a final LayerNorm and an
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-__all__ = ["GPT", "plan", "corpus", "batch", "build", "train", "main"]
+__all__ = ["GPT", "plan", "corpus", "batch", "build", "train", "pipelined", "main"]
 
 
 class Attention(nn.Module):
@@ -200,6 +201,11 @@ def train(args, mesh=None, text=None, on_step=None):
 def parser():
     """The example's flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (1); > 1 trains pp x dp x tp (collectives.torch.pipeline)")
+    p.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule: gpipe, 1f1b, interleaved, zero_bubble (1f1b)")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (4)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (ranks / dp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (1)")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -226,7 +232,9 @@ def main(argv=None):
     from collectives.torch import tensor_parallel as tp
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
-    tp_size = args.tp or world.Get_size() // args.dp
+    tp_size = args.tp or world.Get_size() // (args.dp * args.pp)
+    if args.pp > 1:
+        return pipelined(args, Mesh((args.pp, args.dp, tp_size), ("pp", "dp", "tp")))
     mesh = Mesh((args.dp, tp_size), ("dp", "tp"))
     rank0 = world.Get_rank() == 0
 
@@ -254,6 +262,41 @@ def main(argv=None):
                                            for p in inner.parameters())}
     if rank0:
         print(json.dumps(summary), flush=True)
+
+
+def pipelined(args, mesh):
+    """``--pp`` > 1: the model cut into pipeline stages (collectives.torch.pipeline.gpt), each
+    tensor-parallel over "tp" and data-parallel over "dp" (DDP, or ZeRO-1 with --zero 1)."""
+    from collectives.torch import tensor_parallel as tp
+    from collectives.torch.pipeline import gpt as pgpt
+    tp_comm, dp, me = mesh.comm("tp"), mesh.size("dp"), mesh.coord("dp")
+    if args.batch % dp:
+        raise ValueError(f"--batch {args.batch} is not divisible by --dp {dp}")
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.dim, args.heads, args.layers)
+    tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel))
+    job = pgpt.PipelinedGPT(model, mesh, schedule=args.schedule, microbatches=args.microbatches,
+                            loss_fn=lambda z, y: tp.vocab_parallel_cross_entropy(z, y, tp_comm),
+                            zero=args.zero)
+    opt = torch.optim.AdamW(list(job.parameters()), lr=args.lr)
+    text, rows = corpus(args.corpus_bytes), args.batch // dp
+
+    def batches(step):
+        x, y = batch(text, step, args.batch, args.seq, args.seed)
+        return x[me * rows:(me + 1) * rows], y[me * rows:(me + 1) * rows]
+
+    def show(step, loss):
+        if mesh.rank == 0:
+            print(f"step {step}: loss {loss:.4f}", flush=True)
+
+    losses, times = pgpt.train(job, opt, batches, args.steps, mesh, on_step=show)
+    median = statistics.median(times[1:] or times)
+    if mesh.rank == 0:
+        print(json.dumps({"pp": mesh.size("pp"), "tp": mesh.size("tp"), "dp": dp,
+                          "schedule": args.schedule, "microbatches": args.microbatches,
+                          "zero": args.zero, "steps": args.steps, "loss": round(losses[-1], 5),
+                          "tokens_per_s": round(args.batch * args.seq / median, 1),
+                          "step_ms": round(median * 1e3, 2)}), flush=True)
 
 
 if __name__ == "__main__":
