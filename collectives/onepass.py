@@ -34,11 +34,11 @@ same windows and offsets, and the plan ``launch`` receives is where they are. Ot
 device tensor) every rank takes the ordinary path, with the same results.
 
 *Synchronisation: flags in a window, no MPI call per chunk.* The work runs as an ``ShmWork`` on
-the communicator's shm window (``collectives.window``): each rank raises its *arrived* counter
-(after ``MPI_Win_sync``, which orders its earlier stores to its buffers before the flag), waits
-until every rank's counter is up (every input written, every output free to be written), does
-its part, then raises its *done* counter and waits for every peer's: nobody returns, and reads
-or reuses its output, before every slice of it is written. An ``i*`` call that is polled
+the communicator's shm window (``collectives.window``), inside the window's handshake: each
+rank arrives (after ``MPI_Win_sync``, which orders its earlier stores to its buffers before the
+flag), waits until every rank has (every input written, every output free to be written), does
+its part, then departs and waits for every peer to: nobody returns, and reads or reuses its
+output, before every slice of it is written. An ``i*`` call that is polled
 (``Request.test``; DDP polls from its gradient hooks) never waits for a peer: it arrives, does
 its part if every rank has arrived, and otherwise returns to the caller's computation until the
 next poll (``window.LATER``). The shm window orders these calls with the communicator's other
@@ -51,7 +51,7 @@ import numpy as np
 
 from . import registered
 from .select import DIRECT, ONE_NODE, Algorithm
-from .window import LATER, PHASES, ShmWork, wait_until, window
+from .window import LATER, Info, ShmWork, window
 
 __all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "agree", "launch"]
 
@@ -59,7 +59,6 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"
 THRESHOLD = 1 << 16   # bytes per rank: up to this the ordinary path runs without a check
 CHUNK = 1 << 18       # bytes per chunk: a partial result and one peer's chunk fit in L2
 _NONE = np.iinfo(np.int64).max  # "nothing to say" in the agreement (ranks without an out)
-_DESC = slice(4, 8)  # a named call's (x window, x offset, out window, out offset), info line
 
 
 def _where(buf, ctx):
@@ -237,23 +236,10 @@ def _allreduce_nodes(call, ins, outs, step, j, cross):
             np.copyto(o[c:e], first[c:e])
 
 
-def _reached(work, win, phase: int, base: int, what: str) -> bool:
-    """Whether every rank's counter ``phase`` reached ``base``: waits for it, unless polling."""
-    counter = win.counters[phase]
-    if counter.min() >= base:
-        return True
-    if work.polling:
-        work.where = lambda: f"rank(s) {win.late(phase, base)} to {what}"
-        return False
-    wait_until(work, win, lambda: counter.min() >= base,
-               lambda: f"rank(s) {win.late(phase, base)} to {what}")
-    return True
-
-
-def _refused(win, desc) -> str | None:
+def _refused(win) -> str | None:
     """Why a named call cannot run one-pass, from every rank's descriptor; None if it can."""
-    table = win.info[:, _DESC]
-    bad = [j for j in range(win.size) if (table[j] != table[0]).any() or (table[j] < 0).any()]
+    table = win.shown(Info.DESC)
+    bad = [j for j, desc in enumerate(table) if desc != table[0] or min(desc) < 0]
     if not bad:
         return None
     return (f"algorithm 'onepass' needs x and out registered (collectives.empty) on every "
@@ -262,41 +248,26 @@ def _refused(win, desc) -> str | None:
 
 
 def _run(work, win, call, regs, body, args, desc=None):
-    """Arrive (raise this rank's flag), do this rank's part once every rank has arrived, then
-    finish once every rank has done its part. Polled (``test``), each step that would wait
-    returns ``LATER`` instead: this rank goes on computing, and a peer that arrives later is
-    not kept waiting for it longer than until its next poll. A named call (``desc``: where its
+    """The window's handshake around this rank's part: arrive (every input written, every
+    output free to be written), do the part once every rank has arrived, depart, and return
+    once every rank has departed. Polled (``test``), each step that would wait returns
+    ``LATER`` instead: this rank goes on computing, and a peer that arrives later is not kept
+    waiting for it longer than until its next poll. A named call (``desc``: where its
     buffers are) first checks every rank's descriptor, and refuses on every rank alike."""
-    base = win.base + 1
-    if work.state is None:  # this rank's input is written, its output free to be written
-        if desc is not None:
-            win.info[win.rank, _DESC] = desc
-        for reg in regs:
-            reg.win.Sync()
-        win.win.Sync()
-        win.mine[0][0] = base
+    wins = [reg.win for reg in regs]
+    if work.state is None:
+        win.arrive(desc=desc, wins=wins)
         work.state = "arrived"
     if work.state == "arrived":
-        if not _reached(work, win, 0, base, "arrive"):
+        if not win.arrived(work, work.polling, wins):
             return LATER
-        win.win.Sync()
-        for reg in regs:
-            reg.win.Sync()
-        why = None if desc is None else _refused(win, desc)
+        why = None if desc is None else _refused(win)
         if why is None:
             body(call, *args)
-        for reg in regs:
-            reg.win.Sync()
-        win.win.Sync()
-        for cell in win.mine:  # done: every counter at base, as Window.finish leaves them
-            cell[0] = base
+        win.depart(wins)
         work.state = why or "done"
-    if not _reached(work, win, PHASES - 1, base, "finish their part"):
+    if not win.departed(work, work.polling, "finish their part"):
         return LATER
-    work.where = None
-    win.win.Sync()
-    win.base = base
-    win.calls += 1
     if work.state != "done":
         raise ValueError(work.state)
     return None

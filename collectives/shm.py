@@ -28,7 +28,7 @@ on a node with more ranks than cores a meeting costs the scheduler's time, not t
 Every rank computes each element alike, so the results agree bitwise.
 
 *Reduce*: the ranks other than the root copy each round into their slots and go on (their
-slot is written again only after the root read it: the slot guard of ``window.pipeline``), and
+slot is written again only after the root read it: the slot guard of ``Window.pipeline``), and
 the root reduces its input and their slots into its output; only the root waits. From 3 ranks
 and ``SPLIT_MIN_BYTES`` the root's child in the tree combines the others' slots and its own
 input in place in those slots, and the root combines only its input and that one result
@@ -59,7 +59,7 @@ import numpy as np
 from . import config
 from .schedule import split
 from .tree.pipelined import btree
-from .window import ShmWork, Window, pipeline, window
+from .window import ShmWork, Window, window
 
 __all__ = ["launch", "reduce_scatter_rounds", "allgather_rounds", "bits", "window", "ShmWork",
            "CMA_MIN_BYTES", "WHOLE_MAX_BYTES", "SPLIT_MIN_BYTES"]
@@ -179,7 +179,7 @@ def _allreduce(work, win: Window, src, out, op) -> None:
             if c[j + 1] > c[j]:
                 np.copyto(out[c0 + c[j]:c0 + c[j + 1]], win.slot(dtype, s, j)[c[j]:c[j + 1]])
 
-    pipeline(work, win, rounds, (copy_in, reduce, copy_out))
+    win.pipeline(work, rounds, (copy_in, reduce, copy_out))
 
 
 def _copy_in(win: Window, src, step: int):
@@ -205,7 +205,7 @@ def _allreduce_whole(work, win: Window, src, out, op) -> None:
         m = min(n, c0 + step) - c0
         _combine(win, op, out[c0:c0 + m], [win.slot(dtype, s, j)[:m] for j in range(k)])
 
-    pipeline(work, win, -(-n // step), (_copy_in(win, src, step), reduce))
+    win.pipeline(work, -(-n // step), (_copy_in(win, src, step), reduce))
 
 
 def _reduce(work, win: Window, src, out, op, root) -> None:
@@ -227,7 +227,7 @@ def _reduce(work, win: Window, src, out, op, root) -> None:
         _combine(win, op, out[c0:c0 + m], parts, root)
 
     phases = (lambda i, s: None, reduce) if r == root else (_copy_in(win, src, step),)
-    pipeline(work, win, -(-n // step), phases)
+    win.pipeline(work, -(-n // step), phases)
 
 
 _SUBTREES: dict = {}  # k -> _subtree(k)
@@ -300,7 +300,7 @@ def _reduce_split(work, win: Window, src, out, op, root) -> None:
         phases = (idle, combine, idle)
     else:
         phases = (_copy_in(win, src, step), idle, idle)
-    pipeline(work, win, -(-n // step), phases)
+    win.pipeline(work, -(-n // step), phases)
 
 
 def _bounds(counts):
@@ -336,7 +336,7 @@ def reduce_scatter_rounds(work, win: Window, src, out, op, counts) -> None:
                      win.slot(dtype, s, j)[r * piece:r * piece + m] for j in range(k)]
             _fold(op, out[lo:lo + m], parts, r + 1)
 
-    pipeline(work, win, rounds, (copy_in, reduce))
+    win.pipeline(work, rounds, (copy_in, reduce))
 
 
 def _allgather_cma(work, win: Window, src, out, counts) -> None:
@@ -379,7 +379,7 @@ def allgather_rounds(work, win: Window, src, out, counts) -> None:
             if t != r and m > 0:
                 np.copyto(out[bounds[t] + lo:bounds[t] + lo + m], win.slot(dtype, s, t)[:m])
 
-    pipeline(work, win, rounds, (copy_in, copy_out))
+    win.pipeline(work, rounds, (copy_in, copy_out))
 
 
 def _broadcast(work, win: Window, buf, root) -> None:
@@ -397,7 +397,7 @@ def _broadcast(work, win: Window, buf, root) -> None:
             lo = i * piece
             np.copyto(buf[lo:lo + piece], win.slot(dtype, s, root)[:min(n, lo + piece) - lo])
 
-    pipeline(work, win, rounds, (copy_in, copy_out))
+    win.pipeline(work, rounds, (copy_in, copy_out))
 
 
 def _broadcast_cma(work, win: Window, buf, root) -> None:

@@ -8,13 +8,25 @@ and chunk size (collectively, on the first call) and caches it on the context.
 
 *Counters, not barriers.* Each rank owns three int64 counters in the header (rounds copied in,
 reduced, done reading) that it raises after each step, ordering its memory with
-``MPI_Win_sync``. ``pipeline`` runs a collective's rounds through its two or three phases: a
+``MPI_Win_sync``. ``Window.pipeline`` runs a collective's rounds through its two or three phases: a
 step of round i may run once every rank's counter of the step before reached i + 1, and
 writing round i's slot once every rank finished reading round i - SLOTS, the previous user of
 that slot. A rank runs whatever step is allowed, so one that holds a core copies in rounds
 ahead while a peer is descheduled; a rank with nothing to do spins ``COLLECTIVES_SHM_SPIN``
 polls, then yields its core (at once when the node has fewer cores than ranks: the rank it
 waits for may be waiting for its core).
+
+*The handshake: arrive -> work -> depart.* A call that does not move in rounds (CMA's
+single-copy reads, ``collectives.onepass``) meets its peers twice: ``arrive`` shows what the
+call's peers need on this rank's info line (``Info``: an input's address, a descriptor of
+registered buffers) and raises its ``seq`` field, after ordering the rank's earlier stores;
+``arrived`` says (or waits until) every rank did, after which a rank may read what the others
+showed and work on their memory; ``depart`` raises every counter by one round, and
+``departed`` says (or waits until) every rank did, after which nobody's memory is read or
+written by this call any more. The polled forms return False instead of waiting, so a
+``ShmWork`` polled by ``test`` returns ``LATER`` and the rank goes on computing.
+``publish``/``finish`` are the blocking forms. The ``Window`` writes its counters and info
+line itself; callers use these methods.
 
 *Single-copy reads.* Where the kernel lets the ranks read each other's memory
 (``collectives.cma``; probed once per window, collectively, and on only where every rank can),
@@ -35,15 +47,23 @@ import numpy as np
 
 from . import cma, config
 
-__all__ = ["Window", "window", "ShmWork", "pipeline", "wait_until", "idle", "round_up", "SLOTS",
-           "PHASES", "LATER"]
+__all__ = ["Window", "window", "ShmWork", "Info", "idle", "round_up", "SLOTS", "PHASES", "LATER"]
 
 SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
 PHASES = 3                   # counters: copied in, reduced, done reading
 _LINE = 64                   # one cache line per counter
-# Each rank's info line (int64): its pid, calls published, its input's address, and the address
-# of the line itself in its own mapping (what a peer's probe read must find).
-_PID, _SEQ, _SRC, _SELF = range(4)
+
+
+class Info:
+    """The layout of a rank's info line (8 int64 fields, one cache line): where each field is."""
+
+    PID = 0     # the rank's process id (CMA reads name it)
+    SEQ = 1     # handshake calls this rank has arrived at (``Window.arrive``)
+    SRC = 2     # the address of this call's input (``arrive(src=...)``, CMA reads)
+    SELF = 3    # the line's own address in its rank's mapping (what a probe read must find)
+    DESC = slice(4, 8)  # a named one-pass call's (x window, x offset, out window, out offset)
+
+
 _NAMES = ("copy in", "reduce", "finish reading")
 LATER = object()  # what a ShmWork's fn returns from a poll that would have to wait
 
@@ -86,8 +106,8 @@ class Window:
             cell[0] = 0
         line = self.info[self.rank]
         line[:] = 0
-        line[_PID] = os.getpid()
-        line[_SELF] = line.ctypes.data
+        line[Info.PID] = os.getpid()
+        line[Info.SELF] = line.ctypes.data
         # Fault the slots in now, not in a call: each rank writes its own and maps the others'
         # (otherwise a window's first calls run several times slower than the rest).
         self.mem[self.rank][header:].fill(0)
@@ -137,11 +157,11 @@ class Window:
             if j == self.rank:
                 continue
             try:
-                self.reader.read(int(self.info[j, _PID]), got.ctypes.data,
-                                 int(self.info[j, _SELF]), 8)
+                self.reader.read(int(self.info[j, Info.PID]), got.ctypes.data,
+                                 int(self.info[j, Info.SELF]), 8)
             except OSError:
                 return False
-            if got[0] != self.info[j, _PID]:
+            if got[0] != self.info[j, Info.PID]:
                 return False
         return True
 
@@ -157,6 +177,62 @@ class Window:
         self.comm.Barrier()
         return bool(self.comm.allreduce(self._probe(), op=MPI.LAND))
 
+    # -- the handshake: arrive -> work -> depart (see the module doc) ---------------------------
+    def arrive(self, src=None, desc=None, wins=()) -> None:
+        """This rank arrives at the next handshake call: its stores so far (to its own memory
+        and to ``wins``, other shared windows it wrote) ordered before its arrival, ``src``
+        (an array a peer may read, CMA) and ``desc`` (``Info.DESC``) shown on its info line."""
+        line = self.info[self.rank]
+        if src is not None:
+            line[Info.SRC] = src.ctypes.data
+        if desc is not None:
+            line[Info.DESC] = desc
+        for w in wins:
+            w.Sync()
+        self.win.Sync()
+        line[Info.SEQ] = self.calls + 1
+
+    def arrived(self, work, poll: bool = False, wins=(), what: str = "arrive") -> bool:
+        """Whether every rank arrived at this call (``poll``) or, waiting until then, True;
+        once True, what every rank stored before arriving is visible here (``wins`` too).
+        ``what``: the arrival in words, for the watchdog."""
+        seq, seqs = self.calls + 1, self.info[:, Info.SEQ]
+        if not self._reached(work, poll, lambda: seqs.min() >= seq,
+                             lambda: f"rank(s) {[j for j in range(self.size) if seqs[j] < seq]} "
+                                     f"to {what}"):
+            return False
+        self.win.Sync()
+        for w in wins:
+            w.Sync()
+        return True
+
+    def shown(self, field) -> list:
+        """Every rank's ``field`` of its info line (an ``Info`` position or slice), in rank
+        order, as shown at this call's arrival."""
+        return self.info[:, field].tolist()
+
+    def depart(self, wins=()) -> None:
+        """This rank is done with the call: its stores (to ``wins`` too) ordered before, every
+        counter raised by one round."""
+        for w in wins:
+            w.Sync()
+        self.win.Sync()
+        base = self.base + 1
+        for cell in self.mine:
+            cell[0] = base
+
+    def departed(self, work, poll: bool = False, what: str = "finish") -> bool:
+        """Whether every rank departed (``poll``) or, waiting until then, True; once True
+        the call is over here: no rank touches this rank's memory for it any more."""
+        base, last = self.base + 1, self.counters[PHASES - 1]
+        if not self._reached(work, poll, lambda: last.min() >= base,
+                             lambda: f"rank(s) {self.late(PHASES - 1, base)} to {what}"):
+            return False
+        self.win.Sync()
+        self.base = base
+        self.calls += 1
+        return True
+
     def publish(self, work, src) -> list:
         """Show this call's input to the peers; their ``(rank, pid, input address)``s.
 
@@ -164,29 +240,77 @@ class Window:
         call only after every peer finished reading this one (``finish``), so the addresses a
         peer reads stay valid for the whole call.
         """
-        seq = self.calls + 1
-        line = self.info[self.rank]
-        line[_SRC] = src.ctypes.data
-        self.win.Sync()
-        line[_SEQ] = seq
-        seqs = self.info[:, _SEQ]
-        wait_until(work, self, lambda: seqs.min() >= seq,
-               lambda: f"rank(s) {[j for j in range(self.size) if seqs[j] < seq]} to start")
-        self.win.Sync()
-        return [(j, int(self.info[j, _PID]), int(self.info[j, _SRC]))
-                for j in range(self.size) if j != self.rank]
+        self.arrive(src=src)
+        self.arrived(work, what="start")
+        pids, srcs = self.shown(Info.PID), self.shown(Info.SRC)
+        return [(j, pids[j], srcs[j]) for j in range(self.size) if j != self.rank]
 
     def finish(self, work) -> None:
-        """Say this rank is done reading its peers' buffers (raise every counter by one round),
-        then wait until every peer has finished reading this rank's."""
-        self.win.Sync()
-        self.base += 1
-        for cell in self.mine:
-            cell[0] = self.base
-        last, base = self.counters[PHASES - 1], self.base
-        wait_until(work, self, lambda: last.min() >= base,
-               lambda: f"rank(s) {self.late(PHASES - 1, base)} to finish reading")
-        self.calls += 1
+        """Say this rank is done reading its peers' buffers, then wait until every peer has
+        finished reading this rank's."""
+        self.depart()
+        self.departed(work, what="finish reading")
+
+    def _reached(self, work, poll: bool, ready, what) -> bool:
+        """``ready()`` now, or after waiting for it unless ``poll`` (then ``work.where`` says
+        whom this rank waits for until its next poll)."""
+        if ready():
+            work.where = None
+            return True
+        if poll:
+            work.where = what
+            return False
+        _wait_until(work, self, ready, what)
+        return True
+
+    # -- rounds through the slots --------------------------------------------------------------
+    def pipeline(self, work, rounds: int, phases) -> None:
+        """Run ``rounds`` rounds through ``phases`` (two or three), each step as soon as it may.
+
+        Phase p of round i may run once every rank finished phase p - 1 of round i; phase 0
+        (which writes the round's slot) once every rank finished the last phase of round
+        i - SLOTS, the previous user of that slot. A rank runs whatever step is allowed,
+        reductions first (the others wait for them), so a rank that has the core copies in
+        rounds ahead while a peer is descheduled: ranks meet at a round, not at every step.
+        The last phase raises the later counters too, so the slot guard (counter 2) works
+        whatever the phase count.
+        """
+        base = self.base
+        depth = len(phases)
+        counters, mine, sync = self.counters, self.mine, self.win.Sync
+        done = [0] * depth            # rounds this rank finished, per phase
+        order = sorted(range(depth), key=lambda p: (p != 1, p))  # reduce, copy in, copy out
+        spins, spin = 0, self.spin
+        while done[-1] < rounds:
+            moved = False
+            for p in order:
+                i = done[p]
+                if i >= rounds or (p and i >= done[p - 1]):
+                    continue
+                if p == 0:
+                    ready = counters[PHASES - 1].min() >= base + i - SLOTS + 1
+                else:
+                    ready = counters[p - 1].min() >= base + i + 1
+                if not ready:
+                    continue
+                sync()  # see the others' data only after their counters
+                phases[p](i, (base + i) % SLOTS)
+                sync()  # our data is visible before our counter
+                done[p] = i + 1
+                for q in range(p, PHASES if p == depth - 1 else p + 1):
+                    mine[q][0] = base + i + 1
+                moved = True
+                break
+            if moved:
+                spins = 0
+                work.where = None
+                continue
+            spins += 1
+            if spins == 1:
+                work.where = (done[:], base)
+            idle(spins, spin)
+        work.where = None
+        self.base = base + rounds
 
     def late(self, phase: int, value: int) -> list[int]:
         """Ranks whose counter ``phase`` is below ``value`` (for messages)."""
@@ -329,7 +453,7 @@ class ShmWork:
 
 
 # -- waiting and the rounds ------------------------------------------------------------------
-def wait_until(work, win: Window, ready, what) -> None:
+def _wait_until(work, win: Window, ready, what) -> None:
     """Spin, then yield, until ``ready()``; ``what()`` says whom we wait for (watchdog)."""
     if ready():
         return
@@ -350,51 +474,3 @@ def idle(spins: int, spin: int) -> None:
             os.sched_yield()
         else:
             threading.Event().wait(1e-4)
-
-
-def pipeline(work, win: Window, rounds: int, phases) -> None:
-    """Run ``rounds`` rounds through ``phases`` (two or three), each step as soon as it may.
-
-    Phase p of round i may run once every rank finished phase p - 1 of round i; phase 0 (which
-    writes the round's slot) once every rank finished the last phase of round i - SLOTS, the
-    previous user of that slot. A rank runs whatever step is allowed, reductions first (the
-    others wait for them), so a rank that has the core copies in rounds ahead while a peer is
-    descheduled: ranks meet at a round, not at every step. The last phase raises the later
-    counters too, so the slot guard (counter 2) works whatever the phase count.
-    """
-    base = win.base
-    depth = len(phases)
-    counters, mine, sync = win.counters, win.mine, win.win.Sync
-    done = [0] * depth            # rounds this rank finished, per phase
-    order = sorted(range(depth), key=lambda p: (p != 1, p))  # reduce, copy in, copy out
-    spins, spin = 0, win.spin
-    while done[-1] < rounds:
-        moved = False
-        for p in order:
-            i = done[p]
-            if i >= rounds or (p and i >= done[p - 1]):
-                continue
-            if p == 0:
-                ready = counters[PHASES - 1].min() >= base + i - SLOTS + 1
-            else:
-                ready = counters[p - 1].min() >= base + i + 1
-            if not ready:
-                continue
-            sync()  # see the others' data only after their counters
-            phases[p](i, (base + i) % SLOTS)
-            sync()  # our data is visible before our counter
-            done[p] = i + 1
-            for q in range(p, PHASES if p == depth - 1 else p + 1):
-                mine[q][0] = base + i + 1
-            moved = True
-            break
-        if moved:
-            spins = 0
-            work.where = None
-            continue
-        spins += 1
-        if spins == 1:
-            work.where = (done[:], base)
-        idle(spins, spin)
-    work.where = None
-    win.base = base + rounds
