@@ -22,9 +22,10 @@ rows. The ranks form ``Mesh((dp, tp), ("dp", "tp"))``; the model is converted by
 (``--zero 0``) or ``ShardedDataParallel`` (``--zero 1..3``) over ``mesh.comm("dp")``.
 
 Rank 0 prints the loss of every step, then a JSON summary as the last line: the final loss,
-tokens/s (the global batch's tokens over the median step time), the bytes per step this rank hands
-to the tensor-parallel collectives and to the data-parallel ones, and the tensor-parallel layers'
-parameter bytes on this rank against their full size.
+tokens/s (the global batch's tokens over the median step time), the bytes per step this rank sends
+in the tensor-parallel collectives (``tensor_parallel.traffic``) and in the data-parallel ones,
+both counted as a bandwidth-optimal algorithm sends them (nccl-tests' bus bytes), and the
+tensor-parallel layers' parameter bytes on this rank against their full size.
 """
 import argparse
 import glob
@@ -245,18 +246,16 @@ def main(argv=None):
     tp.traffic.reset()
     losses, times, model, inner = train(args, mesh, on_step=show)
     here, full = tp.sharded_parameter_bytes(inner)
-    dp_bytes = 0
-    if hasattr(model, "stats"):
-        dp_bytes = model.stats.wire_bytes / max(1, model.stats.steps)
-    else:  # ZeRO: every parameter's gradient is reduce-scattered, its shard all-gathered
-        dp_bytes = 2 * sum(p.numel() * p.element_size() for p in inner.parameters())
+    # DDP's allreduce, ZeRO's reduce-scatter plus all-gather: 2(dp-1)/dp of the gradients
+    grads = sum(p.numel() * p.element_size() for p in inner.parameters())
+    dp_bytes = 2 * (args.dp - 1) * grads // args.dp
     median = statistics.median(times[1:] or times)
     summary = {"tp": tp_size, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
                "zero": args.zero, "steps": args.steps, "loss": round(losses[-1], 5),
                "tokens_per_s": round(args.batch * args.seq / median, 1),
                "step_ms": round(median * 1e3, 2),
                "tp_bytes_per_step": tp.traffic.total() // args.steps,
-               "dp_bytes_per_step": int(dp_bytes) if args.dp > 1 else 0,
+               "dp_bytes_per_step": dp_bytes,
                "tp_param_bytes_per_rank": here, "tp_param_bytes_full": full,
                "param_bytes_per_rank": sum(p.numel() * p.element_size()
                                            for p in inner.parameters())}

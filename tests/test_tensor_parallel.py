@@ -180,6 +180,11 @@ def test_bad_input_is_an_error_on_every_rank():
         got = _raises(lambda: tp.parallelize(nn.Sequential(nn.Linear(4, 4)), comm, {"9": "rowwise"}))
         if not got or "name no module" not in got:
             msgs.append(f"plan: {got}")
+        # the plan names a module on one rank only: both raise, naming what each rank saw
+        lopsided = nn.Sequential(nn.Linear(4, 4)) if r == 0 else nn.Sequential(nn.ReLU())
+        got = _raises(lambda: tp.parallelize(lopsided, comm, {"0": "colwise"}))
+        if not got or "differ across the 2 tensor-parallel ranks" not in got:
+            msgs.append(f"one-sided plan: {got}")
         # the communicator still works: nothing was left half started
         s = tp._all_reduce(torch.ones(3), comm)
         if not torch.equal(s, torch.full((3,), 2.0)):
@@ -264,3 +269,34 @@ def test_torch_clients_take_the_mesh_groups():
     full = [p.full_tensor().detach() for p in model.parameters()]
     worst = max(float((a - b).abs().max()) for a, b in zip(full, ref.parameters()))
     assert_all(worst < 1e-5, f"largest difference {worst}")
+
+
+@pytest.mark.timeout(300)
+def test_example_prints_one_over_tp_parameter_bytes():
+    """``mpiexec -n 2 examples/train_gpt.py --tp 2``: the JSON summary's tp parameter bytes are
+    half the full layers', and the loss equals the one-rank run's (in-process tier: this test
+    launches the jobs)."""
+    import json
+    import subprocess
+    from pathlib import Path
+    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("mpiexec not found beside the interpreter")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(PYTHONUNBUFFERED="1", MPIEXEC_TIMEOUT="240")
+    out = {}
+    for n in (1, 2):
+        done = subprocess.run([str(mpiexec), "-n", str(n), sys.executable,
+                               str(root / "examples" / "train_gpt.py"), "--tp", str(n),
+                               "--sequence-parallel", "--steps", "3", "--dim", "48"],
+                              capture_output=True, text=True, timeout=270, env=env, cwd=root)
+        assert done.returncode == 0, done.stdout + done.stderr
+        out[n] = json.loads(done.stdout.strip().splitlines()[-1])
+    one, two = out[1], out[2]
+    assert two["tp_param_bytes_per_rank"] * 2 == two["tp_param_bytes_full"] \
+        == one["tp_param_bytes_per_rank"], (one, two)
+    assert two["tp_bytes_per_step"] > 0 == one["tp_bytes_per_step"]
+    assert abs(two["loss"] - one["loss"]) <= 1e-4 * one["loss"], (one, two)

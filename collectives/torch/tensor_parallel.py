@@ -70,7 +70,11 @@ STYLES = ("colwise", "rowwise", "vocab", "sequence")
 # --- the collectives along a dimension -------------------------------------------------------
 
 class Traffic:
-    """Bytes this process handed to the layers' collectives (each call's input), by kind."""
+    """Bytes this rank sends in the layers' collectives, by kind, counted as a bandwidth-optimal
+    algorithm sends them (nccl-tests' bus bytes): an allreduce of S bytes over n ranks
+    2(n-1)/n * S, an all-gather of S bytes from each rank (n-1) * S, a reduce-scatter of S bytes
+    (n-1)/n * S. A sequence-parallel all-gather plus reduce-scatter thus counts what the
+    allreduce it replaces does."""
 
     __slots__ = ("allreduce", "allgather", "reduce_scatter", "calls")
 
@@ -85,9 +89,12 @@ class Traffic:
         """Bytes over every kind."""
         return self.allreduce + self.allgather + self.reduce_scatter
 
-    def add(self, kind: str, x: torch.Tensor) -> None:
-        """Count one call of ``kind`` on ``x``."""
-        setattr(self, kind, getattr(self, kind) + x.numel() * x.element_size())
+    def add(self, kind: str, x: torch.Tensor, n: int) -> None:
+        """Count one call of ``kind`` on input ``x`` over ``n`` ranks."""
+        nbytes = x.numel() * x.element_size()
+        sent = {"allreduce": 2 * (n - 1) * nbytes // n, "allgather": (n - 1) * nbytes,
+                "reduce_scatter": (n - 1) * nbytes // n}[kind]
+        setattr(self, kind, getattr(self, kind) + sent)
         self.calls += 1
 
 
@@ -99,7 +106,7 @@ def _all_gather(x: torch.Tensor, dim: int, comm) -> torch.Tensor:
     if comm.Get_size() == 1:
         return x
     dim = dim % x.dim()
-    traffic.add("allgather", x)
+    traffic.add("allgather", x, comm.Get_size())
     y = coll.allgather(x.movedim(dim, 0).contiguous(), comm=comm)
     return y.movedim(0, dim) if dim else y
 
@@ -111,7 +118,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm) -> torch.Tensor:
         return x
     dim = dim % x.dim()
     y = x.movedim(dim, 0).contiguous()
-    traffic.add("reduce_scatter", y)
+    traffic.add("reduce_scatter", y, n)
     out = coll.reduce_scatter(y, comm=comm)
     out = out.view(y.shape[0] // n, *y.shape[1:])
     return out.movedim(0, dim) if dim else out
@@ -128,7 +135,7 @@ def _slice(x: torch.Tensor, dim: int, comm) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, comm) -> torch.Tensor:
     if comm.Get_size() == 1:
         return x
-    traffic.add("allreduce", x)
+    traffic.add("allreduce", x, comm.Get_size())
     return coll.allreduce(x.contiguous(), comm=comm)
 
 
@@ -358,7 +365,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # 1. The max over the whole vocabulary, for a stable exponential.
         top = logits.detach().amax(dim=-1)
         if comm.Get_size() > 1:
-            traffic.add("allreduce", top)
+            traffic.add("allreduce", top, comm.Get_size())
             coll.allreduce(top, op="max", out=top, comm=comm)
         shifted = logits.detach() - top.unsqueeze(-1)
         # 2. The sum of exponentials and the target's logit (zero on the ranks without it),
@@ -369,7 +376,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         both = torch.stack([exp.sum(dim=-1), picked])
         if comm.Get_size() > 1:
-            traffic.add("allreduce", both)
+            traffic.add("allreduce", both, comm.Get_size())
             coll.allreduce(both, out=both, comm=comm)
         total, picked = both[0], both[1]
         exp.div_(total.unsqueeze(-1))  # now this rank's columns of the softmax
@@ -455,11 +462,13 @@ def _signature(found) -> list[tuple[str, str, int, tuple]]:
     return out
 
 
-def _agree(found, comm) -> None:
-    """One allgather of a digest of the plan's layers; on a mismatch, every rank names it."""
+def _agree(found, comm, problem: str | None = None) -> None:
+    """One allgather of a digest of the plan's layers (and of a local ``problem``, an error
+    found before it); on a mismatch every rank raises, naming the layer and its sizes on each
+    rank, so no rank is left in a collective that the others never enter."""
     if comm.Get_size() == 1:
         return
-    sig = _signature(found)
+    sig = _signature(found) + ([(f"error: {problem}", "", 0, ())] if problem else [])
     digest = np.frombuffer(hashlib.sha256(repr(sig).encode()).digest(), dtype=np.int64).copy()
     every = coll.allgather(digest, comm=comm).reshape(comm.Get_size(), -1)
     if (every == every[0]).all():
@@ -488,8 +497,13 @@ def _shard(full: torch.Tensor, dim: int, comm) -> torch.Tensor:
 def parallelize(module: nn.Module, comm, plan: dict, *, seq_dim: int = 1) -> nn.Module:
     """Convert ``module`` in place by ``plan`` ({pattern: style}) over the tp group ``comm``;
     returns ``module``. Collective over ``comm`` (one allgather)."""
-    found = _resolve(module, plan)
-    _agree(found, comm)
+    try:
+        found, problem = _resolve(module, plan), None
+    except ValueError as e:  # raised after the agreement, so every rank raises alike
+        found, problem = [], str(e)
+    _agree(found, comm, problem)
+    if problem:
+        raise ValueError(problem)
     tp = comm.Get_size()
     sequence = any(style == "sequence" for _, _, style, _ in found)
     shared = {}  # id of a full weight -> its shard parameter and split, for tied weights
