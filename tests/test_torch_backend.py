@@ -141,6 +141,19 @@ def test_clients_give_gloos_results(groups):
         dist.broadcast_object_list(got if r else [("from", 0)], src=0, group=g)
         return [torch.tensor([o["rank"] for o in out])]
 
+    def into_tensor(g):
+        # FSDP2's calls: all-gather in place (the input is this rank's slot) and not, then a
+        # reduce-scatter, blocking and async (a blocking one completes in the caller's thread)
+        out = torch.empty(p * 5)
+        out[r * 5:(r + 1) * 5] = torch.arange(5.0) + 10 * r
+        dist.all_gather_into_tensor(out, out[r * 5:(r + 1) * 5], group=g)
+        apart = torch.empty(p * 3)
+        dist.all_gather_into_tensor(apart, torch.full((3,), float(r)), group=g,
+                                    async_op=True).wait()
+        shard = torch.empty(4)
+        dist.reduce_scatter_tensor(shard, torch.arange(4.0 * p) * (r + 1), group=g)
+        return [out, apart, shard]
+
     def p2p(g):
         if p < 2:
             return []
@@ -151,7 +164,7 @@ def test_clients_give_gloos_results(groups):
             work.wait()
         return [o]
 
-    for fn in (even, uneven, a2a, gather, scatter, reduce, objects, p2p):
+    for fn in (even, uneven, a2a, gather, scatter, reduce, objects, into_tensor, p2p):
         _same_as_gloo(fn, groups, fn.__name__)
     dist.barrier()
 

@@ -102,8 +102,11 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return f"<ProcessGroupCollectives rank {self.rank()} of {self.size()}>"
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _submit(self, requests, result, then=None):
-        """A Work completed (in start order) once ``requests`` are and ``then()`` ran."""
+    def _submit(self, opts, requests, result, then=None):
+        """A Work completed once ``requests`` are and ``then()`` ran: at once, in this thread,
+        for a call torch waits on as it returns (``opts.asyncOp`` false: FSDP2's all-gathers
+        and reduce-scatters on CPU, every blocking ``dist.*`` call); else by the completer, in
+        start order."""
         fut = torch.futures.Future()
 
         def wait():
@@ -112,7 +115,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             if then is not None:
                 then()
 
-        self._completer.put((wait, fut, result))
+        if opts is not None and not getattr(opts, "asyncOp", True):
+            # Handing the wait to the completer and back costs two thread wake-ups per call,
+            # each a scheduler slice on a loaded machine, for a caller that only waits.
+            _complete((wait, fut, result))
+        else:
+            self._completer.put((wait, fut, result))
         return _work_from_future(fut)
 
     def _kw(self, collective: str = "allreduce"):
@@ -125,31 +133,31 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         reqs = [coll.iallreduce(t, op, out=t, **self._kw()) for t in tensors]
-        return self._submit(reqs, tensors)
+        return self._submit(opts, reqs, tensors)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         reqs = [coll.ibroadcast(t, root, **self._kw("broadcast")) for t in tensors]
-        return self._submit(reqs, tensors)
+        return self._submit(opts, reqs, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         flat = torch.cat([t.reshape(-1) for t in tensors])
         req = coll.iallreduce(flat, op, out=flat, **self._kw())
-        return self._submit([req], tensors, unpack_into(flat, tensors))
+        return self._submit(opts, [req], tensors, unpack_into(flat, tensors))
 
     def reduce(self, tensors, opts=None):
         op = op_name(opts.reduceOp)
         root = opts.rootRank
         reqs = [coll.ireduce(t, op, root, out=t if self.rank() == root else None,
                              **self._kw("reduce")) for t in tensors]
-        return self._submit(reqs, tensors)
+        return self._submit(opts, reqs, tensors)
 
     def all_gather_single(self, output, input, opts=None):
         # FSDP2 gathers in place: its input is this rank's slot of the output (as NCCL allows)
-        req = coll.iallgather(_apart(input, output).reshape(-1), out=output.view(-1),
-                              **self._kw("allgather"))
-        return self._submit([req], [output])
+        req = _iallgather_equal(_apart(input, output), output, self._comm,
+                                self._kw("allgather")["algorithm"])
+        return self._submit(opts, [req], [output])
 
     _allgather_base = all_gather_single  # the name before torch 2.12
 
@@ -165,14 +173,14 @@ class ProcessGroupCollectives(dist.ProcessGroup):
                 for r, o in enumerate(outs):
                     o.copy_(flat[r * n:(r + 1) * n].view(o.shape))
 
-        return self._submit(reqs, output_tensors, unpack)
+        return self._submit(opts, reqs, output_tensors, unpack)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         counts = (output.numel(),) * self.size()
         req = coll.ireduce_scatter(_apart(input, output), op, counts=counts,
                                    out=output.view(-1), **self._kw("reduce_scatter"))
-        return self._submit([req], [output])
+        return self._submit(opts, [req], [output])
 
     _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.12
 
@@ -184,19 +192,20 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             counts = tuple(t.numel() for t in ins)
             reqs.append(coll.ireduce_scatter(flat, op, counts=counts, out=out.view(-1),
                                              **self._kw("reduce_scatter")))
-        return self._submit(reqs, output_tensors)
+        return self._submit(opts, reqs, output_tensors)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        reqs = [coll.iallgather(_apart(i, o).reshape(-1), out=o.view(-1),
-                                **self._kw("allgather")) for o, i in zip(outputs, inputs)]
-        return self._submit(reqs, outputs)
+        algorithm = self._kw("allgather")["algorithm"]
+        reqs = [_iallgather_equal(_apart(i, o), o, self._comm, algorithm)
+                for o, i in zip(outputs, inputs)]
+        return self._submit(opts, reqs, outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op = op_name(opts.reduceOp if opts is not None else "sum")
         reqs = [coll.ireduce_scatter(i, op, counts=(o.numel(),) * self.size(), out=o.view(-1),
                                      **self._kw("reduce_scatter"))
                 for o, i in zip(outputs, inputs)]
-        return self._submit(reqs, outputs)
+        return self._submit(opts, reqs, outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
@@ -206,7 +215,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if counts is not None and recv is None:
             recv = [output.shape[0] // n] * n if output.dim() else None
         req = coll.ialltoall(input, counts, recv_counts=recv, out=output, **self._kw("alltoall"))
-        return self._submit([req], [output])
+        return self._submit(opts, [req], [output])
 
     alltoall_base = all_to_all_single  # the name before torch 2.12
 
@@ -216,7 +225,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         req = coll.ialltoall(flat, [t.numel() for t in input_tensors],
                              recv_counts=[t.numel() for t in output_tensors], out=out,
                              **self._kw("alltoall"))
-        return self._submit([req], output_tensors, unpack_into(out, output_tensors))
+        return self._submit(opts, [req], output_tensors, unpack_into(out, output_tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -226,7 +235,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             out = inp.new_empty(sum(t.numel() for t in output_tensors[0]))
         req = coll.igather(inp.reshape(-1), root, out=out, **self._kw("gather"))
         then = unpack_into(out, output_tensors[0]) if out is not None else None
-        return self._submit([req], output_tensors, then)
+        return self._submit(opts, [req], output_tensors, then)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -236,20 +245,39 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             flat = torch.cat([t.reshape(-1) for t in input_tensors[0]])
             counts = [t.numel() for t in input_tensors[0]]
         req = coll.iscatter(flat, root, counts=counts, out=out.view(-1), **self._kw("scatter"))
-        return self._submit([req], output_tensors)
+        return self._submit(opts, [req], output_tensors)
 
     def barrier(self, opts=None):
-        return self._submit([coll.ibarrier(self._comm)], [])
+        return self._submit(opts, [coll.ibarrier(self._comm)], [])
 
     def send(self, tensors, dst, tag=0):
         from collectives.buffers import wrap
         reqs = [self._p2p.Isend(wrap(t).flat.view("u1"), dst, tag) for t in tensors]
-        return self._submit([_MPIWait(r) for r in reqs], tensors)
+        return self._submit(None, [_MPIWait(r) for r in reqs], tensors)
 
     def recv(self, tensors, src, tag=0):
         from collectives.buffers import wrap
         reqs = [self._p2p.Irecv(wrap(t).flat.view("u1"), src, tag) for t in tensors]
-        return self._submit([_MPIWait(r) for r in reqs], tensors)
+        return self._submit(None, [_MPIWait(r) for r in reqs], tensors)
+
+
+def _iallgather_equal(x, out, comm, algorithm):
+    """``coll.iallgather(x, out=out)`` for torch's ``all_gather_into_tensor``, whose inputs have
+    ``out.numel() / size`` elements on every rank: the call is made as ``coll.iallgather``
+    makes it, with those counts, instead of learning them from the blocking exchange of row
+    counts that ragged all-gathers need (FSDP2 runs two all-gathers per layer and step; the
+    exchange made each 1.5x slower on a loaded machine, docs/torch.md). ``COLLECTIVES_CHECK``
+    compares the counts across ranks as for any call."""
+    from collectives.buffers import wrap
+    from collectives.dispatch import comm_context, make_call, start
+    ctx = comm_context(comm, "allgather")
+    n = x.numel()
+    if out.numel() != n * ctx.size or out.dtype != x.dtype:
+        raise ValueError(f"all_gather_into_tensor: output of {out.numel()} x {out.dtype} "
+                         f"for {ctx.size} inputs of {n} x {x.dtype}")
+    call = make_call("allgather", ctx, wrap(x.reshape(-1), "input"), wrap(out.view(-1), "output"),
+                     None, 0, (n,) * ctx.size, False, False)
+    return start(call, algorithm, None, out)
 
 
 def _apart(x, out):
