@@ -12,7 +12,7 @@ from .buckets import GradBucket
 from .ddp import CommStats, DistributedDataParallel
 from .memory import empty, zeros
 from .sharded import ShardedDataParallel
-from . import pipeline
+from . import pipeline, tensor_parallel
 from .functional import (
     Work,
     all_gather_into_tensor,
@@ -40,7 +40,7 @@ __all__ = [
     "DistributedDataParallel", "CommStats", "pipeline", "GradBucket", "ShardedDataParallel",
     "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "Work",
     "all_to_all_single", "all_to_all", "gather", "scatter",
-    "wait_future", "empty", "zeros",
+    "wait_future", "empty", "zeros", "tensor_parallel",
     "DefaultState", "PowerSGDState", "allreduce_hook", "fp16_compress_hook",
     "bf16_compress_hook", "fp16_compress_wrapper", "bf16_compress_wrapper", "powerSGD_hook",
 ]
