@@ -17,6 +17,7 @@ The test launches its own ``mpiexec`` jobs: it runs in the in-process tier and i
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -39,6 +40,8 @@ SKIP = [
     (r"^make\b", "creates .venv and installs into it (make demo runs the commands shown "
                  "beside it; make test is this suite)"),
     (r"-m pytest\b", "the test suite itself"),
+    (r"-m bench docs(?! --list)", "reruns the documentation's sample commands: minutes of "
+                                  "benchmarks (--list shows them)"),
     (r"^bash tests/gpu/", "needs a GPU machine"),
     (r"\.venv-ompi|^export OMPI_|pip install", "installs packages from the network"),
 ]
@@ -57,6 +60,7 @@ SHRINK = {
     "bench zero": {"--rounds": "1", "--steps": "1"},
     "bench model --validate": {"-b": "8", "-e": "8", "--rounds": "1"},
     "bench -h": {}, "bench calibrate": {},  # help; a few seconds of ping-pongs
+    "bench docs": {},  # --list only (SKIP)
     # thousands of simulated ranks take minutes; the same code paths at 64
     "bench model": {"--ranks": "64", "--bytes": "1M"},
     "examples/train_ddp.py": {"--epochs": "1", "--samples": "384", "--no-progress": None},
@@ -157,7 +161,7 @@ def _set(cmd: str, option: str, value: str | None) -> str:
 def shrink(cmd: str) -> str:
     """``cmd`` at ``RANKS`` ranks and its smallest sizes (``SHRINK``)."""
     cmd = re.sub(r"(mpiexec(?: --?[\w-]+)*) -n \S+", rf"\1 -n {RANKS}", cmd)
-    cmd = re.sub(r"^(\s*for \w+ in) (\S+)[^;\n]*;", r"\1 \2;", cmd, flags=re.M)  # first value
+    cmd = re.sub(r"\b(for \w+ in) (\S+)[^;\n]*;", r"\1 \2;", cmd)  # a loop's first value
     rules = SHRINK.get(program(cmd) or "", {})
     for option, value in rules.items():
         if option == "#args":  # positional arguments: replace what follows the script
@@ -222,7 +226,74 @@ def test_every_program_a_document_runs_has_shrink_rules_or_is_skipped():
     assert not loose, f"no shrink rule for {sorted(loose)}: add one to SHRINK"
 
 
+# -- the sample outputs (python -m bench docs) ---------------------------------------------------
+def test_every_sample_marker_is_closed_and_its_output_replaced():
+    from bench import docs
+    for doc in DOCS:
+        text = doc.read_text()
+        opened = re.findall(r"^<!-- sample: ", text, re.M)
+        closed = re.findall(r"^<!-- /sample -->$", text, re.M)
+        assert len(docs.samples(text)) == len(opened) == len(closed), doc
+    text = "a\n<!-- sample: echo hi -->\n```\nold\n```\n<!-- /sample -->\nb\n"
+    (sample,) = docs.samples(text)
+    assert sample.command == "echo hi" and sample.line == 2
+    assert docs.replace(text, sample, "new\n") == \
+        "a\n<!-- sample: echo hi -->\n```\nnew\n```\n<!-- /sample -->\nb\n"
+    assert docs.render("| a |\n| - |\n") == "| a |\n| - |\n"  # a table stays a table
+
+
+def test_bench_docs_regenerates_a_sample(tmp_path):
+    from bench import docs
+    md = tmp_path / "x.md"
+    md.write_text("<!-- sample: python -c 'print(6 * 7)' -->\n```\n1\n```\n<!-- /sample -->\n"
+                  "<!-- sample: exit 3 -->\nkept\n<!-- /sample -->\n")
+    assert docs.main([str(md)]) == 1  # the failing command leaves its sample as it was
+    assert md.read_text() == "<!-- sample: python -c 'print(6 * 7)' -->\n```\n42\n```\n" \
+                             "<!-- /sample -->\n<!-- sample: exit 3 -->\nkept\n<!-- /sample -->\n"
+
+
 # -- running them ---------------------------------------------------------------------------------
+def expand(cmd: str) -> list[str]:
+    """The command lines ``cmd`` runs: a ``for V in a b; do ... done`` loop (as ``shrink``
+    leaves it: one value per loop) becomes its body with ``$V`` replaced."""
+    values = dict(re.findall(r"\bfor (\w+) in (\S+);\s*do\b", cmd))
+    lines = []
+    for line in cmd.splitlines():
+        line = re.sub(r"\bfor \w+ in \S+;\s*do\b", "", line)
+        line = re.sub(r"\bdone\b;?", "", line).strip()
+        for name, value in values.items():
+            line = re.sub(rf"\$(?:{name}\b|\{{{name}\}})", value, line)
+        if line:
+            lines.append(line)
+    return lines
+
+
+def invocation(line: str) -> tuple[dict, list[str]]:
+    """``[VAR=value ...] [mpiexec [options] -n N] python ARGS`` -> (the settings, ARGS)."""
+    words = shlex.split(line)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if words and words[0] == "mpiexec":
+        words = words[words.index(next(w for w in words if re.fullmatch(r"python3?", w))):]
+    if not words or not re.fullmatch(r"python3?", words[0]) or \
+            any(w in ("|", ";", "&&", ">", "<") for w in words):
+        raise ValueError(f"not a python command: {line!r}")
+    return env, words[1:]
+
+
+def test_loops_and_settings_become_invocations():
+    cmd = shrink("for n in 2 3; do for c in allreduce reduce; do\n"
+                 "  mpiexec -n $n python -m bench $c -b 8 -e 64M --json $c-n$n.json\ndone; done")
+    assert expand(cmd) == ["mpiexec -n 2 python -m bench allreduce -b 4K -e 4K "
+                           "--json allreduce-n2.json --rounds 1"]
+    assert invocation("COLLECTIVES_X=1 mpiexec --oversubscribe -n 2 python a.py --b 1") == \
+        ({"COLLECTIVES_X": "1"}, ["a.py", "--b", "1"])
+    with pytest.raises(ValueError):
+        invocation("mpiexec -n 2 python a.py | tail")
+
+
 _FOLDERS: dict = {}
 
 
@@ -236,24 +307,62 @@ def _folder(doc: Path, factory) -> Path:
             (path / name).write_text(source)
         for folder in ("examples", "tests"):
             (path / folder).symlink_to(ROOT / folder)
+        (path / "cache").mkdir()
         _FOLDERS[doc] = path
     return _FOLDERS[doc]
 
 
-@pytest.mark.timeout(LIMIT + 60)
-@pytest.mark.parametrize("command,run", _cases())
-def test_documented_command_runs(command, run, tmp_path_factory):
+JOB_LIMIT = 480  # seconds for the one job that runs every command
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    """Every command not skipped, run in order by one ``mpiexec -n RANKS`` job
+    (tests/docs_runner.py): {command id: its result}."""
     if UNDER_MPI:
-        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+        pytest.skip("launches its own mpiexec job: run the test without mpiexec")
     if not (BIN / "mpiexec").exists():
         pytest.skip("mpiexec not found beside the interpreter")
-    tmp_path = _folder(command.doc, tmp_path_factory)
+    todo = []
+    for case in _cases():
+        command, run = case.values
+        if case.marks:
+            continue
+        cwd = _folder(command.doc, tmp_path_factory)
+        for i, line in enumerate(expand(run)):
+            env, argv = invocation(line)
+            # tune and calibrate write under XDG_CACHE_HOME: the run's folder, not the user's
+            env.setdefault("XDG_CACHE_HOME", str(cwd / "cache"))
+            todo.append({"id": command.where, "cwd": str(cwd), "env": env, "argv": argv})
+    work = tmp_path_factory.mktemp("docs-job")
+    (work / "commands.json").write_text(json.dumps(todo))
+    results = work / "results.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    # A rank left waiting by a failed peer is ended by the watchdog, the job by mpiexec.
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               XDG_CACHE_HOME=str(tmp_path / "cache"), MPIEXEC_TIMEOUT=str(LIMIT))
-    done = subprocess.run(["timeout", str(LIMIT + 10), "bash", "-e", "-c", run],
-                          cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=LIMIT + 30)
-    tail = (done.stdout[-3000:] + "\n" + done.stderr[-3000:]).strip()
-    assert done.returncode == 0, f"{command.where}: {run}\nexit {done.returncode}\n{tail}"
-    assert done.stdout.strip() or "-h" in shlex.split(run), f"{run}: printed nothing\n{tail}"
+               COLLECTIVES_TIMEOUT="120", MPIEXEC_TIMEOUT=str(JOB_LIMIT))
+    done = subprocess.run([str(BIN / "mpiexec"), "-n", str(RANKS), sys.executable,
+                           str(ROOT / "tests" / "docs_runner.py"), str(work / "commands.json"),
+                           str(results)], env=env, cwd=work, capture_output=True, text=True,
+                          timeout=JOB_LIMIT + 30)
+    found: dict = {}
+    if results.exists():
+        for line in results.read_text().splitlines():
+            r = json.loads(line)
+            mine = found.setdefault(r["id"], {"ok": True, "printed": "", "error": ""})
+            mine["ok"] &= r["ok"]
+            mine["printed"] += r["printed"]
+            mine["error"] += r["error"]
+    found["#job"] = {"status": done.returncode,
+                     "tail": (done.stdout[-3000:] + "\n" + done.stderr[-3000:]).strip()}
+    return found
+
+
+@pytest.mark.timeout(JOB_LIMIT + 60)
+@pytest.mark.parametrize("command,run", _cases())
+def test_documented_command_runs(command, run, job):
+    result = job.get(command.where)
+    assert result is not None, f"{command.where}: {run}\nnot run: the job ended before it " \
+        f"(exit {job['#job']['status']})\n{job['#job']['tail']}"
+    assert result["ok"], f"{command.where}: {run}\n{result['error']}\n{result['printed']}"
+    assert result["printed"].strip(), f"{command.where}: {run}: printed nothing"
