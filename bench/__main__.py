@@ -4,7 +4,8 @@ Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, redu
 gather, scatter),
 ``overhead`` (the API's per-call cost against bare mpi4py), ``ddp`` (data-parallel training
 step), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and ``model`` (the
-alpha-beta-gamma cost model) and ``plot`` (redraw JSON results).
+alpha-beta-gamma cost model), ``plot`` (redraw JSON results) and ``docs`` (regenerate the
+documentation's sample outputs).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ COMMANDS = {
     "calibrate": "measure alpha, beta, gamma of this machine for the cost model",
     "model": "predict every algorithm's time at any scale (--validate: against measurement)",
     "plot": "draw busbw vs size from JSON results",
+    "docs": "regenerate the sample outputs in README.md and docs/ from their commands",
     "ps": "parameter server: straggler study (BSP, SSP, ASP), bytes against allreduce",
     "pipeline": "pipeline schedules: step, bubble, activations beside pp.simulate and torch's",
 }
