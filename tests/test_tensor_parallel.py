@@ -145,6 +145,40 @@ def test_layers_with_biases_under_sequence_parallelism(tp_size):
     _agree(not msgs, "; ".join(msgs), comm)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_layers_built_directly(tp_size):
+    """ColumnParallelLinear(gather_output=True) into RowParallelLinear(input_is_parallel=False)
+    and VocabParallelEmbedding, loaded from a dense model's full weights: outputs and the
+    gradients (full_state_dict after one SGD step) equal the dense model's."""
+    comm = _first(tp_size)
+    msgs = []
+    if comm is not None:
+        torch.manual_seed(0)
+        dense = nn.Sequential(nn.Embedding(6 * tp_size, 4), nn.Linear(4, 6 * tp_size),
+                              nn.Tanh(), nn.Linear(6 * tp_size, 5))
+        model = nn.Sequential(
+            tp.VocabParallelEmbedding(6 * tp_size, 4, comm=comm),
+            tp.ColumnParallelLinear(4, 6 * tp_size, comm=comm, gather_output=True), nn.Tanh(),
+            tp.RowParallelLinear(6 * tp_size, 5, comm=comm, input_is_parallel=False))
+        tp.load_full_state_dict(model, dense.state_dict(), comm)
+        ids = torch.randint(0, 6 * tp_size, (3, 7), generator=torch.Generator().manual_seed(2))
+        mine, want = model(ids), dense(ids)
+        if not torch.allclose(mine, want, rtol=1e-5, atol=1e-6):
+            msgs.append(f"output: {float((mine - want).abs().max())}")
+        mine.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        with torch.no_grad():
+            for net in (model, dense):
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+        full = tp.full_state_dict(model, comm)
+        for k, v in dense.state_dict().items():
+            if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6):
+                msgs.append(f"{k}: {float((full[k] - v).abs().max())}")
+    _agree(not msgs, "; ".join(msgs), comm)
+
+
 def _raises(fn):
     try:
         fn()
