@@ -177,6 +177,25 @@ def _max():
     return MPI.MAX
 
 
+def _draw(args) -> int:
+    """The timelines of ``--draw P``: every schedule of ``--schedules`` that is the toolkit's,
+    a rank's v chunks taking 1/v of its time each (on rank 0 only under mpiexec)."""
+    import os
+    from collectives.torch import pipeline as pp
+    if os.environ.get("PMI_RANK", "0") != "0":
+        return 0
+    m = int(args.microbatches.split(",")[0])
+    for name in args.schedules.split(","):
+        if name not in SCHEDULES:
+            continue
+        v = args.virtual if name == "interleaved" else 1
+        sim = pp.simulate(pp.schedule(name, args.draw, m, v), 1 / v, 1 / v, 1 / v)
+        print(f"{name} (p = {args.draw}, m = {m}, v = {v}): step {sim.step:g}, bubble "
+              f"{sim.bubble:.3f}, peak {sim.peak}")
+        print(sim.draw())
+    return 0
+
+
 def main(argv=None) -> int:
     """Run the sweep and print the table (on rank 0)."""
     p = argparse.ArgumentParser(prog="python -m bench pipeline", description=__doc__.split("\n")[0])
@@ -193,7 +212,12 @@ def main(argv=None) -> int:
     p.add_argument("--torch-backends", default="gloo,collectives",
                    help="process groups for the torch-* rows (gloo,collectives)")
     p.add_argument("--json", default=None, help="write the rows as JSON")
+    p.add_argument("--draw", type=int, default=None, metavar="P",
+                   help="only print pp.simulate's timeline of each schedule at P stages and "
+                        "the first --microbatches (F = B = W = 1 per rank), no measurement")
     args = p.parse_args(argv)
+    if args.draw is not None:
+        return _draw(args)
     if args.compute is not None:
         f, b = (float(v) / 1e3 for v in args.compute.split(","))
         args.compute = (f, b)

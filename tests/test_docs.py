@@ -58,6 +58,7 @@ SHRINK = {
     "bench overhead": {"--sizes": "8", "--rounds": "1", "--calls": "10"},
     "bench ddp": {"--rounds": "1", "--steps": "1", "--warmup": "1"},
     "bench zero": {"--rounds": "1", "--steps": "1"},
+    "bench pipeline": {"--microbatches": "2", "--steps": "1", "--warmup": "1"},
     "bench model --validate": {"-b": "8", "-e": "8", "--rounds": "1"},
     "bench -h": {}, "bench calibrate": {},  # help; a few seconds of ping-pongs
     "bench docs": {},  # --list only (SKIP)

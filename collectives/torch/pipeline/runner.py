@@ -29,12 +29,14 @@ shape is not the shape of the output it belongs to is an error naming both stage
 
 Failures. An exception in a stage is raised again as ``PipelineError`` naming the stage, the
 rank and the action; uncaught, the toolkit's hook (``collectives.abort``) ends the whole job.
-A receive that waits longer than ``COLLECTIVES_TIMEOUT`` raises ``CollectiveTimeout`` naming
+A receive polls and yields the core on a busy node (``COLLECTIVES_WAIT``, as the executor's
+waits do); one that waits longer than ``COLLECTIVES_TIMEOUT`` raises ``CollectiveTimeout`` naming
 what it waits for, so a rank whose neighbour died does not hang.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -42,6 +44,7 @@ import torch
 
 from collectives import config
 from collectives.errors import CollectiveError, CollectiveTimeout
+from collectives.progress import polite_waits
 
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule
 from .verify import verify
@@ -53,7 +56,6 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.complex128)
 _MAXDIM = 8
 _HEADER = 2 + _MAXDIM          # dtype code, ndim, dims
-_SPINS, _NAP = 64, 5e-5        # empty probes before a receive naps between probes; the nap (s)
 
 
 class PipelineError(CollectiveError):
@@ -113,6 +115,7 @@ class Pipeline:
         self._mailbox: dict = {}         # tag -> tensor received before its turn
         self.headers_sent = 0            # how many shape headers this rank has sent
         self.peak = 0                    # most (micro-batch, stage) activations held, last step
+        self._polite = polite_waits()
 
     def parameters(self):
         """The parameters of this rank's stages."""
@@ -150,15 +153,13 @@ class Pipeline:
         limit = config.get("COLLECTIVES_TIMEOUT")
         start = time.monotonic()
         status = MPI.Status()
-        idle = 0
         while want not in self._mailbox:
             msg = self.comm.Improbe(source, MPI.ANY_TAG, status)
             if msg is None:
-                idle += 1
-                if idle > _SPINS:
-                    # give the core back: a pipeline rank can wait a whole stage's compute,
-                    # and ranks that spin take cores from the ones computing
-                    time.sleep(_NAP)
+                if self._polite:
+                    # as the executor's waits: on a node with no core to spare, a rank that
+                    # spins takes the core the stage it waits for is computing on
+                    os.sched_yield()
                 if limit and time.monotonic() - start > limit:
                     raise CollectiveTimeout(
                         f"pipeline stage {stage} (rank {self.rank}) waited {limit:.0f} s for "
