@@ -163,13 +163,14 @@ class Mesh:
                                  f"{self._cart.Get_size()} (a mesh over COMM_WORLD is needed)")
             from mpi4py import MPI
             mine = None
+            # torch numbers ranks as COMM_WORLD does; the mesh as its communicator does.
+            here, world = self._cart.Get_group(), MPI.COMM_WORLD.Get_group()
             for members in groups(self._shape, idx):
-                # torch numbers ranks as COMM_WORLD does; the mesh as its communicator does.
-                world = MPI.Group.Translate_ranks(self._cart.Get_group(), members,
-                                                  MPI.COMM_WORLD.Get_group())
-                g = dist.new_group(list(world))
+                g = dist.new_group(list(MPI.Group.Translate_ranks(here, members, world)))
                 if self.rank in members:
                     mine = g
+            here.Free()
+            world.Free()
             self._groups[idx] = mine
         return self._groups[idx]
 

@@ -70,6 +70,21 @@ def test_bad_layouts(shape, names, size, words):
         check_layout(shape, names, size)
 
 
+@pytest.fixture
+def process_group():
+    """torch.distributed on the toolkit's backend for one test (left as found: a group that
+    another test made stays, one made here is destroyed, so later tests can make their own)."""
+    import torch.distributed as dist
+
+    import collectives.torch.backend as cb
+    made = not dist.is_initialized()
+    if made:
+        cb.init_process_group()
+    yield
+    if made:
+        dist.destroy_process_group()
+
+
 def _factorizations(n, k):
     """Every shape of k axes whose product is n."""
     return [s for s in itertools.product(range(1, n + 1), repeat=k) if math.prod(s) == n]
@@ -132,18 +147,15 @@ def test_mesh_bad_input_raises_on_every_rank():
 
 
 @pytest.mark.mpi
-def test_mesh_torch_groups():
+def test_mesh_torch_groups(process_group):
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
-    import collectives.torch.backend as cb
     from collectives import Mesh
     from mpiutil import assert_all
     world = MPI.COMM_WORLD
     n, me = world.Get_size(), world.Get_rank()
-    if not dist.is_initialized():
-        cb.init_process_group()
     shape = (n // 2, 2) if n % 2 == 0 else (1, n)
     mesh = Mesh(shape, ("dp", "tp"))
     msgs = []

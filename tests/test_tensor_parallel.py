@@ -179,6 +179,21 @@ def test_layers_built_directly(tp_size):
     _agree(not msgs, "; ".join(msgs), comm)
 
 
+@pytest.fixture
+def process_group():
+    """torch.distributed on the toolkit's backend for one test (left as found: a group that
+    another test made stays, one made here is destroyed, so later tests can make their own)."""
+    import torch.distributed as dist
+
+    import collectives.torch.backend as cb
+    made = not dist.is_initialized()
+    if made:
+        cb.init_process_group()
+    yield
+    if made:
+        dist.destroy_process_group()
+
+
 def _raises(fn):
     try:
         fn()
@@ -211,7 +226,8 @@ def test_bad_input_is_an_error_on_every_rank():
                 "rank 1: 0 colwise weight (10, 4)" not in got:
             msgs.append(f"shapes: {got}")
         # the plan names no module (every rank, before any collective)
-        got = _raises(lambda: tp.parallelize(nn.Sequential(nn.Linear(4, 4)), comm, {"9": "rowwise"}))
+        one = nn.Sequential(nn.Linear(4, 4))
+        got = _raises(lambda: tp.parallelize(one, comm, {"9": "rowwise"}))
         if not got or "name no module" not in got:
             msgs.append(f"plan: {got}")
         # the plan names a module on one rank only: both raise, naming what each rank saw
@@ -262,23 +278,19 @@ def test_parameter_bytes_are_one_over_tp(tp_size):
 
 
 @pytest.mark.mpi
-def test_torch_clients_take_the_mesh_groups():
+def test_torch_clients_take_the_mesh_groups(process_group):
     """DTensor's parallelize_module on mesh.group("tp") and FSDP2 on mesh.group("dp") train a
     2 x 2 model like one process."""
-    import torch.distributed as dist
     from mpi4py import MPI
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    import collectives.torch.backend as cb
     from collectives import Mesh
     from mpiutil import assert_all
     if MPI.COMM_WORLD.Get_size() != 4:
         pytest.skip("needs 4 ranks (torch's groups span COMM_WORLD)")
-    if not dist.is_initialized():
-        cb.init_process_group()
     mesh = Mesh((2, 2), ("dp", "tp"))
     dm = DeviceMesh.from_group([mesh.group("dp"), mesh.group("tp")], "cpu",
                                mesh=torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
