@@ -19,7 +19,7 @@ multiple of the tensor-parallel size). Step s draws ``--batch`` windows of ``--s
 from a generator seeded with (``--seed``, s); data-parallel rank d trains on its ``batch / dp``
 rows. The ranks form ``Mesh((dp, tp), ("dp", "tp"))``; the model is converted by
 ``tensor_parallel.parallelize`` over ``mesh.comm("tp")`` and wrapped in ``DistributedDataParallel``
-(``--zero 0``) or ``ShardedDataParallel`` (``--zero 1..3``) over ``mesh.comm("dp")``.
+(``--zero 0``) or ``ShardedDataParallel`` (``--zero 1`` or ``2``) over ``mesh.comm("dp")``.
 
 Rank 0 prints the loss of every step, then a JSON summary as the last line: the final loss,
 tokens/s (the global batch's tokens over the median step time), the bytes per step this rank sends
@@ -210,8 +210,10 @@ def parser():
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (ranks / dp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (1)")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="data parallelism: 0 DistributedDataParallel, 1-3 ZeRO stage (0)")
+    # ZeRO-3 frees a layer's parameters after its forward, and the head reads the embedding's
+    # weight after the embedding's forward: stage 3 does not support a shared weight
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2),
+                   help="data parallelism: 0 DistributedDataParallel, 1-2 ZeRO stage (0)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=264, help="byte vocabulary, padded (264)")

@@ -235,6 +235,13 @@ def test_bad_input_is_an_error_on_every_rank():
         got = _raises(lambda: tp.parallelize(lopsided, comm, {"0": "colwise"}))
         if not got or "differ across the 2 tensor-parallel ranks" not in got:
             msgs.append(f"one-sided plan: {got}")
+        # a sequence that sequence parallelism cannot split
+        torch.manual_seed(0)
+        gpt = train_gpt.GPT(264, 24, 6, 1)
+        tp.parallelize(gpt, comm, train_gpt.plan(gpt, True))
+        got = _raises(lambda: gpt(torch.zeros(2, 5, dtype=torch.long)))
+        if not got or "length 5 (the sequence under sequence parallelism)" not in got:
+            msgs.append(f"sequence: {got}")
         # the communicator still works: nothing was left half started
         s = tp._all_reduce(torch.ones(3), comm)
         if not torch.equal(s, torch.full((3,), 2.0)):

@@ -117,6 +117,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm) -> torch.Tensor:
     if n == 1:
         return x
     dim = dim % x.dim()
+    if x.shape[dim] % n:  # every rank of the group holds the same shape: all raise alike
+        raise ValueError(f"reduce-scatter along dimension {dim}: its length {x.shape[dim]} "
+                         f"(the sequence under sequence parallelism) is not divisible by the "
+                         f"tensor-parallel size {n}")
     y = x.movedim(dim, 0).contiguous()
     traffic.add("reduce_scatter", y, n)
     out = coll.reduce_scatter(y, comm=comm)
