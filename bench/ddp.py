@@ -122,8 +122,10 @@ def _gloo(comm):
     if comm.Get_rank() == 0:
         path = os.path.join(tempfile.mkdtemp(prefix="bench-ddp-"), "store")
     path = comm.bcast(path, root=0)
+    hook = sys.excepthook  # kept: see bench.gloo.init
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=comm.Get_rank(),
                             world_size=comm.Get_size())
+    sys.excepthook = hook
     return path
 
 
@@ -140,8 +142,10 @@ def main(argv=None) -> int:
 
     from collectives import config, timeline
     from collectives.torch import DistributedDataParallel
+    from bench.report import check_outputs
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD
+    check_outputs(comm, {"--json": args.json})
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def build():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -92,8 +93,10 @@ def _sum(comm, value: int) -> int:
 def abort_on_error(comm) -> None:
     """Make an exception on one rank end the whole job instead of leaving the others waiting."""
     def hook(kind, value, tb):
-        sys.__excepthook__(kind, value, tb)
-        sys.stderr.flush()
+        # To the process's own stderr: a hook that wraps this one (torch's init_process_group
+        # installs one) may hold sys.stderr in a buffer until this returns, which it never does.
+        traceback.print_exception(kind, value, tb, file=sys.__stderr__)
+        sys.__stderr__.flush()
         comm.Abort(1)
     if comm.Get_size() > 1:
         sys.excepthook = hook
