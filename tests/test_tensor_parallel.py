@@ -55,6 +55,12 @@ def test_plan_naming_no_module_is_an_error():
         tp.parallelize(model, MPI.COMM_SELF, {"norm": "colwise"})
     with pytest.raises(ValueError, match="style 'diagonal'"):
         tp.parallelize(model, MPI.COMM_SELF, {"norm": "diagonal"})
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="1: its weight is tied to 0's, which splits it along "
+                                         "dimension 0, this layer along 1"):
+        tp.parallelize(tied, MPI.COMM_SELF, {"0": "colwise", "1": "rowwise"})
+    assert type(tied[0]) is nn.Linear  # checked before any layer was converted
 
 
 def test_vocab_cross_entropy_of_one_rank_is_cross_entropy():

@@ -510,21 +510,22 @@ def parallelize(module: nn.Module, comm, plan: dict, *, seq_dim: int = 1) -> nn.
         raise ValueError(problem)
     tp = comm.Get_size()
     sequence = any(style == "sequence" for _, _, style, _ in found)
-    shared = {}  # id of a full weight -> its shard parameter and split, for tied weights
+    shared = {}  # id of a full tensor -> its shard parameter (a tied weight stays one)
 
-    def take(name, full, dim):
-        key = id(full)
-        if key in shared:
-            shard, was = shared[key]
-            if was != dim:
-                raise ValueError(f"{name}: its weight is tied to a layer that splits it along "
-                                 f"dimension {was}, this one along {dim}")
-            return shard
-        shard = nn.Parameter(_shard(full, dim, comm), requires_grad=full.requires_grad)
-        shared[key] = (shard, dim)
-        return shard
+    def take(full, dim):
+        if id(full) not in shared:
+            shared[id(full)] = nn.Parameter(_shard(full, dim, comm),
+                                            requires_grad=full.requires_grad)
+        return shared[id(full)]
 
+    splits = {}  # id of a full weight -> (layer, split dimension): a tied weight splits alike
     for name, m, style, unit in found:  # every check first, so no layer is half converted
+        if style in ("colwise", "rowwise", "vocab"):
+            dim = 1 if style == "rowwise" else 0
+            first, was = splits.setdefault(id(m.weight), (name, dim))
+            if was != dim:
+                raise ValueError(f"{name}: its weight is tied to {first}'s, which splits it "
+                                 f"along dimension {was}, this layer along {dim}")
         if style == "colwise":
             _check_split(name, "out_features", m.out_features, tp, unit)
         elif style == "rowwise":
@@ -551,9 +552,9 @@ def parallelize(module: nn.Module, comm, plan: dict, *, seq_dim: int = 1) -> nn.
             else:
                 new = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim,
                                              dtype=m.weight.dtype, **kw)
-        new.weight = take(name, m.weight, new.tp_split["weight"])
+        new.weight = take(m.weight, new.tp_split["weight"])
         if getattr(m, "bias", None) is not None:
-            new.bias = (take(name, m.bias, 0) if "bias" in new.tp_split
+            new.bias = (take(m.bias, 0) if "bias" in new.tp_split
                         else nn.Parameter(m.bias.detach().clone()))
             if style == "rowwise" and sequence:
                 _sync_grad(new.bias, comm)
