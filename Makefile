@@ -31,6 +31,7 @@ demo: $(STAMP)
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_moe.py
 	$(MPIEXEC) -n 3 $(BIN)/python examples/train_fsdp.py
 	$(MPIEXEC) -n 2 $(BIN)/python examples/train_gpt.py --tp 2 --sequence-parallel --steps 20
+	$(MPIEXEC) -n 2 $(BIN)/python examples/train_gpt.py --pp 2 --schedule zero_bubble --steps 20
 
 test: test-inprocess test-mpi
 
