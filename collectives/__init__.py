@@ -28,7 +28,7 @@ from collectives.api import (
     reduce_scatter,
     scatter,
 )
-from collectives.registered import empty, is_registered
+from collectives.node.registered import empty, is_registered
 from collectives.errors import CollectiveError, CollectiveTimeout, MessageSizeError, MismatchError
 from collectives.progress import Request
 from collectives.mesh import Mesh

@@ -53,7 +53,7 @@ from bisect import bisect_right
 from collectives.schedule import IN, OUT, TMP, Schedule, offsets, segments, split
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "plan", "levels",
-           "SLOTS", "launch_shm_nodes"]
+           "SLOTS"]
 
 SLOTS = 4
 
@@ -384,53 +384,3 @@ def broadcast(rank: int, size: int, count: int, root: int = 0, *, seg=None, node
             if v < len(chain) - 1:
                 s.send(chain[v + 1], (OUT, a, b))
     return s
-
-
-# -- allreduce with shm as the node stage -------------------------------------------------------
-def launch_shm_nodes(call):
-    """``algorithm="hierarchical_shm"`` (allreduce): the node stages through shared memory.
-
-    1. shm reduce-scatter on every node (``collectives.shm``): local rank j gets block j of
-       its node's sum, balanced blocks;
-    2. ring allreduce of block j among the local ranks j of every node (the cross
-       communicator), all blocks at once;
-    3. shm all-gather on every node.
-
-    The bytes crossing nodes are those of ``hierarchical``; inside a node each byte is copied
-    through the window instead of sent around a ring. With nodes of different sizes the blocks
-    of step 2 cannot line up, and device buffers cannot use the window, so those calls run the
-    ``hierarchical`` schedule; on one node this is plain ``shm``. Steps 1-3 run as one shm work,
-    in the node window's order (see ``collectives.shm``).
-    """
-    from collectives import shm
-    from collectives.executor import context, launch_schedule, schedule_for
-    from collectives.topology import communicators, topology
-    ctx = call.ctx
-    topo = topology(ctx)
-    if call.x.is_device or len({len(g) for g in topo.nodes}) != 1:
-        return launch_schedule(call, schedule_for(call, allreduce, topo.kwargs()))
-    if topo.single_node:
-        return shm.launch(call)
-    comms = communicators(ctx)
-    k, j = comms.node.Get_size(), comms.node.Get_rank()
-    win = shm.window(context(comms.node))
-    src = call.out.flat if call.inplace else call.x.flat
-    counts = tuple(split(call.count, k)[i + 1] - split(call.count, k)[i] for i in range(k))
-    name = "sum" if call.op.is_avg else call.op.name
-    return shm.ShmWork(win, _shm_nodes, (win, src, call.out.flat, call.op, name, counts, j,
-                                        k, comms.cross), call)
-
-
-def _shm_nodes(work, win, src, out, op, name, counts, j, k, cross) -> None:
-    import numpy as np
-
-    import collectives as coll
-    from collectives import shm
-    if k == 1:
-        np.copyto(out, src)
-        coll.allreduce(out, name, out=out, comm=cross, algorithm="ring")
-        return
-    shard = np.empty(counts[j], out.dtype)
-    shm.reduce_scatter_rounds(work, win, src, shard, op, counts)
-    coll.allreduce(shard, name, out=shard, comm=cross, algorithm="ring")
-    shm.allgather_rounds(work, win, shard, out, counts)

@@ -110,7 +110,8 @@ def register(algorithm: Algorithm) -> None:
 
 
 def _register_builtin() -> None:
-    from collectives import hierarchical, hierarchical_alltoall, native, onepass, ring, shm, tree
+    from collectives import hierarchical, hierarchical_alltoall, native, ring, tree
+    from collectives.node import composite, onepass, shm
     for name, build, needs in (
         ("ring", {"allreduce": ring.allreduce, "reduce_scatter": ring.reduce_scatter,
                   "allgather": ring.allgather, "broadcast": ring.broadcast}, ANY),
@@ -136,7 +137,7 @@ def _register_builtin() -> None:
     register(Algorithm("native", NATIVE, COLLECTIVES, launch=native.launch))
     register(Algorithm("shm", DIRECT, SHM_COLLECTIVES, launch=shm.launch, needs=ONE_NODE))
     register(Algorithm("hierarchical_shm", DIRECT, ("allreduce",),
-                       launch=hierarchical.launch_shm_nodes))
+                       launch=composite.launch_shm))
     register(onepass.ALGORITHM)
 
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from collectives import cma
+from collectives.node import cma
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="no process_vm_readv (not Linux)")
 

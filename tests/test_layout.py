@@ -1,6 +1,7 @@
 """The package's layout, checked on its source with ``ast``: no import cycles among the
-``collectives`` modules, no module reaching into another's private names, and ``api.py`` kept
-small."""
+``collectives`` modules, no module reaching into another's private names, algorithm modules
+below the public API (no import of it, not even inside a function), the node's shared-memory
+family in ``collectives/node/``, and ``api.py`` kept small."""
 from __future__ import annotations
 
 import ast
@@ -46,12 +47,13 @@ def _resolve(module: str, is_init: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(module: str, path: Path, is_init: bool) -> set[str]:
+def _imports(module: str, path: Path, is_init: bool, deep: bool = False) -> set[str]:
     """The ``collectives`` modules that ``module`` imports at module level (top-level
-    ``import``/``from`` statements only): ``from pkg import x`` is pkg.x where that is a module,
-    else pkg (a name the package's __init__ re-exports)."""
+    ``import``/``from`` statements only; ``deep``: inside functions too): ``from pkg import x``
+    is pkg.x where that is a module, else pkg (a name the package's __init__ re-exports)."""
     out = set()
-    for node in ast.parse(path.read_text(), str(path)).body:
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree) if deep else tree.body:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 name = alias.name
@@ -105,6 +107,17 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_module_list_is_complete():
     assert {"collectives", "collectives.api", "collectives.select", "collectives.config",
             "collectives.executor", "collectives.ring", "collectives.tree"} <= set(MODULES)
+
+
+# The node's shared-memory family, one package: the window and its handshake, the registered
+# buffers, CMA reads, and the algorithms on them (DESIGN.md, "Where things live").
+NODE = ("window", "registered", "cma", "shm", "onepass", "composite")
+
+
+def test_the_node_family_is_one_package():
+    assert {f"collectives.node.{name}" for name in NODE} <= set(MODULES)
+    stray = {f"collectives.{name}" for name in NODE} & set(MODULES)
+    assert not stray, f"node modules outside collectives/node/: {sorted(stray)}"
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -188,6 +201,49 @@ def test_private_name_finder():
     assert any("import _auto" in f for f in found)
     assert any("api._context" in f for f in found)
     assert any("ops._ACCEPTS" in f for f in found)
+
+
+# Algorithm modules: schedules and the node's algorithms. They sit below the public API: a
+# composite that needs another collective builds its schedule and runs it with the executor;
+# one that called ``collectives.allreduce`` from inside a running call would re-enter dispatch
+# (validation, choice, a watchdog entry, a drain of the communicator's pending calls).
+ALGORITHMS = ("collectives.ring", "collectives.tree", "collectives.node",
+              "collectives.hierarchical", "collectives.hierarchical_alltoall",
+              "collectives.native")
+PUBLIC = {"collectives", "collectives.api"}  # the package's re-exports and what they come from
+
+
+def _public_imports(modules: dict) -> list[str]:
+    """Where an algorithm module of ``modules`` imports the public API, at any depth."""
+    found = []
+    for module, (path, is_init) in modules.items():
+        if not any(module == a or module.startswith(a + ".") for a in ALGORITHMS):
+            continue
+        for target in sorted(_imports(module, path, is_init, deep=True) & PUBLIC):
+            found.append(f"{path.relative_to(ROOT)}: imports {target}")
+    return found
+
+
+def test_algorithm_modules_never_import_the_public_api():
+    assert {m for m in MODULES if m.startswith("collectives.node.")}, "no node modules found"
+    found = _public_imports(MODULES)
+    assert not found, "algorithm modules importing the public API:\n" + "\n".join(found)
+
+
+def test_public_import_finder():
+    tmp = ROOT / "tests" / "__layout_probe__.py"  # never written: parsed from a string
+    codes = {"def f():\n    import collectives as coll\n": 1,
+             "def f():\n    from collectives import allreduce\n": 1,
+             "def f():\n    from .. import api\n": 1,
+             "from collectives import config\nfrom ..executor import context\n"
+             "def f():\n    from collectives.ring import allreduce\n": 0}
+    for code, expected in codes.items():
+        class FakePath(type(tmp)):
+            def read_text(self, *args, _code=code, **kwargs):
+                return _code
+
+        probe = {"collectives.node.probe": (FakePath(tmp), False)}
+        assert len(_public_imports(probe)) == expected, code
 
 
 def test_api_is_under_600_lines():

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import collectives as coll
-from collectives import onepass, registered, select
+from collectives import select
 from collectives.buffers import DTYPES
+from collectives.node import onepass, registered
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests.mpiutil import assert_all, op_inputs, world
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import collectives as coll
-from collectives import config, shm
+from collectives import config
 from collectives.buffers import DTYPES
+from collectives.node import shm
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests.mpiutil import op_inputs
 
@@ -341,8 +342,8 @@ def test_paths_interleave(monkeypatch):
 def test_cma_agreed_on_every_rank():
     """The window's choice of single-copy reads is collective (one answer on every rank), and
     on Linux between processes of one user it is on unless the kernel forbids it."""
-    from collectives import cma
     from collectives.executor import context
+    from collectives.node import cma
     from tests.mpiutil import assert_all, world
     comm = world()
     coll.allreduce(np.ones(10), algorithm="shm")

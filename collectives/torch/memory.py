@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import collectives as coll
-from collectives import registered
+from collectives.node import registered
 
 __all__ = ["empty", "zeros", "flat_zeros", "register_on"]
 

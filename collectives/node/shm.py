@@ -1,5 +1,5 @@
 """``algorithm="shm"``: allreduce, reduce-scatter, all-gather, broadcast and reduce through one
-MPI-3 shared-memory window on a node (the window and its rounds: ``collectives.window``).
+MPI-3 shared-memory window on a node (the window and its rounds: ``collectives.node.window``).
 
 Message-based algorithms move every byte through the library at each hop and write it to memory
 at every hop and reduction. Here the k ranks of a node map one window that all of them can
@@ -38,7 +38,7 @@ Reduce-scatter reduces rank r's block straight into r's output (no copy out); al
 broadcast copy in, then copy out.
 
 *Single-copy all-gather and broadcast.* Where the kernel lets the ranks of a node read each
-other's memory (``collectives.cma``, ``COLLECTIVES_SHM_CMA``), an all-gather or broadcast of at
+other's memory (``collectives.node.cma``, ``COLLECTIVES_SHM_CMA``), an all-gather or broadcast of at
 least ``CMA_MIN_BYTES`` skips the window: each rank publishes its buffer's address and reads
 every peer's block (the root's buffer) straight into its output, one copy instead of two. The
 reductions keep the window: a kernel copy runs at about half ``memcpy``'s speed, so trading two
@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import config
-from .schedule import split
-from .tree.pipelined import btree
+from .. import config
+from ..schedule import split
+from ..tree.pipelined import btree
 from .window import ShmWork, Window, window
 
 __all__ = ["launch", "reduce_scatter_rounds", "allgather_rounds", "bits", "window", "ShmWork",

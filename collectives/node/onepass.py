@@ -1,4 +1,4 @@
-"""One-pass collectives on registered buffers (``collectives.registered``) of a single node.
+"""One-pass collectives on registered buffers (``collectives.node.registered``) of a single node.
 
 When every rank's buffers of a call lie in shared windows that every rank of the node maps,
 no byte has to be copied into a window or through the MPI library: each rank reads its peers'
@@ -26,15 +26,19 @@ The others, for rank r:
   rank copies, the root too).
 
 *Deciding collectively* (``agree``, the record's preference). The one-pass path is tried for
-``auto`` calls of more than ``THRESHOLD`` bytes (the same size on every rank) on a communicator where registered
-buffers exist, all of whose ranks share one node. Every rank contributes (registered?, window
-sequence and byte offset of x and of out) to one small ``MPI_Allreduce(MIN)`` of the values and
-their negatives; the path runs only if every rank is registered on this communicator with the
-same windows and offsets, and the plan ``launch`` receives is where they are. Otherwise (mixed, another communicator's buffer, a released one, a
-device tensor) every rank takes the ordinary path, with the same results.
+``auto`` calls of more than ``THRESHOLD`` bytes (the same size on every rank) on a
+communicator where registered buffers exist, all of whose ranks share one node. Every rank
+contributes (registered?, window sequence and byte offset of x and of out) to one small
+``MPI_Allreduce(MIN)`` of the values and their negatives; the path runs only if every rank is
+registered on this communicator with the same windows and offsets, and the plan ``launch``
+receives is where they are. Otherwise (mixed, another communicator's buffer, a released one,
+a device tensor) every rank takes the ordinary path, with the same results. On several nodes
+(real or simulated) of one size, an allreduce runs as the node composite
+(``collectives.node.composite``): the one-pass fold on each node, a ring across nodes, the
+one-pass copies back.
 
 *Synchronisation: flags in a window, no MPI call per chunk.* The work runs as an ``ShmWork`` on
-the communicator's shm window (``collectives.window``), inside the window's handshake: each
+the communicator's shm window (``collectives.node.window``), inside the window's handshake: each
 rank arrives (after ``MPI_Win_sync``, which orders its earlier stores to its buffers before the
 flag), waits until every rank has (every input written, every output free to be written), does
 its part, then departs and waits for every peer to: nobody returns, and reads or reuses its
@@ -49,8 +53,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import registered
-from .select import DIRECT, ONE_NODE, Algorithm
+from ..select import DIRECT, ONE_NODE, Algorithm
+from . import composite, registered
 from .window import LATER, Info, ShmWork, window
 
 __all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "agree", "launch"]
@@ -102,7 +106,7 @@ def agree(call, nbytes: int):
     if nbytes <= THRESHOLD or ctx.size == 1 or not registered.on(ctx.user_comm):
         return None
     from mpi4py import MPI
-    from .topology import topology
+    from ..topology import topology
     topo = topology(ctx)
     if not topo.single_node and (call.collective != "allreduce" or
                                  len({len(g) for g in topo.nodes}) != 1):
@@ -155,7 +159,7 @@ def _fold(op, dst, parts, a: int, b: int, step: int, at: int = 0, n: int | None 
             np.divide(d, n, out=d)
 
 
-def _allreduce(call, ins, outs, step):
+def _allreduce(work, call, ins, outs, step):
     n, r = call.ctx.size, call.ctx.rank
     lo, hi = _bounds(call.x.count, n, r)
     first = outs[0]
@@ -166,7 +170,7 @@ def _allreduce(call, ins, outs, step):
             np.copyto(o[c:e], first[c:e])
 
 
-def _reduce(call, ins, outs, step):
+def _reduce(work, call, ins, outs, step):
     n, r, root = call.ctx.size, call.ctx.rank, call.root
     lo, hi = _bounds(call.x.count, n, r)
     dst = outs[root]
@@ -185,13 +189,13 @@ def _reduce(call, ins, outs, step):
         _fold(call.op, dst, ins, lo, hi, step)
 
 
-def _reduce_scatter(call, ins, out, step):
+def _reduce_scatter(work, call, ins, out, step):
     r, counts = call.ctx.rank, call.counts
     lo = sum(counts[:r])
     _fold(call.op, out, ins, lo, lo + counts[r], step, at=lo)
 
 
-def _broadcast(call, bufs, step):
+def _broadcast(work, call, bufs, step):
     """Slice r of the root's buffer into slice r of every other rank's, chunk by chunk: every
     rank copies, not only the ones that receive."""
     n, r, root = call.ctx.size, call.ctx.rank, call.root
@@ -204,7 +208,7 @@ def _broadcast(call, bufs, step):
                 np.copyto(dst[c:e], src[c:e])
 
 
-def _allgather(call, ins, out):
+def _allgather(work, call, ins, out):
     at = 0
     for j, c in enumerate(call.counts):
         if j != call.ctx.rank or ins[j].ctypes.data != out[at:].ctypes.data:
@@ -212,28 +216,31 @@ def _allgather(call, ins, out):
         at += c
 
 
-def _allreduce_nodes(call, ins, outs, step, j, cross):
-    """Allreduce over several nodes, for local rank ``j`` of a node's k: slice j of the node's
-    inputs folded one-pass (as ``_allreduce``), allreduced with slice j of the other nodes
-    (``cross``: local rank j of every node; ring, so every node gets the same bits), then
-    written into every output of the node. Only the slices cross nodes: 1/k of the data."""
-    import collectives as coll
-    k, op = len(ins), call.op
+def _allreduce_nodes(work, call, ins, outs, step, here):
+    """Allreduce over several nodes as the node composite (``composite.allreduce``), for
+    local rank j of a node's k: slice j of the node's inputs folded one-pass (as
+    ``_allreduce``) into the first output, the ring across nodes on it, then (averaged) written
+    into every output of the node."""
+    k, j, op = here.size, here.rank, call.op
     lo, hi = _bounds(call.x.count, k, j)
     first = outs[0]
-    if k > 1:
-        _fold(op, first, ins, lo, hi, step, n=0)
-    elif first is not ins[0]:
-        np.copyto(first[lo:hi], ins[0][lo:hi])
-    part = first[lo:hi]
-    coll.allreduce(part, "sum" if op.is_avg else op.name, out=part, comm=cross,
-                   algorithm="ring")
-    for c in range(lo, hi, step):
-        e = min(c + step, hi)
-        if op.is_avg:
-            np.divide(first[c:e], call.ctx.size, out=first[c:e])
-        for o in outs[1:]:
-            np.copyto(o[c:e], first[c:e])
+
+    def stage_in():
+        if k > 1:
+            _fold(op, first, ins, lo, hi, step, n=0)
+        elif first is not ins[0]:
+            np.copyto(first[lo:hi], ins[0][lo:hi])
+        return first[lo:hi]
+
+    def stage_out(block):
+        for c in range(lo, hi, step):
+            e = min(c + step, hi)
+            if op.is_avg:
+                np.divide(first[c:e], call.ctx.size, out=first[c:e])
+            for o in outs[1:]:
+                np.copyto(o[c:e], first[c:e])
+
+    composite.allreduce(work, here, op, stage_in, stage_out)
 
 
 def _refused(win) -> str | None:
@@ -253,7 +260,9 @@ def _run(work, win, call, regs, body, args, desc=None):
     once every rank has departed. Polled (``test``), each step that would wait returns
     ``LATER`` instead: this rank goes on computing, and a peer that arrives later is not kept
     waiting for it longer than until its next poll. A named call (``desc``: where its
-    buffers are) first checks every rank's descriptor, and refuses on every rank alike."""
+    buffers are) first checks every rank's descriptor, and refuses on every rank alike.
+    ``body(work, call, *args)`` is this rank's part (``work`` for a part that itself waits on
+    peers: the node composite's ring across nodes)."""
     wins = [reg.win for reg in regs]
     if work.state is None:
         win.arrive(desc=desc, wins=wins)
@@ -263,7 +272,7 @@ def _run(work, win, call, regs, body, args, desc=None):
             return LATER
         why = None if desc is None else _refused(win)
         if why is None:
-            body(call, *args)
+            body(work, call, *args)
         win.depart(wins)
         work.state = why or "done"
     if not win.departed(work, work.polling, "finish their part"):
@@ -280,7 +289,7 @@ def launch(call, agreed=None) -> ShmWork:
     step = max(1, CHUNK // dt.itemsize)
     if agreed is None:
         return _launch_named(call, step)
-    from .topology import topology
+    from ..topology import topology
     if not topology(ctx).single_node:
         return _launch_nodes(call, agreed, step)
     win = window(ctx)
@@ -320,13 +329,11 @@ def _launch_named(call, step) -> ShmWork:
 
 def _launch_nodes(call, agreed, step) -> ShmWork:
     """``_allreduce_nodes`` as a work of the node's shm window."""
-    from .executor import context
-    from .topology import communicators, topology
+    from ..topology import topology
     ctx, dt = call.ctx, call.x.dtype
     topo = topology(ctx)
     node = topo.nodes[topo.node[ctx.rank]]
-    comms = communicators(ctx)
-    win = window(context(comms.node))
+    here = composite.node(ctx)
     seq_x, off_x, seq_o, off_o = agreed
     counts = [call.x.count] * len(node)
     reg = registered.live(ctx.user_comm, seq_x)
@@ -334,8 +341,8 @@ def _launch_nodes(call, agreed, step) -> ShmWork:
     reg_o = registered.live(ctx.user_comm, seq_o)
     reg_o, outs = _peers(call, seq_o, off_o, counts, dt, _positions(ctx, reg_o, node))
     regs = [reg] if reg_o is reg else [reg, reg_o]
-    return ShmWork(win, _run, (win, call, regs, _allreduce_nodes,
-                               (ins, outs, step, comms.node.Get_rank(), comms.cross)), call)
+    return ShmWork(here.win, _run, (here.win, call, regs, _allreduce_nodes,
+                                    (ins, outs, step, here)), call)
 
 
 # By name: allreduce on one node. As ``auto``'s preference: every collective of COLLECTIVES.

@@ -4,7 +4,7 @@
 order; shapes may differ between ranks): it returns this rank's segment of a shared window on
 the node communicator (``topology.node_comm``, which honours simulated nodes) as an array.
 Every rank maps every segment of its node, so a collective on registered buffers can read a
-peer's input and write a peer's output directly (``collectives.onepass``).
+peer's input and write a peer's output directly (``collectives.node.onepass``).
 
 *Size classes and reuse.* A rank's segment is its request rounded up to a power of two (4 KiB
 at least, so every segment is page-aligned). Windows are pooled: an array that dies gives its
@@ -77,7 +77,7 @@ class _Node:
     """What one communicator's registrations share: its node communicator and windows."""
 
     def __init__(self, comm):
-        from .topology import node_comm, topology
+        from ..topology import node_comm, topology
         self.comm = comm
         # The topology's nodes, simulated ones included, so that every layer that asks
         # "one node?" (dispatch, DDP, ZeRO) hears the same answer.

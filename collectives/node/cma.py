@@ -2,13 +2,13 @@
 
 ``process_vm_readv(pid, local, remote)`` copies bytes straight from another process's address
 space into ours, one copy with no shared staging buffer in between. It is what MPICH's and
-Open MPI's single-copy shared-memory transports use for large messages; ``collectives.shm``
+Open MPI's single-copy shared-memory transports use for large messages; ``collectives.node.shm``
 uses it to read a peer's input and result buffers directly (see its module doc).
 
 The kernel allows it where this process may ptrace the other (same user and, under Yama's
 ``ptrace_scope = 1``, a process that declared us its tracer). ``allow_peers()`` makes that
 declaration (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, as Open MPI's CMA transport does);
-``collectives.shm`` calls it only when a probe read between the ranks of a node fails, and
+``collectives.node.shm`` calls it only when a probe read between the ranks of a node fails, and
 turns CMA off (two copies through the window instead) if the probe still fails.
 ``COLLECTIVES_SHM_CMA=0`` (or ``config.set("COLLECTIVES_SHM_CMA", False)``) turns it off there.
 """

@@ -17,7 +17,7 @@ polls, then yields its core (at once when the node has fewer cores than ranks: t
 waits for may be waiting for its core).
 
 *The handshake: arrive -> work -> depart.* A call that does not move in rounds (CMA's
-single-copy reads, ``collectives.onepass``) meets its peers twice: ``arrive`` shows what the
+single-copy reads, ``collectives.node.onepass``) meets its peers twice: ``arrive`` shows what the
 call's peers need on this rank's info line (``Info``: an input's address, a descriptor of
 registered buffers) and raises its ``seq`` field, after ordering the rank's earlier stores;
 ``arrived`` says (or waits until) every rank did, after which a rank may read what the others
@@ -29,13 +29,13 @@ written by this call any more. The polled forms return False instead of waiting,
 line itself; callers use these methods.
 
 *Single-copy reads.* Where the kernel lets the ranks read each other's memory
-(``collectives.cma``; probed once per window, collectively, and on only where every rank can),
+(``collectives.node.cma``; probed once per window, collectively, and on only where every rank can),
 ``publish`` shows a call's buffer address to the peers and ``finish`` waits until every peer
 has read it.
 
 *Order.* Calls run one at a time per window, in the order they were issued (the same on every
 rank): ``ShmWork`` queues each call on its window; ``wait``/``test`` (or the progress thread)
-run the oldest pending one first. The algorithms are in ``collectives.shm``.
+run the oldest pending one first. The algorithms are in ``collectives.node.shm``.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ from collections import deque
 
 import numpy as np
 
-from . import cma, config
+from .. import config
+from . import cma
 
 __all__ = ["Window", "window", "ShmWork", "Info", "idle", "round_up", "SLOTS", "PHASES", "LATER"]
 
@@ -341,7 +342,7 @@ def window(ctx, chunk: int | None = None) -> Window:
     win = ctx.stash.get(key)
     if win is not None:
         return win
-    from .topology import node_comm, topology
+    from ..topology import node_comm, topology
     topo = topology(ctx)
     if not topo.single_node:
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but the {ctx.size} "
