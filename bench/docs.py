@@ -106,7 +106,16 @@ def main(argv=None) -> int:
                 print(f"{where}: exit {done.returncode}, sample left as it was\n"
                       f"{done.stdout[-2000:]}{done.stderr[-2000:]}", file=sys.stderr)
                 continue
-            text = replace(text, sample, done.stdout)
+            # Read again: the file may have been edited while the command ran.
+            text = path.read_text()
+            same = [s for s in samples(text) if s.command == sample.command]
+            nth = [s for s in samples(text)[:i + 1] if s.command == sample.command]
+            if not same or len(nth) > len(same):
+                failed += 1
+                print(f"{where}: the sample moved while its command ran; run again",
+                      file=sys.stderr)
+                continue
+            text = replace(text, same[len(nth) - 1], done.stdout)
             path.write_text(text)
     return 1 if failed else 0
 
