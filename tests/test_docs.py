@@ -3,16 +3,19 @@ smallest sizes.
 
 The commands are read from the documents themselves, so a changed command is tested as written:
 every line of a ```sh block (a line ending in ``\\`` continues; a ``for ... done`` block is one
-shell script), and an inline ``mpiexec -n N python FILE.py`` that runs a snippet of the same
+command), and an inline ``mpiexec -n N python FILE.py`` that runs a snippet of the same
 document. A snippet is a ```python block whose paragraph names the file (``Save this as
-`allreduce_demo.py```); it is written to the run's folder first. Each command then runs through
-``bash`` in a fresh folder (``examples`` and ``tests`` linked there, ``python`` and ``mpiexec``
-those of this interpreter's environment, ``XDG_CACHE_HOME`` inside the folder so that ``tune``
-and ``calibrate`` write nothing outside it), at one rank count (``mpiexec -n 2``), shrunk by
-``SHRINK`` (sizes, rounds, epochs, steps: an option given is set, one missing is added), with a
-timeout; ``SKIP`` lists what is not run and why (a GPU, an installation, the suite itself).
+`allreduce_demo.py```); it is written to the document's folder first. Each command is set to
+one rank count (``mpiexec -n 2``), shrunk by ``SHRINK`` (sizes, rounds, epochs, steps: an option
+given is set, one missing is added; a loop runs its first value), and ``SKIP`` lists what is not
+run and why (a GPU, an installation, the suite itself).
 
-The test launches its own ``mpiexec`` jobs: it runs in the in-process tier and is skipped under
+Started one by one, the commands would spend most of a minute each on a loaded machine starting
+Python, MPI and torch; so one ``mpiexec -n 2`` job runs them all in order
+(tests/docs_runner.py): each as ``python -m``/``python script.py`` would run it (``runpy``,
+``sys.argv``, its settings, the document's folder, with ``examples`` and ``tests`` linked there
+and ``XDG_CACHE_HOME`` inside it, so that ``tune`` and ``calibrate`` write nothing outside).
+The test launches its own ``mpiexec`` job: it runs in the in-process tier and is skipped under
 ``mpiexec``, as tests/test_examples.py.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ SKIP = [
     (r"^make\b", "creates .venv and installs into it (make demo runs the commands shown "
                  "beside it; make test is this suite)"),
     (r"-m pytest\b", "the test suite itself"),
+    (r"-m bench fsdp\b", "launches its own mpiexec jobs: pairs of FSDP2 training runs, minutes"),
     (r"-m bench docs(?! --list)", "reruns the documentation's sample commands: minutes of "
                                   "benchmarks (--list shows them)"),
     (r"^bash tests/gpu/", "needs a GPU machine"),
