@@ -12,7 +12,13 @@ For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B
   (``COLLECTIVES_TIMEOUT=0``, ``COLLECTIVES_STALL_WARNING=0``): its gap to the native row is
   what the always-on watchdog costs per call.
 
-The three run in interleaved rounds (their order shuffled each round); a round times one
+``--collectives all`` (or a comma-separated list) measures instead every collective at 8 bytes
+per rank, two rows each: the bare mpi4py call (``Allreduce``, ``Reduce``, ``Bcast``,
+``Reduce_scatter_block``, ``Allgather``, ``Alltoall``, ``Gather``, ``Scatter``, ``Barrier``) and
+the API's call as a training loop makes it (``algorithm="auto"``, ``out`` given, ``counts``
+given to ``allgather`` and ``gather``), on preallocated buffers.
+
+The rows run in interleaved rounds (their order shuffled each round); a round times one
 block of ``--calls`` back-to-back calls of each, after one untimed call; a block's time is the
 slowest rank's average per call. The table shows the median over ``--rounds``, the spread
 (interquartile range / median) and ``API - bare``: the row's median minus the bare call's.
@@ -31,7 +37,8 @@ from bench.harness import abort_on_error, max_over_ranks, per_call
 from bench.stats import median, spread
 from bench.units import format_size, parse_size
 
-__all__ = ["SIZES", "ROWS", "measure", "format_table", "main"]
+__all__ = ["SIZES", "ROWS", "COLLECTIVES", "measure", "measure_collectives", "format_table",
+           "format_collectives", "main"]
 
 SIZES = (8, 64, 512, 4 << 10, 32 << 10, 64 << 10)
 ROWS = {"bare": "mpi4py comm.Allreduce",
@@ -70,6 +77,82 @@ def _calls(comm, nbytes: int, mode: str):
            "unwatched": lambda: coll.allreduce(x, "sum", out=outs["unwatched"], comm=comm,
                                                algorithm="native")}
     return fns, outs, {row: x for row in ROWS}, auto_pick("allreduce", count * 4, comm, False)
+
+
+COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
+               "gather", "scatter", "barrier")
+
+
+def _collective_calls(comm, collective: str):
+    """(bare call, API call, the bare call's name) of ``collective`` at 8 bytes per rank."""
+    import collectives as coll
+    n, rank = comm.Get_size(), comm.Get_rank()
+    x, out = np.ones(2, np.float32), np.zeros(2, np.float32)
+    big, every = np.ones(2 * n, np.float32), np.zeros(2 * n, np.float32)
+    rows = (2,) * n
+    root_out = every if rank == 0 else None
+    calls = {
+        "allreduce": (lambda: comm.Allreduce(x, out), lambda: coll.allreduce(x, out=out),
+                      "Allreduce"),
+        "reduce": (lambda: comm.Reduce(x, out, root=0), lambda: coll.reduce(x, out=out),
+                   "Reduce"),
+        "broadcast": (lambda: comm.Bcast(out, 0), lambda: coll.broadcast(out), "Bcast"),
+        "reduce_scatter": (lambda: comm.Reduce_scatter_block(big, out),
+                           lambda: coll.reduce_scatter(big, out=out), "Reduce_scatter_block"),
+        "allgather": (lambda: comm.Allgather(x, every),
+                      lambda: coll.allgather(x, out=every, counts=rows), "Allgather"),
+        "alltoall": (lambda: comm.Alltoall(big, every), lambda: coll.alltoall(big, out=every),
+                     "Alltoall"),
+        "gather": (lambda: comm.Gather(x, root_out, root=0),
+                   lambda: coll.gather(x, out=root_out, counts=rows), "Gather"),
+        "scatter": (lambda: comm.Scatter(big, out, root=0),
+                    lambda: coll.scatter(big, out=out), "Scatter"),
+        "barrier": (comm.Barrier, coll.barrier, "Barrier"),
+    }
+    return calls[collective]
+
+
+def measure_collectives(comm, collectives=COLLECTIVES, rounds: int = 9,
+                        calls: int = 2000) -> list:
+    """One dict per (collective, row "bare" or "api"): median and spread of the slowest rank's
+    per-call time and the API's gap to the bare call (seconds). Collective over ``comm``."""
+    out = []
+    rng = np.random.default_rng(rounds)  # the same orders on every rank
+    for collective in collectives:
+        bare, api, name = _collective_calls(comm, collective)
+        fns = {"bare": bare, "api": api}
+        for fn in fns.values():  # warm-up, untimed (the API keeps the call's record)
+            for _ in range(max(1, calls // 10)):
+                fn()
+        times = {row: [] for row in fns}
+        keys = list(fns)
+        for _ in range(rounds):
+            for i in rng.permutation(len(keys)):
+                times[keys[i]].append(_block(comm, fns[keys[i]], calls))
+        for row in keys:
+            out.append({"collective": collective, "row": row,
+                        "call": f"comm.{name}" if row == "bare" else f"coll.{collective}",
+                        "time": median(times[row]), "spread": spread(times[row]),
+                        "over_bare": median(times[row]) - median(times["bare"]),
+                        "rounds": times[row]})
+    return out
+
+
+def format_collectives(rows: list, info: dict) -> str:
+    """``measure_collectives``'s rows as a Markdown table, one line per collective."""
+    by = {(r["collective"], r["row"]): r for r in rows}
+    lines = [f"# API overhead, 8 B per rank: {info['ranks']} ranks on {info['host']}, "
+             f"{info['mpi']}; {info['rounds']} rounds of {info['calls']} calls per row, order "
+             f"shuffled each round; time = median over rounds of the slowest rank's per-call "
+             f"time; spread = interquartile range / median",
+             "", "| collective | bare call | bare (µs) | spread | API (µs) | spread | "
+             "API - bare (µs) |", "|:---|:---|---:|---:|---:|---:|---:|"]
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        b, a = by[(collective, "bare")], by[(collective, "api")]
+        lines.append(f"| {collective} | {b['call']} | {b['time'] * 1e6:.2f} | "
+                     f"{100 * b['spread']:.1f}% | {a['time'] * 1e6:.2f} | "
+                     f"{100 * a['spread']:.1f}% | {a['over_bare'] * 1e6:+.2f} |")
+    return "\n".join(lines)
 
 
 def _check(comm, fns, results, inputs) -> None:
@@ -157,11 +240,34 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=500, help="calls per timed block (default 500)")
     p.add_argument("--watchdog", action="store_true",
                    help="add the native row with the watchdog off (what it costs per call)")
+    p.add_argument("--collectives", default=None,
+                   help="'all' or a comma-separated list: every collective's 8-byte call "
+                        "against its bare mpi4py call instead of the allreduce sweep")
     p.add_argument("--json", default=None, help="write the rows as JSON (times in seconds)")
     args = p.parse_args(argv)
+    chosen = None
+    if args.collectives is not None:
+        chosen = COLLECTIVES if args.collectives == "all" else \
+            tuple(c.strip() for c in args.collectives.split(",") if c.strip())
+        unknown = sorted(set(chosen) - set(COLLECTIVES))
+        if unknown:
+            p.error(f"unknown collective(s) {unknown}; expected 'all' or some of "
+                    f"{', '.join(COLLECTIVES)}")
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     abort_on_error(comm)
+    if chosen is not None:
+        rows = measure_collectives(comm, chosen, max(1, args.rounds), max(1, args.calls))
+        if comm.Get_rank() == 0:
+            info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
+                    "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+                    "rounds": max(1, args.rounds), "calls": max(1, args.calls)}
+            print(format_collectives(rows, info), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(info, rows=rows), f, indent=1)
+                    f.write("\n")
+        return 0
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     modes = [m for m in args.modes.split(",") if m in ("out", "in")]
     rows = measure(comm, sizes, modes, max(1, args.rounds), max(1, args.calls),

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import check as _check
-from . import config, native, select
+from . import config, kept, select
 from . import watchdog as _watchdog
 from .buffers import DTYPES, Buffer, wrap
 from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
@@ -78,42 +78,7 @@ def _root(root, size) -> int:
 
 
 # -- the collectives --------------------------------------------------------------------------
-# Small calls repeat with the same arrays (a training loop's scalars and flags). Checking,
-# wrapping and choosing for them is most of a small call's Python, so for numpy calls with
-# ``out`` of at most SMALL_BYTES, what a blocking call that succeeded worked out is kept per
-# (x, out, op, comm, algorithm), holding x, out and comm so that their ids stay theirs (small
-# and at most SMALL_CALLS of them, so holding them costs at most 8 MiB). A hit checks what can
-# change on the same objects: x's dtype, out's write flag, the tuning table.
-SMALL_BYTES = 64 << 10
-SMALL_CALLS = 64
-_CHECKED: dict = {}
-
-
-class _Checked:
-    """A small blocking allreduce, worked out: its Call (done with when the call returns),
-    algorithm, finalizer, and the MPI call bound to its buffers (``native.bind``) if any."""
-
-    __slots__ = ("x", "out", "comm", "dtype", "tuning", "call", "algo", "finalize", "bound")
-
-
-def _keep(x, out, comm, op, algorithm, call: Call) -> None:
-    if call.algo.agree is not None:  # chosen for these buffers: agreed afresh on every call
-        return
-    ctx = call.ctx
-    checked = object.__new__(_Checked)
-    checked.x, checked.out, checked.comm, checked.dtype = x, out, comm, call.x.dtype
-    checked.tuning, checked.call, checked.finalize = config.get("COLLECTIVES_TUNING"), call, \
-        avg_finalizer(call)
-    checked.algo = algo = call.algo
-    # MPI's own on more than one rank: the call bound to its buffers once
-    checked.bound = native.bind(call) if algo.kind is NATIVE and ctx.size > 1 and \
-        call.x.count else None
-    if len(_CHECKED) >= SMALL_CALLS:
-        _CHECKED.clear()
-    _CHECKED[(id(x), id(out), op, id(comm), algorithm)] = checked
-
-
-def _allreduce(x, op, out, comm, algorithm, check, blocking):
+def _allreduce(x, op, out, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "allreduce")
     try:
         xb = wrap(x, "x")
@@ -122,22 +87,26 @@ def _allreduce(x, op, out, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allreduce", check, exc)
     call = make_call("allreduce", ctx, xb, outb, opr, 0, None, inplace, blocking)
-    result = start(call, algorithm, check, outb.obj, avg_finalizer(call) if opr.is_avg else None)
-    if blocking and type(op) is str and type(algorithm) is str and type(x) is np.ndarray and \
-            type(out) is np.ndarray and xb.flat.nbytes <= SMALL_BYTES:
-        _keep(x, out, comm, op, algorithm, call)
+    finalize = avg_finalizer(call) if opr.is_avg else None
+    result = start(call, algorithm, check, outb.obj, finalize)
+    if blocking:
+        kept.keep(key, x, out, comm, call, result, finalize)
     return result
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks of ``comm``; every rank gets the result (like x)."""
-    if type(op) is str and type(algorithm) is str:  # a small call like an earlier one?
-        # (the record holds x, out and comm: while it lives, their ids are theirs alone)
-        hit = _CHECKED.get((id(x), id(out), op, id(comm), algorithm))
+    key = None
+    if out is not None and type(op) is str and type(algorithm) is str:
+        # inline, as _kept: the smallest calls are allreduces, and a call here costs
+        key = ("allreduce", id(x), id(out), op, id(comm), algorithm)
+        hit = kept.CALLS.get(key)
         if hit is not None and x.dtype is hit.dtype and out.flags.writeable and \
                 hit.tuning is config.get("COLLECTIVES_TUNING"):
             return start(hit.call, algorithm, check, out, hit.finalize, hit.algo, hit.bound)
-    return _allreduce(x, op, out, comm, algorithm, check, True)
+        if not kept.small(x, out, op, algorithm):
+            key = None
+    return _allreduce(x, op, out, comm, algorithm, check, True, key)
 
 
 def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None) -> Request:
@@ -145,7 +114,7 @@ def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None
     return _allreduce(x, op, out, comm, algorithm, check, False)
 
 
-def _reduce(x, op, root, out, comm, algorithm, check, blocking):
+def _reduce(x, op, root, out, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "reduce")
     try:
         root = _root(root, ctx.size)
@@ -160,12 +129,21 @@ def _reduce(x, op, root, out, comm, algorithm, check, blocking):
     else:  # out is ignored (never written) off the root
         outb, inplace, result = None, False, None
     call = make_call("reduce", ctx, xb, outb, opr, root, None, inplace, blocking)
-    return start(call, algorithm, check, result, avg_finalizer(call))
+    finalize = avg_finalizer(call)
+    result = start(call, algorithm, check, result, finalize)
+    if blocking:
+        kept.keep(key, x, out, comm, call, result, finalize)
+    return result
 
 
 def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks onto ``root``: the result there, None elsewhere."""
-    return _reduce(x, op, root, out, comm, algorithm, check, True)
+    key = ("reduce", id(x), id(out), op, root, id(comm), algorithm) \
+        if kept.small(x, out, op, algorithm) and type(root) is int else None
+    result = kept.repeat(key, x, out, check)
+    if result is not kept.MISS:
+        return result
+    return _reduce(x, op, root, out, comm, algorithm, check, True, key)
 
 
 def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
@@ -174,7 +152,7 @@ def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
     return _reduce(x, op, root, out, comm, algorithm, check, False)
 
 
-def _broadcast(x, root, comm, algorithm, check, blocking):
+def _broadcast(x, root, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "broadcast")
     try:
         root = _root(root, ctx.size)
@@ -185,12 +163,20 @@ def _broadcast(x, root, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "broadcast", check, exc)
     call = make_call("broadcast", ctx, xb, xb, None, root, None, True, blocking)
-    return start(call, algorithm, check, xb.obj)
+    result = start(call, algorithm, check, xb.obj)
+    if blocking:
+        kept.keep(key, x, x, comm, call, result, None)
+    return result
 
 
 def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
     """Fill ``x`` on every rank with root's ``x``, in place; returns x."""
-    return _broadcast(x, root, comm, algorithm, check, True)
+    key = ("broadcast", id(x), root, id(comm), algorithm) \
+        if kept.small(x, None, None, algorithm) and type(root) is int else None
+    result = kept.repeat(key, x, x, check)
+    if result is not kept.MISS:
+        return result
+    return _broadcast(x, root, comm, algorithm, check, True, key)
 
 
 def ibroadcast(x, root=0, *, comm=None, algorithm="auto", check=None) -> Request:
@@ -216,7 +202,7 @@ def _counts(counts, size: int) -> tuple[int, ...]:
     return tuple(int(c) for c in values)
 
 
-def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking):
+def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "reduce_scatter")
     try:
         xb = wrap(x, "x")
@@ -233,15 +219,24 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking):
             raise ValueError("reduce_scatter cannot run in place: out must not be x")
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "reduce_scatter", check, exc)
-    call = make_call("reduce_scatter", ctx, xb, outb, opr, 0, counts, False,
-                 blocking)
-    return start(call, algorithm, check, outb.obj, avg_finalizer(call))
+    call = make_call("reduce_scatter", ctx, xb, outb, opr, 0, counts, False, blocking)
+    finalize = avg_finalizer(call)
+    result = start(call, algorithm, check, outb.obj, finalize)
+    if blocking:
+        kept.keep(key, x, out, comm, call, result, finalize)
+    return result
 
 
 def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
                    check=None):
     """Reduce flat ``x`` over all ranks; rank r gets block r (``counts[r]`` elements, 1-D)."""
-    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, True)
+    key = ("reduce_scatter", id(x), id(out), op, counts, id(comm), algorithm) \
+        if kept.small(x, out, op, algorithm) and (counts is None or type(counts) is tuple) \
+        else None
+    result = kept.repeat(key, x, out, check)
+    if result is not kept.MISS:
+        return result
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, True, key)
 
 
 def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
@@ -272,11 +267,9 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None,
     mine, table, send, recv = bufs
     mine[0] = rows
     mine[1] = row
-    entry = _watchdog.watch(ctx, what=f"{collective} #{ctx.seq} (exchanging row counts: "
-                                      f"MPI_Allgather)") if _watchdog.enabled() else None
-    ctx.comm.Allgather(send, recv)
-    if entry is not None:
-        _watchdog.unwatch(entry)
+    with _watchdog.watching(ctx, f"{collective} #{ctx.seq} (exchanging row counts: "
+                                 f"MPI_Allgather)"):
+        ctx.comm.Allgather(send, recv)
     every_rows, every_row = table.T.tolist()
     if min(every_rows) < 0:
         _check.settle(ctx.comm, collective, error)
@@ -288,13 +281,30 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None,
     return tuple(r * row for r in every_rows), sum(every_rows)
 
 
-def _allgather(x, out, comm, algorithm, check, blocking):
-    ctx = comm_context(comm, "allgather")
+def _gathered(ctx, x, rows, check, collective) -> tuple[Buffer, tuple[int, ...], int]:
+    """``(x wrapped, every rank's element count, total rows)`` of an allgather or gather:
+    from ``rows`` (every rank's rows, given alike on every rank: nothing to exchange, as
+    ``MPI_Allgather``), else learned with one small exchange (``_allgather_counts``)."""
     try:
         xb, error = wrap(x, "x"), None
+        if rows is not None:
+            rows = _counts(rows, ctx.size)
+            mine, row = _rows(xb)
+            if rows[ctx.rank] != mine:
+                raise ValueError(f"{collective}: counts[{ctx.rank}] is {rows[ctx.rank]}, but "
+                                 f"x has {mine} rows on rank {ctx.rank}")
+            return xb, _elements(rows, row), sum(rows)
     except (TypeError, ValueError) as exc:
+        if rows is not None:
+            raise _check.failed(ctx, collective, check, exc)
         xb, error = None, exc
-    counts, rows = _allgather_counts(ctx, xb, error)
+    counts, total = _allgather_counts(ctx, xb, error, collective)
+    return xb, counts, total
+
+
+def _allgather(x, out, comm, algorithm, check, blocking, rows=None, key=None):
+    ctx = comm_context(comm, "allgather")
+    xb, counts, rows = _gathered(ctx, x, rows, check, "allgather")
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -303,17 +313,28 @@ def _allgather(x, out, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allgather", check, exc)
     call = make_call("allgather", ctx, xb, outb, None, 0, counts, False, blocking)
-    return start(call, algorithm, check, outb.obj)
+    result = start(call, algorithm, check, outb.obj)
+    if blocking:
+        kept.keep(key, x, out, comm, call, result, None)
+    return result
 
 
-def allgather(x, *, out=None, comm=None, algorithm="auto", check=None):
-    """Concatenate every rank's ``x`` along axis 0 (ranks may differ in that axis' length)."""
-    return _allgather(x, out, comm, algorithm, check, True)
+def allgather(x, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
+    """Concatenate every rank's ``x`` along axis 0 (ranks may differ in that axis' length).
+    ``counts``: every rank's rows, given alike on every rank or on none; without it they are
+    learned with one small exchange."""
+    key = ("allgather", id(x), id(out), counts, id(comm), algorithm) \
+        if type(counts) is tuple and kept.small(x, out, None, algorithm) else None
+    result = kept.repeat(key, x, out, check)
+    if result is not kept.MISS:
+        return result
+    return _allgather(x, out, comm, algorithm, check, True, counts, key)
 
 
-def iallgather(x, *, out=None, comm=None, algorithm="auto", check=None) -> Request:
+def iallgather(x, *, counts=None, out=None, comm=None, algorithm="auto",
+               check=None) -> Request:
     """Non-blocking ``allgather``."""
-    return _allgather(x, out, comm, algorithm, check, False)
+    return _allgather(x, out, comm, algorithm, check, False, counts)
 
 
 # -- all-to-all, gather, scatter, barrier ------------------------------------------------------
@@ -332,11 +353,8 @@ def _alltoall_counts(ctx, xb, send, recv, error):
         mine[0] = _rows(xb)[1]
         mine[1:] = send
     table = np.empty((size, size + 1), np.int64)
-    entry = _watchdog.watch(ctx, what=f"alltoall #{ctx.seq} (exchanging counts: "
-                                      f"MPI_Allgather)") if _watchdog.enabled() else None
-    ctx.comm.Allgather(mine, table)
-    if entry is not None:
-        _watchdog.unwatch(entry)
+    with _watchdog.watching(ctx, f"alltoall #{ctx.seq} (exchanging counts: MPI_Allgather)"):
+        ctx.comm.Allgather(mine, table)
     if table[:, 0].min() < 0:
         _check.settle(ctx.comm, "alltoall", error)
     if (table[:, 0] != mine[0]).any():
@@ -365,7 +383,7 @@ def _rows(xb: Buffer) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
-def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking):
+def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "alltoall")
     size = ctx.size
     recv = matrix = error = xb = send = None
@@ -400,15 +418,24 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking):
                 None if matrix is None else tuple(_elements(r, row) for r in matrix))
     call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, blocking)
     # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
-    algo = REGISTRY["alltoall"]["native"] if matrix is None and algorithm == "auto" else None
-    return start(call, algorithm, check, outb.obj, None, algo)
+    algo = REGISTRY["alltoall"][NATIVE] if matrix is None and algorithm == "auto" else None
+    result = start(call, algorithm, check, outb.obj, None, algo)
+    if blocking:
+        kept.keep(key, x, out, comm, call, result, None)
+    return result
 
 
 def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
              check=None):
     """Split ``x``'s axis 0 into blocks for the ranks (equal, or ``counts[j]`` rows for rank
     j); returns the rows received from every rank, concatenated in rank order."""
-    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, True)
+    key = ("alltoall", id(x), id(out), counts, recv_counts, id(comm), algorithm) \
+        if (counts is None or type(recv_counts) is tuple) and type(counts) in (tuple, kept.NONE) \
+        and kept.small(x, out, None, algorithm) else None
+    result = kept.repeat(key, x, out, check)
+    if result is not kept.MISS:
+        return result
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, True, key)
 
 
 def ialltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
@@ -418,14 +445,13 @@ def ialltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorith
     return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, False)
 
 
-def _gather(x, root, out, comm, algorithm, check, blocking):
+def _gather(x, root, out, comm, algorithm, check, blocking, rows=None, key=None):
     ctx = comm_context(comm, "gather")
     try:
         root = _root(root, ctx.size)
-        xb, error = wrap(x, "x"), None
-    except (TypeError, ValueError) as exc:
-        xb, error = None, exc
-    counts, rows = _allgather_counts(ctx, xb, error, "gather")
+    except ValueError as exc:
+        raise _check.failed(ctx, "gather", check, exc)
+    xb, counts, rows = _gathered(ctx, x, rows, check, "gather")
     outb, result = None, None
     if ctx.rank == root:
         try:
@@ -437,18 +463,30 @@ def _gather(x, root, out, comm, algorithm, check, blocking):
             raise _check.failed(ctx, "gather", check, exc)
         result = outb.obj
     call = make_call("gather", ctx, xb, outb, None, root, counts, False, blocking)
-    return start(call, algorithm, check, result)
+    result = start(call, algorithm, check, result)
+    if blocking:
+        kept.keep(key, x, out, comm, call, result, None)
+    return result
 
 
-def gather(x, root=0, *, out=None, comm=None, algorithm="auto", check=None):
+def gather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
     """Every rank's ``x`` concatenated along axis 0 on ``root`` (ranks may differ in that
-    axis' length); None on the other ranks."""
-    return _gather(x, root, out, comm, algorithm, check, True)
+    axis' length); None on the other ranks. ``counts``: every rank's rows, given alike on
+    every rank or on none; without it they are learned with one small exchange."""
+    key = ("gather", id(x), id(out), root, counts, id(comm), algorithm) \
+        if type(counts) is tuple and type(root) is int and kept.small(x, out, None, algorithm) \
+        else None
+    result = kept.repeat(key, x, out, check)
+    if result is not kept.MISS:
+        return result
+    return _gather(x, root, out, comm, algorithm, check, True, counts, key)
 
 
-def igather(x, root=0, *, out=None, comm=None, algorithm="auto", check=None) -> Request:
-    """Non-blocking ``gather`` (the row counts are exchanged first, blocking)."""
-    return _gather(x, root, out, comm, algorithm, check, False)
+def igather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
+            check=None) -> Request:
+    """Non-blocking ``gather`` (without ``counts``, the row counts are exchanged first,
+    blocking)."""
+    return _gather(x, root, out, comm, algorithm, check, False, counts)
 
 
 _MAX_AXES = 8  # of a scattered array, besides axis 0 (the header the root broadcasts)
@@ -473,11 +511,8 @@ def _scatter_header(ctx, root, x, counts):
             head[3 + _MAX_AXES:] = counts
         except (TypeError, ValueError) as exc:
             error = exc
-    entry = _watchdog.watch(ctx, what=f"scatter #{ctx.seq} (the root's counts: MPI_Bcast)") \
-        if _watchdog.enabled() else None
-    ctx.comm.Bcast(head, root)
-    if entry is not None:
-        _watchdog.unwatch(entry)
+    with _watchdog.watching(ctx, f"scatter #{ctx.seq} (the root's counts: MPI_Bcast)"):
+        ctx.comm.Bcast(head, root)
     if error is not None:
         raise error
     if head[0] != 1:
@@ -533,16 +568,21 @@ def iscatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
 _NOTHING = np.empty(0, np.uint8)
 
 
-def _barrier(comm, algorithm, check, blocking):
+def _barrier(comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "barrier")
     xb = wrap(_NOTHING, "x")
     call = make_call("barrier", ctx, xb, xb, None, 0, None, False, blocking)
-    return start(call, algorithm, check, None)
+    result = start(call, algorithm, check, None)
+    if blocking:
+        kept.keep(key, _NOTHING, None, comm, call, result, None)
+    return result
 
 
 def barrier(comm=None, *, algorithm="auto", check=None) -> None:
     """Block until every rank of ``comm`` has called ``barrier``."""
-    _barrier(comm, algorithm, check, True)
+    key = ("barrier", id(comm), algorithm) if type(algorithm) is str else None
+    if kept.repeat(key, _NOTHING, None, check) is kept.MISS:
+        _barrier(comm, algorithm, check, True, key)
 
 
 def ibarrier(comm=None, *, algorithm="auto", check=None) -> Request:

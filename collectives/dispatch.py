@@ -29,7 +29,8 @@ from .executor import cached_context, context, launch_schedule, schedule_for
 from .progress import Done, Request
 from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
-__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer", "RAGGED"]
+__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer", "RAGGED",
+           "nothing_to_move"]
 
 
 class Call:
@@ -107,13 +108,10 @@ def comm_context(comm, collective: str | None = None):
 def _create(comm, collective):
     """``comm``'s Context, made under the watchdog: a rank that never makes a collective call
     on ``comm`` (it raised, it exited, it computes) leaves the others in this Dup."""
-    entry = _watchdog.watch_setup(comm, collective) if _watchdog.enabled() and \
-        comm.Get_size() > 1 else None
-    try:
+    if comm.Get_size() == 1:
         return context(comm)
-    finally:
-        if entry is not None:
-            _watchdog.unwatch(entry)
+    with _watchdog.watching(what=collective, comm=comm):
+        return context(comm)
 
 
 # -- choose --------------------------------------------------------------------------------------
@@ -149,7 +147,7 @@ def _auto_bytes(call: Call) -> int:
     return call.x.flat.nbytes
 
 
-def _nothing_to_move(call: Call) -> bool:
+def nothing_to_move(call: Call) -> bool:
     """Whether no rank has a byte to move (known alike on every rank)."""
     collective, counts = call.collective, call.counts
     if collective == "barrier":
@@ -267,7 +265,7 @@ def _run(call: Call, algo: select.Algorithm, plan=None):
     """Start ``call`` with ``algo``, by its kind: the one place that dispatches on it
     (``plan``: what ``algo.agree`` agreed, for a record that agrees)."""
     ctx = call.ctx
-    if ctx.size == 1 or _nothing_to_move(call):
+    if ctx.size == 1 or nothing_to_move(call):
         return _trivial(call)
     if algo.kind is SCHEDULE:
         extra = _topology_kwargs(ctx) if algo.needs is TOPOLOGY else ()

@@ -15,9 +15,7 @@ import numpy as np
 from .ops import Op
 from .progress import Done, NativeWork
 
-__all__ = ["launch", "bind", "allreduce", "reduce", "broadcast", "reduce_scatter", "allgather",
-           "alltoall", "gather", "scatter", "barrier",
-           "mpi_type_op"]
+__all__ = ["launch", "bind", "mpi_type_op"]
 
 _CACHE: dict = {}
 _DONE = Done()  # stateless: one serves every blocking call
@@ -71,45 +69,79 @@ def mpi_type_op(op: Op):
 def launch(call):
     """Start ``call`` (a ``collectives.dispatch.Call`` on host buffers) with the MPI library's own
     collective: done at once when it blocks, else the library's request as work."""
-    comm, x, blocking = call.ctx.comm, call.x.flat, call.blocking
-    out = None if call.out is None else call.out.flat
-    collective = call.collective
-    if collective == "allreduce":
-        return allreduce(comm, out if call.inplace else x, out, call.op, blocking)
-    if collective == "reduce":
-        if out is None:  # a non-root rank: nothing received
-            out = x
-        return reduce(comm, out if call.inplace else x, out, call.op, call.root, blocking)
-    if collective == "broadcast":
-        return broadcast(comm, out, call.root, blocking)
-    if collective == "reduce_scatter":
-        return reduce_scatter(comm, x, out, call.counts, call.op, blocking)
-    if collective == "allgather":
-        return allgather(comm, x, out, call.counts, blocking)
-    if collective == "alltoall":
-        return alltoall(comm, x, out, call.counts[0], call.counts[1], blocking)
-    if collective == "gather":
-        return gather(comm, x, out, call.counts, call.root, blocking)
-    if collective == "scatter":
-        return scatter(comm, x, out, call.counts, call.root, blocking)
-    if collective == "barrier":
-        return barrier(comm, blocking)
-    raise ValueError(f"no native {collective}")
+    name, args = _arguments(call)
+    comm = call.ctx.comm
+    if call.blocking:
+        getattr(comm, name)(*args)
+        return _DONE
+    iname = "I" + name.lower()  # Allreduce -> Iallreduce, Bcast -> Ibcast, ...
+    return NativeWork(getattr(comm, iname)(*args), iname)
 
 
 def bind(call):
-    """A blocking allreduce of ``call``'s buffers, bound once: a callable that runs it and
-    returns None (the API's small-call path repeats it for the same buffers)."""
-    mpitype, mpiop = mpi_type_op(call.op)
-    x, out = call.x.flat, call.out.flat
-    recv = [out, out.shape[0], mpitype]
-    return functools.partial(call.ctx.comm.Allreduce,
-                             _send(out if call.inplace else x, out, mpitype), recv, mpiop)
+    """``call``'s blocking MPI collective bound to its buffers once: a callable that runs it
+    and returns None (the API's small-call path repeats it for the same buffers)."""
+    name, args = _arguments(call)
+    return functools.partial(getattr(call.ctx.comm, name), *args)
 
 
-def _work(request, blocking, info):
-    work = NativeWork(request, info)
-    return work.wait() if blocking else work
+def _arguments(call) -> tuple[str, tuple]:
+    """The blocking mpi4py method that runs ``call`` and its arguments: the block forms
+    (``MPI_Allgather``, ``MPI_Gather``, ...) where every rank moves as much, the vector forms
+    (bytes) otherwise. Reductions use the (type, op) pair of ``mpi_type_op``; data movement
+    moves bytes (``MPI.BYTE``), so every dtype works."""
+    from mpi4py import MPI
+    collective, comm = call.collective, call.ctx.comm
+    x = call.x.flat
+    out = None if call.out is None else call.out.flat
+    if collective == "barrier":
+        return "Barrier", ()
+    if collective == "broadcast":
+        return "Bcast", ([out.view(np.uint8), MPI.BYTE], call.root)
+    if collective in ("allreduce", "reduce", "reduce_scatter"):
+        mpitype, mpiop = mpi_type_op(call.op)
+        if collective == "allreduce":
+            return "Allreduce", (_send(out if call.inplace else x, out, mpitype),
+                                 [out, out.shape[0], mpitype], mpiop)
+        if collective == "reduce":
+            if out is None:  # a non-root rank: nothing received
+                return "Reduce", ([x, x.shape[0], mpitype], None, mpiop, call.root)
+            return "Reduce", (_send(out if call.inplace else x, out, mpitype),
+                              [out, out.shape[0], mpitype], mpiop, call.root)
+        counts = call.counts
+        recv = [out, counts[comm.Get_rank()], mpitype]
+        if _even(counts):
+            # the send buffer without a count: mpi4py 4 reads a count here as one block's,
+            # older releases as the whole buffer's; from the buffer alone, both take its length
+            return "Reduce_scatter_block", ([x, mpitype], recv, mpiop)
+        return "Reduce_scatter", ([x, sum(counts), mpitype], recv, counts, mpiop)
+    send = [x.view(np.uint8), MPI.BYTE]
+    if collective == "allgather":
+        # Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, 1.3-2x
+        # slower for equal counts (docs/performance.md).
+        if _even(call.counts):
+            return "Allgather", (send, [out.view(np.uint8), MPI.BYTE])
+        return "Allgatherv", (send, [out.view(np.uint8), _layout(call.counts,
+                                                                 out.dtype.itemsize), MPI.BYTE])
+    if collective == "alltoall":
+        sends, recvs = call.counts[0], call.counts[1]
+        if _even(sends) and _even(recvs) and sends[0] == recvs[0]:
+            return "Alltoall", (send, [out.view(np.uint8), MPI.BYTE])
+        return "Alltoallv", (
+            [x.view(np.uint8), _layout(tuple(sends), x.dtype.itemsize), MPI.BYTE],
+            [out.view(np.uint8), _layout(tuple(recvs), out.dtype.itemsize), MPI.BYTE])
+    even = _even(call.counts)
+    is_root = comm.Get_rank() == call.root
+    if collective == "gather":  # out is only written on the root
+        recv = None if not is_root else [out.view(np.uint8), MPI.BYTE] if even else \
+            [out.view(np.uint8), _layout(tuple(call.counts), out.dtype.itemsize), MPI.BYTE]
+        return ("Gather" if even else "Gatherv"), (send, recv, call.root)
+    if collective == "scatter":  # x is only read on the root
+        sent = None if not is_root else [x.view(np.uint8), MPI.BYTE] if even else \
+            [x.view(np.uint8), _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
+        return ("Scatter" if even else "Scatterv"), (sent, [out.view(np.uint8), MPI.BYTE],
+                                                     call.root)
+    raise ValueError(f"no native {collective}")
 
 
 def _send(x, out, mpitype):
@@ -118,57 +150,6 @@ def _send(x, out, mpitype):
         from mpi4py import MPI
         return MPI.IN_PLACE
     return [x, x.shape[0], mpitype]
-
-
-def allreduce(comm, x, out, op: Op, blocking: bool):
-    mpitype, mpiop = mpi_type_op(op)
-    recv = [out, out.shape[0], mpitype]
-    if blocking:
-        comm.Allreduce(_send(x, out, mpitype), recv, mpiop)
-        return _DONE
-    return _work(comm.Iallreduce(_send(x, out, mpitype), recv, mpiop), False, "Iallreduce")
-
-
-def reduce(comm, x, out, op: Op, root: int, blocking: bool):
-    """``out`` is only written on ``root`` (pass ``out=x`` there for in place)."""
-    mpitype, mpiop = mpi_type_op(op)
-    is_root = comm.Get_rank() == root
-    send = _send(x, out, mpitype) if is_root else [x, x.shape[0], mpitype]
-    recv = [out, out.shape[0], mpitype] if is_root else None
-    if blocking:
-        comm.Reduce(send, recv, mpiop, root)
-        return _DONE
-    return _work(comm.Ireduce(send, recv, mpiop, root), False, "Ireduce")
-
-
-def broadcast(comm, buf, root: int, blocking: bool):
-    from mpi4py import MPI
-    view = [buf.view(np.uint8), MPI.BYTE]
-    if blocking:
-        comm.Bcast(view, root)
-        return _DONE
-    return _work(comm.Ibcast(view, root), False, "Ibcast")
-
-
-def reduce_scatter(comm, x, out, counts, op: Op, blocking: bool):
-    """``MPI_Reduce_scatter_block`` when every rank gets as many elements, else
-    ``MPI_Reduce_scatter`` with the counts."""
-    mpitype, mpiop = mpi_type_op(op)
-    recv = [out, counts[comm.Get_rank()], mpitype]
-    if _even(counts):
-        # the send buffer without a count: mpi4py 4 reads a count here as one block's, older
-        # releases as the whole buffer's; from the buffer alone, both take its length
-        send = [x, mpitype]
-        if blocking:
-            comm.Reduce_scatter_block(send, recv, mpiop)
-            return _DONE
-        return _work(comm.Ireduce_scatter_block(send, recv, mpiop), False,
-                     "Ireduce_scatter_block")
-    send = [x, sum(counts), mpitype]
-    if blocking:
-        comm.Reduce_scatter(send, recv, counts, mpiop)
-        return _DONE
-    return _work(comm.Ireduce_scatter(send, recv, counts, mpiop), False, "Ireduce_scatter")
 
 
 def _even(counts: tuple) -> bool:
@@ -182,74 +163,3 @@ def _layout(counts: tuple, itemsize: int) -> tuple[list, list]:
     numpy's cumsum on a few counts cost more than the 8-byte call itself)."""
     nbytes = [c * itemsize for c in counts]
     return nbytes, list(itertools.accumulate(nbytes[:-1], initial=0))
-
-
-def allgather(comm, x, out, counts, blocking: bool):
-    """``MPI_Allgather`` when every rank sends as many elements, else ``MPI_Allgatherv``.
-
-    Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, 1.3-2x slower for
-    equal counts (docs/performance.md)."""
-    from mpi4py import MPI
-    send = [x.view(np.uint8), MPI.BYTE]
-    if _even(counts):
-        recv = [out.view(np.uint8), MPI.BYTE]
-        if blocking:
-            comm.Allgather(send, recv)
-            return _DONE
-        return _work(comm.Iallgather(send, recv), False, "Iallgather")
-    recv = [out.view(np.uint8), _layout(counts, out.dtype.itemsize), MPI.BYTE]
-    if blocking:
-        comm.Allgatherv(send, recv)
-        return _DONE
-    return _work(comm.Iallgatherv(send, recv), False, "Iallgatherv")
-
-
-def alltoall(comm, x, out, send, recv, blocking: bool):
-    """``MPI_Alltoall`` when every block has one size, else ``MPI_Alltoallv`` (bytes)."""
-    from mpi4py import MPI
-    if _even(send) and _even(recv) and send[0] == recv[0]:
-        sbuf, rbuf = [x.view(np.uint8), MPI.BYTE], [out.view(np.uint8), MPI.BYTE]
-        if blocking:
-            comm.Alltoall(sbuf, rbuf)
-            return _DONE
-        return _work(comm.Ialltoall(sbuf, rbuf), False, "Ialltoall")
-    sbuf = [x.view(np.uint8), _layout(tuple(send), x.dtype.itemsize), MPI.BYTE]
-    rbuf = [out.view(np.uint8), _layout(tuple(recv), out.dtype.itemsize), MPI.BYTE]
-    if blocking:
-        comm.Alltoallv(sbuf, rbuf)
-        return _DONE
-    return _work(comm.Ialltoallv(sbuf, rbuf), False, "Ialltoallv")
-
-
-def gather(comm, x, out, counts, root: int, blocking: bool):
-    """``MPI_Gatherv`` (bytes); ``out`` is only written on ``root``."""
-    from mpi4py import MPI
-    send = [x.view(np.uint8), MPI.BYTE]
-    recv = None
-    if comm.Get_rank() == root:
-        recv = [out.view(np.uint8), _layout(tuple(counts), out.dtype.itemsize), MPI.BYTE]
-    if blocking:
-        comm.Gatherv(send, recv, root)
-        return _DONE
-    return _work(comm.Igatherv(send, recv, root), False, "Igatherv")
-
-
-def scatter(comm, x, out, counts, root: int, blocking: bool):
-    """``MPI_Scatterv`` (bytes); ``x`` is only read on ``root``."""
-    from mpi4py import MPI
-    send = None
-    if comm.Get_rank() == root:
-        send = [x.view(np.uint8), _layout(tuple(counts), x.dtype.itemsize), MPI.BYTE]
-    recv = [out.view(np.uint8), MPI.BYTE]
-    if blocking:
-        comm.Scatterv(send, recv, root)
-        return _DONE
-    return _work(comm.Iscatterv(send, recv, root), False, "Iscatterv")
-
-
-def barrier(comm, blocking: bool):
-    """``MPI_Barrier`` / ``MPI_Ibarrier``."""
-    if blocking:
-        comm.Barrier()
-        return _DONE
-    return _work(comm.Ibarrier(), False, "Ibarrier")

@@ -348,29 +348,29 @@ def test_a_running_schedule_names_its_peer_and_step():
         net.match()
         for run in runs:
             run.test()
-    text0 = watchdog._posted(runs[0].plan, runs[0].hops)
+    text0 = watchdog.registry.posted(runs[0].plan, runs[0].hops)
     assert text0.startswith("recv from rank 2 (op"), text0
     assert "send to rank 1" not in text0   # the sends to rank 1 were taken
-    assert "recv from rank 0" in watchdog._posted(runs[1].plan, runs[1].hops)
+    assert "recv from rank 0" in watchdog.registry.posted(runs[1].plan, runs[1].hops)
 
 
 def test_watchdog_lists_many_posted_ops_as_runs():
     """A large message in small segments posts 10^5 operations at once: the report names them
     as runs of numbers and counts what is past the first few, instead of 10^5 numbers."""
     from collectives import watchdog
-    assert watchdog._spans([3]) == "3"
-    assert watchdog._spans([1, 4, 5, 6, 9]) == "1, 4-6, 9"
-    assert watchdog._spans(list(range(489, 174763))) == "489-174762"
+    assert watchdog.registry.spans([3]) == "3"
+    assert watchdog.registry.spans([1, 4, 5, 6, 9]) == "1, 4-6, 9"
+    assert watchdog.registry.spans(list(range(489, 174763))) == "489-174762"
     many = list(range(0, 40, 2))  # 20 single ops
-    assert watchdog._spans(many) == "0, 2, 4, 6, 8, 10 and 14 more"
+    assert watchdog.registry.spans(many) == "0, 2, 4, 6, 8, 10 and 14 more"
 
 
 def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
     from collectives import watchdog
     aborted = []
-    monkeypatch.setattr(watchdog, "_abort", lambda: aborted.append(time.monotonic()))
-    monkeypatch.setattr(watchdog, "_FIRED", False)
-    monkeypatch.setattr(watchdog, "_grace", lambda: 0.1)
+    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: aborted.append(time.monotonic()))
+    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
+    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
     old = watchdog.set_timeout(0.3)
     with watchdog.label("bucket 0"):
         entry = watchdog.watch(self_ctx, what="allreduce #0 (ring, 8 x float32, sum)")
@@ -396,9 +396,9 @@ def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, m
     of the timeout."""
     from collectives import config, watchdog
     aborted = []
-    monkeypatch.setattr(watchdog, "_abort", lambda: aborted.append(time.monotonic()))
-    monkeypatch.setattr(watchdog, "_FIRED", False)
-    monkeypatch.setattr(watchdog, "_grace", lambda: 0.1)
+    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: aborted.append(time.monotonic()))
+    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
+    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
 
     class Call:
         seq = 4
@@ -442,8 +442,8 @@ def test_summary_names_the_ranks_that_never_joined(self_ctx):
     from collectives import watchdog
 
     class Ctx:  # a 5-rank communicator seen from rank 0
-        rank, size, seq, stash = 0, 5, 6, {}
-    entry = watchdog._Entry(Ctx, None, "allreduce #5 (ring, 8 x float32, sum)", "run")
+        rank, size, seq, stash, comm = 0, 5, 6, {}, None
+    entry = watchdog.Entry(Ctx, None, "allreduce #5 (ring, 8 x float32, sum)", "run")
     entry.seq = 5
     in_it = {"started": 6, "inflight": [(5, "allreduce #5 (...)", 3.1, "recv from rank 3")],
              "last_error": None}
@@ -453,13 +453,13 @@ def test_summary_names_the_ranks_that_never_joined(self_ctx):
         3: {"started": 5, "inflight": [], "last_error": None},                 # skipped it
         # rank 4: no answer
     }
-    text = watchdog._summary(entry, in_it, answers)
+    text = watchdog.monitor.summary(entry, in_it, answers)
     assert "rank 2: finished #5; now idle" in text
     assert "rank 3: has NOT started #5 (it started 5 collectives" in text
     assert "rank 4: no answer" in text
     assert "=> rank 3 never joined #5" in text
     assert "=> rank 4 did not answer" in text
-    everyone = watchdog._summary(entry, in_it, {r: in_it for r in range(1, 5)})
+    everyone = watchdog.monitor.summary(entry, in_it, {r: in_it for r in range(1, 5)})
     assert "every rank is in it" in everyone and "COLLECTIVES_CHECK=1" in everyone
 
 
