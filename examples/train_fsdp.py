@@ -29,7 +29,7 @@ def init(backend: str) -> None:
     import collectives.torch.backend as cb
     if backend == "collectives":
         cb.init_process_group()
-    else:  # gloo's ranks meet through a store; the toolkit's needs none
+    else:  # gloo's ranks meet through the same kind of store (rank 0 serves it)
         comm = MPI.COMM_WORLD
         dist.init_process_group(backend, store=cb.tcp_store(comm), rank=comm.Get_rank(),
                                 world_size=comm.Get_size())
@@ -77,7 +77,7 @@ def main() -> None:
         print(f"{args.backend}: {ranks} ranks, parameters on this rank {mine} of {full_bytes} "
               f"bytes", flush=True)
     dist.destroy_process_group()
-    # Rank 0 serves gloo's store: it must not exit while another rank still tears down.
+    # Rank 0 serves the store: it must not exit while another rank still tears down.
     MPI.COMM_WORLD.Barrier()
 
 

@@ -155,9 +155,18 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         # FSDP2 gathers in place: its input is this rank's slot of the output (as NCCL allows)
-        req = _iallgather_equal(_apart(input, output), output, self._comm,
-                                self._kw("allgather")["algorithm"])
+        req = self._iallgather_equal(_apart(input, output), output)
         return self._submit(opts, [req], [output])
+
+    def _iallgather_equal(self, x, out):
+        """``coll.iallgather`` for ``all_gather_into_tensor``, whose inputs have
+        ``out.numel() / size`` elements on every rank: with those counts given, the toolkit
+        skips the exchange of row counts that ragged all-gathers need, a blocking
+        ``MPI_Allgather`` in which each call would first wait for every rank to reach it (FSDP2
+        makes two all-gathers per layer and step)."""
+        n = x.numel()
+        return coll.iallgather(x.reshape(-1), counts=(n,) * self.size(), out=out.view(-1),
+                               **self._kw("allgather"))
 
     _allgather_base = all_gather_single  # the name before torch 2.12
 
@@ -195,9 +204,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._submit(opts, reqs, output_tensors)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        algorithm = self._kw("allgather")["algorithm"]
-        reqs = [_iallgather_equal(_apart(i, o), o, self._comm, algorithm)
-                for o, i in zip(outputs, inputs)]
+        reqs = [self._iallgather_equal(_apart(i, o), o) for o, i in zip(outputs, inputs)]
         return self._submit(opts, reqs, outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -259,25 +266,6 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         from collectives.buffers import wrap
         reqs = [self._p2p.Irecv(wrap(t).flat.view("u1"), src, tag) for t in tensors]
         return self._submit(None, [_MPIWait(r) for r in reqs], tensors)
-
-
-def _iallgather_equal(x, out, comm, algorithm):
-    """``coll.iallgather(x, out=out)`` for torch's ``all_gather_into_tensor``, whose inputs have
-    ``out.numel() / size`` elements on every rank: the call is made as ``coll.iallgather``
-    makes it, with those counts, instead of learning them from the blocking exchange of row
-    counts that ragged all-gathers need (FSDP2 runs two all-gathers per layer and step; the
-    exchange made each 1.5x slower on a loaded machine, docs/torch.md). ``COLLECTIVES_CHECK``
-    compares the counts across ranks as for any call."""
-    from collectives.buffers import wrap
-    from collectives.dispatch import comm_context, make_call, start
-    ctx = comm_context(comm, "allgather")
-    n = x.numel()
-    if out.numel() != n * ctx.size or out.dtype != x.dtype:
-        raise ValueError(f"all_gather_into_tensor: output of {out.numel()} x {out.dtype} "
-                         f"for {ctx.size} inputs of {n} x {x.dtype}")
-    call = make_call("allgather", ctx, wrap(x.reshape(-1), "input"), wrap(out.view(-1), "output"),
-                     None, 0, (n,) * ctx.size, False, False)
-    return start(call, algorithm, None, out)
 
 
 def _apart(x, out):
