@@ -106,8 +106,11 @@ def _all_gather(x: torch.Tensor, dim: int, comm) -> torch.Tensor:
     if comm.Get_size() == 1:
         return x
     dim = dim % x.dim()
-    traffic.add("allgather", x, comm.Get_size())
-    y = coll.allgather(x.movedim(dim, 0).contiguous(), comm=comm)
+    n = comm.Get_size()
+    traffic.add("allgather", x, n)
+    y = x.movedim(dim, 0).contiguous()
+    # every rank holds the same shape: its counts need no exchange of row counts
+    y = coll.allgather(y, counts=(y.shape[0],) * n, comm=comm)
     return y.movedim(0, dim) if dim else y
 
 
