@@ -245,6 +245,17 @@ def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm=
     return _reduce_scatter(x, op, counts, out, comm, algorithm, check, False)
 
 
+class _CountBuffers:
+    """One communicator's buffers for the row-count exchange (``_allgather_counts``)."""
+
+    __slots__ = ("mine", "table", "send", "recv")
+
+    def __init__(self, ctx):
+        from mpi4py import MPI
+        self.mine, self.table = np.empty(2, np.int64), np.empty((ctx.size, 2), np.int64)
+        self.send, self.recv = [self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]
+
+
 def _allgather_counts(ctx, xb: Buffer | None, error=None,
                       collective="allgather") -> tuple[tuple[int, ...], int]:
     """Every rank's element count, from one small Allgather of (rows, elements per row).
@@ -258,13 +269,8 @@ def _allgather_counts(ctx, xb: Buffer | None, error=None,
     # against 3 us for the MPI_Allgather.
     rows = -1 if xb is None else shape[0] if shape else 1
     row = -1 if xb is None else math.prod(shape[1:]) if shape else 1
-    bufs = ctx.stash.get("allgather_counts")
-    if bufs is None:
-        from mpi4py import MPI
-        mine, table = np.empty(2, np.int64), np.empty((ctx.size, 2), np.int64)
-        bufs = ctx.stash["allgather_counts"] = (mine, table, [mine, MPI.INT64_T],
-                                                [table, MPI.INT64_T])
-    mine, table, send, recv = bufs
+    bufs = ctx.slot(_CountBuffers)
+    mine, table, send, recv = bufs.mine, bufs.table, bufs.send, bufs.recv
     mine[0] = rows
     mine[1] = row
     with _watchdog.watching(ctx, f"{collective} #{ctx.seq} (exchanging row counts: "

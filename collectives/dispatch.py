@@ -119,17 +119,26 @@ def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     """The algorithm ``auto`` runs on ``ctx``'s communicator, memoized per communicator for
     the tuning table in force (``select.load_table`` reads it once)."""
     table = select.load_table()
-    memo = ctx.stash.get("auto")
-    if memo is None or memo[0] is not table:
-        memo = ctx.stash["auto"] = (table, {})
+    memo = ctx.slot(_AutoMemo)
+    if memo.table is not table:
+        memo.table, memo.picks = table, {}
     key = (collective, nbytes, inplace)
-    algo = memo[1].get(key)
+    algo = memo.picks.get(key)
     if algo is None:
         name = select.auto(collective, nbytes, ctx.size, lambda: _single_node(ctx), inplace)
-        if len(memo[1]) >= 1024:  # the sizes a program uses are few; a bound all the same
-            memo[1].clear()
-        algo = memo[1][key] = REGISTRY[collective][name]
+        if len(memo.picks) >= 1024:  # the sizes a program uses are few; a bound all the same
+            memo.picks.clear()
+        algo = memo.picks[key] = REGISTRY[collective][name]
     return algo
+
+
+class _AutoMemo:
+    """``auto``'s picks on one communicator, for the tuning table in force."""
+
+    __slots__ = ("table", "picks")
+
+    def __init__(self, ctx):
+        self.table, self.picks = None, {}
 
 
 # Collectives whose ranks may differ in their input's length (their counts are agreed instead).

@@ -67,11 +67,21 @@ class Context:
         self.seq = 0
         self.lock = threading.Lock()
         self._scratch: dict = {}
-        self.stash: dict = {}  # other modules' per-communicator state (topology, windows, ...)
+        # Each layer's own state of this communicator, one typed slot a layer (``slot``).
+        self.slots: dict = {}
         self.transport = MPITransport(self.comm)
         # Non-blocking calls that move only when a rank runs them (shm's), not yet done: a later
         # call on this communicator runs them first (dispatch.start).
         self.pending: list = []
+
+    def slot(self, kind):
+        """This communicator's state of one layer above the executor: the instance of the
+        class ``kind``, made as ``kind(self)`` on first use and closed with the context (its
+        ``close()``, if it has one)."""
+        state = self.slots.get(kind)
+        if state is None:
+            state = self.slots[kind] = kind(self)
+        return state
 
     def next_seq(self) -> int:
         """The sequence number of the next collective (the same on every rank)."""
@@ -100,14 +110,14 @@ class Context:
 
     def free(self) -> None:
         self._scratch.clear()
-        for fn in list(self.stash.values()):
-            close = getattr(fn, "close", None)
+        for state in list(self.slots.values()):
+            close = getattr(state, "close", None)
             if close is not None:
                 try:
                     close()
                 except Exception:  # noqa: BLE001 - best effort at teardown
                     pass
-        self.stash.clear()
+        self.slots.clear()
         from mpi4py import MPI
         if not MPI.Is_finalized() and self.comm != MPI.COMM_NULL:
             self.comm.Free()

@@ -332,14 +332,27 @@ def discover(comm) -> Topology:
     return Topology(node, numa, source=source)
 
 
+class _Known:
+    """What a communicator's context knows of its topology: the ``Topology``, and the
+    sub-communicators once made (freed with the context)."""
+
+    __slots__ = ("topology", "comms")
+
+    def __init__(self, ctx):
+        self.topology = self.comms = None
+
+    def close(self) -> None:
+        if self.comms is not None:
+            self.comms.close()
+
+
 def topology(comm=None) -> Topology:
     """The (cached) ``Topology`` of ``comm`` (default ``COMM_WORLD``); collective on first use."""
     ctx = _ctx(comm)
-    topo = ctx.stash.get("topology")
-    if topo is None:
-        topo = discover(ctx.comm)
-        ctx.stash["topology"] = topo
-    return topo
+    known = ctx.slot(_Known)
+    if known.topology is None:
+        known.topology = discover(ctx.comm)
+    return known.topology
 
 
 def _ctx(comm):
@@ -375,7 +388,8 @@ def communicators(comm=None) -> Communicators:
     """This rank's node / cross / numa / leaders communicators (collective on first use)."""
     from mpi4py import MPI
     ctx = _ctx(comm)
-    comms = ctx.stash.get("topology.comms")
+    known = ctx.slot(_Known)
+    comms = known.comms
     if comms is None:
         topo = topology(ctx)
         r = ctx.rank
@@ -384,8 +398,7 @@ def communicators(comm=None) -> Communicators:
         cross = ctx.comm.Split(local, topo.node[r])
         numa = ctx.comm.Split(topo.numa[r], r)
         leaders = ctx.comm.Split(0 if local == 0 else MPI.UNDEFINED, r)
-        comms = Communicators(node, cross, numa, leaders)
-        ctx.stash["topology.comms"] = comms
+        comms = known.comms = Communicators(node, cross, numa, leaders)
     return comms
 
 
@@ -440,7 +453,7 @@ def count_traffic(comm=None, topo: Topology | None = None):
     topo = topo or topology(ctx)
     counter = LinkTraffic(topo.links(ctx.rank))
     installed = [(ctx.transport, counter)]
-    comms = ctx.stash.get("topology.comms")
+    comms = ctx.slot(_Known).comms
     if comms is not None:
         r = ctx.rank
         local = topo.local_rank(r)

@@ -8,7 +8,7 @@ import pytest
 import collectives as coll
 from collectives import config
 from collectives.buffers import DTYPES
-from collectives.node import shm
+from collectives.node import shm, window
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests.mpiutil import op_inputs
 
@@ -347,8 +347,7 @@ def test_cma_agreed_on_every_rank():
     from tests.mpiutil import assert_all, world
     comm = world()
     coll.allreduce(np.ones(10), algorithm="shm")
-    wins = [v for k, v in context(comm).stash.items()
-            if isinstance(k, tuple) and k[0] == "shm.window"]
+    wins = list(context(comm).slot(window._Windows).by_chunk.values())
     flags = comm.allgather(tuple(w.cma for w in wins))
     ok = len(set(flags)) == 1
     if comm.Get_size() > 1 and cma.available() and not wins[0].cma:
@@ -365,7 +364,7 @@ def test_window_reused():
     ctx = context(comm)
 
     def windows():
-        return [v for k, v in ctx.stash.items() if isinstance(k, tuple) and k[0] == "shm.window"]
+        return list(ctx.slot(window._Windows).by_chunk.values())
 
     before = windows()
     coll.allreduce(np.ones(100000), algorithm="shm")

@@ -338,8 +338,8 @@ def window(ctx, chunk: int | None = None) -> Window:
     # A slot holds at least one element of the widest dtype (16 bytes) per rank.
     chunk = round_up(max(64, 16 * ctx.size, chunk or config.get("COLLECTIVES_SHM_CHUNK_BYTES")),
                      64)
-    key = ("shm.window", chunk)
-    win = ctx.stash.get(key)
+    windows = ctx.slot(_Windows).by_chunk
+    win = windows.get(chunk)
     if win is not None:
         return win
     from ..topology import node_comm, topology
@@ -348,9 +348,21 @@ def window(ctx, chunk: int | None = None) -> Window:
         raise ValueError(f"algorithm 'shm' needs every rank on one node, but the {ctx.size} "
                          f"ranks of this communicator span {len(topo.nodes)} nodes "
                          f"({topo.source}); use 'hierarchical' or a node communicator")
-    win = Window(node_comm(ctx).Dup(), chunk)  # the window's own, freed with it
-    ctx.stash[key] = win
+    win = windows[chunk] = Window(node_comm(ctx).Dup(), chunk)  # the window's own comm
     return win
+
+
+class _Windows:
+    """A communicator's shared windows, one per chunk size, freed with its context."""
+
+    __slots__ = ("by_chunk",)
+
+    def __init__(self, ctx):
+        self.by_chunk: dict = {}
+
+    def close(self) -> None:
+        for win in self.by_chunk.values():
+            win.close()
 
 
 # -- the work object ------------------------------------------------------------------------

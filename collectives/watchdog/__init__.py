@@ -49,7 +49,7 @@ from __future__ import annotations
 from .. import config
 from . import monitor
 from .channel import Channel
-from .registry import (EXIT_CODE, INFLIGHT, KEY, Entry, current_label, enabled, label, report,
+from .registry import (EXIT_CODE, INFLIGHT, Entry, current_label, enabled, label, report,
                        set_timeout, stall_warning, timeout, unwatch)
 
 __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
@@ -59,8 +59,7 @@ __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "l
 def watch(ctx, call=None, what: str = "", phase: str = "run") -> Entry:
     """Register a collective that starts now on ``ctx`` (``call``, or a description)."""
     monitor.launch()
-    if KEY not in ctx.stash:
-        Channel(ctx)
+    ctx.slot(Channel)
     entry = Entry(ctx, call, what, phase)
     INFLIGHT.add(entry)
     return entry
@@ -100,11 +99,11 @@ def enter(ctx, call, phase: str = "run") -> Entry | None:
     """
     if config.get("COLLECTIVES_TIMEOUT") <= 0 and config.get("COLLECTIVES_STALL_WARNING") <= 0:
         return None
-    try:
-        entry = ctx.stash[KEY].entry
-    except KeyError:
+    channel = ctx.slots.get(Channel)
+    if channel is None:
         monitor.launch()
-        entry = Channel(ctx).entry
+        channel = ctx.slot(Channel)
+    entry = channel.entry
     entry.call = call
     entry.seq = call.seq
     entry.phase = phase

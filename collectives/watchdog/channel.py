@@ -37,13 +37,11 @@ class Channel:
         self.comm = ctx.comm
         self.rank, self.size = ctx.rank, ctx.size
         self.tag = ctx.tag_ub
-        self.last_error = None
         self.sends: list = []
         self.told: set = set()       # (asker, seq) already printed
         self.closed = False
         self.entry = registry.Entry(ctx)  # the blocking calls' (``enter``)
         self.entry.active = False
-        ctx.stash[registry.KEY] = self
         registry.CHANNELS.append(self)
 
     def close(self) -> None:

@@ -119,7 +119,7 @@ def _inquire(entry, n: int) -> None:
     if entry.setup:
         return _inquire_setup(entry, head, n)
     ctx = entry.ctx
-    channel = ctx.stash.get(registry.KEY)
+    channel = ctx.slots.get(chan.Channel)
     chan.write(f"[collectives watchdog] rank {ctx.rank}: {entry.describe()} {head}; waiting "
                 f"for: {entry.waiting_for()}")
     answers: dict[int, dict] = {}

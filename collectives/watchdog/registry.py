@@ -16,7 +16,7 @@ from ..schedule import SEND
 
 __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
            "current_label", "Entry",
-           "INFLIGHT", "KEY", "CHANNELS", "unwatch", "inflight", "failed", "state", "report",
+           "INFLIGHT", "CHANNELS", "Failure", "unwatch", "inflight", "failed", "state", "report",
            "posted", "spans"]
 
 EXIT_CODE = 124
@@ -72,7 +72,6 @@ class label:
 
 # -- collectives in flight -------------------------------------------------------------------------
 INFLIGHT: set = set()          # the entries in flight (each communicator's reused one aside)
-KEY = "watchdog"               # a communicator's side channel, in its context's stash
 CHANNELS: list = []            # every side channel (its reused entry of blocking calls)
 
 
@@ -185,12 +184,19 @@ def inflight() -> list:
     return entries
 
 
+class Failure:
+    """A communicator's last failed collective on this rank, in words (``failed``)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, ctx):
+        self.text = None
+
+
 def failed(entry: Entry, error) -> None:
     if entry.setup:
         return
-    channel = entry.ctx.stash.get(KEY)
-    if channel is not None:
-        channel.last_error = f"{entry.describe()} failed: {type(error).__name__}: {error}"
+    entry.ctx.slot(Failure).text = f"{entry.describe()} failed: {type(error).__name__}: {error}"
 
 
 def state(ctx) -> dict:
@@ -198,12 +204,12 @@ def state(ctx) -> dict:
     now = time.monotonic()
     running = sorted((e for e in inflight() if e.ctx is ctx and
                       not (e.work is not None and e.work.done)), key=lambda e: e.start)
-    channel = ctx.stash.get(KEY)
+    failure = ctx.slots.get(Failure)
     return {
         "started": ctx.seq,
         "inflight": [(e.seq, e.describe(), round(now - e.start, 1), e.waiting_for())
                      for e in running],
-        "last_error": None if channel is None else channel.last_error,
+        "last_error": None if failure is None else failure.text,
     }
 
 
