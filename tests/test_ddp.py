@@ -119,9 +119,9 @@ def test_no_sync_restores_the_flag_on_error():
     ddp = DDP(_net(0))
     with pytest.raises(KeyError):
         with ddp.no_sync():
-            assert not ddp._require_sync
+            assert not ddp.reducer.require_sync
             raise KeyError("x")
-    assert ddp._require_sync
+    assert ddp.reducer.require_sync
 
 
 def test_hooks_hold_weak_references():

@@ -6,7 +6,9 @@ batch (DDP's float32 tolerance) and check they are bitwise identical on every ra
 against ZeRO's formulas, checkpoints across rank counts and bad input.
 """
 import contextlib
+import gc
 import re
+import weakref
 
 import pytest
 
@@ -184,8 +186,13 @@ def test_bad_inputs_fail_on_every_rank():
         SDP(_net(0), stage=4)
     if comm.Get_size() > 1:
         net = _net(0, hidden=HIDDEN + (r == 1))
-        with pytest.raises(ValueError, match="rank 1"):
+        with pytest.raises(ValueError) as info:
             SDP(net)
+        # DDP's check, shared: the first differing parameter and the ranks, on every rank
+        msg = str(info.value)
+        ok = "ShardedDataParallel: parameter 0 ('head.weight') differs across ranks [0, 1]" \
+            in msg and f"rank 1 has 'head.weight' of shape [{OUT}, {HIDDEN + 1}]" in msg
+        assert_all(ok, msg)
     model = SDP(_net(0), stage=2)
     with pytest.raises(ValueError, match="not one of this model's shards"):
         model.memory_report(torch.optim.SGD(_net(0).parameters(), lr=0.1))
@@ -224,6 +231,20 @@ def test_one_rank_is_plain_training_and_units_cover_every_parameter(stage):
     rep = model.memory_report(opt)
     assert rep["numel"] == sum(q.numel() for q in ref.parameters())
     assert rep["bytes_per_parameter"] == pytest.approx(16.0, rel=0.05)  # N = 1: all formulas 16
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hooks_hold_weak_references(stage):
+    net = _net(0)
+    model = SDP(net, stage=stage)
+    X = torch.randn(3, IN)
+    model(X).sum().backward()   # every hook has fired once
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None, "the module's hooks keep the wrapper alive"
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
 
 
 def test_stage_outside_one_to_three():

@@ -32,14 +32,22 @@ collectives read -- the flat parameters and gradients, the shards of stage 3, th
 gradients of stages 2 and 3 -- are registered buffers (``collectives.registered``), so their
 broadcasts, allreduces, reduce-scatters and all-gathers take the one-pass path
 (``collectives.onepass``); stage 3's gathered layers stay ordinary memory, freed after use.
+
+Construction checks that every rank wraps the same parameters with DDP's check
+(``agreement.check_same_parameters``). The hooks on the module's parameters, layers and
+outputs reach the wrapper through a weak reference (STYLE 10), so the module does not keep a
+dropped wrapper alive, and the wrapper's death removes them.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 
 import torch
 
 from . import functional
+from .agreement import check_same_parameters
 from .buckets import assign
 from .memory import flat_zeros, register_on
 
@@ -101,7 +109,7 @@ class ShardedDataParallel(torch.nn.Module):
         self.algorithm = algorithm
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._check_same_parameters(named)
+        check_same_parameters(named, comm, "ShardedDataParallel")
         if any(p.dtype != named[0][1].dtype or p.device != named[0][1].device for _, p in named):
             raise TypeError("ShardedDataParallel needs one dtype and device for all parameters")
         self._units = self._make_units(named, bucket_cap_mb)
@@ -119,33 +127,23 @@ class ShardedDataParallel(torch.nn.Module):
         self._next_in_forward: dict = {}
         self._shards = torch.nn.ParameterList()
         self._init_buffers()
+        # Hooks reach this object through a weak reference only (STYLE 10): the module's
+        # parameters and layers do not keep it alive, and its death removes them.
+        self._ref = ref = weakref.ref(self)
         self._hooks = []
         for unit in self._units:
             for p in unit.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, u=unit: self._on_grad(u)))
+                    functools.partial(_on_grad, ref, unit)))
         if stage == 3:
             for unit in self._units:
                 self._hooks.append(unit.module.register_forward_pre_hook(
-                    lambda m, a, u=unit: self._before_forward(u)))
+                    functools.partial(_before_forward, ref, unit)))
                 self._hooks.append(unit.module.register_forward_hook(
-                    lambda m, a, out, u=unit: self._after_forward(u, out)))
+                    functools.partial(_after_forward, ref, unit)))
+        weakref.finalize(self, _remove_handles, self._hooks)
 
     # -- construction ---------------------------------------------------------------------------
-    def _check_same_parameters(self, named) -> None:
-        """Raise on every rank, naming parameter and ranks, if the ranks' parameters differ."""
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        every = self.comm.allgather(mine)
-        for r, theirs in enumerate(every):
-            if theirs == every[0]:
-                continue
-            for k in range(max(len(theirs), len(every[0]))):
-                a = every[0][k] if k < len(every[0]) else None
-                b = theirs[k] if k < len(theirs) else None
-                if a != b:
-                    raise ValueError(f"parameters differ across ranks: parameter {k} is {a} on "
-                                     f"rank 0 but {b} on rank {r}")
-
     def _make_units(self, named, bucket_cap_mb):
         if self.stage == 3:
             units, by_module = [], {}
@@ -280,17 +278,15 @@ class ShardedDataParallel(torch.nn.Module):
         self._free(unit)
         if not torch.is_grad_enabled():
             return
-        fired = [False]
-
-        def regather(grad):
-            if not fired[0]:
-                fired[0] = True
-                prev = self._units[unit.index - 1] if unit.index > 0 else None
-                self._ensure_gathered(unit, prev)
-            return grad
+        regather = functools.partial(_regather, self._ref, unit, [False])
         for t in _tensors(out):
             if t.requires_grad:
                 t.register_hook(regather)
+
+    def _regather(self, unit) -> None:
+        """Stage 3, before ``unit``'s backward: gather it again, prefetching the one before."""
+        prev = self._units[unit.index - 1] if unit.index > 0 else None
+        self._ensure_gathered(unit, prev)
 
     # -- backward -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -308,7 +304,8 @@ class ShardedDataParallel(torch.nn.Module):
             self._next_launch = 0
             for u in self._units:
                 u.ready, u.launched = 0, False
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_finish_backward, self._ref))
         unit.ready += 1
         if self._sync:
             self._launch_ready()
@@ -522,6 +519,44 @@ class ShardedDataParallel(torch.nn.Module):
         return {"parameters": params, "gradients": grads, "optimizer": opt,
                 "total": params + grads + opt, "numel": numel,
                 "bytes_per_parameter": (params + grads + opt) / max(numel, 1)}
+
+
+# -- autograd and module hooks: weak references to the wrapper -----------------------------------
+def _on_grad(ref, unit, param):
+    sdp = ref()
+    if sdp is not None:
+        sdp._on_grad(unit)
+
+
+def _before_forward(ref, unit, module, args):
+    sdp = ref()
+    if sdp is not None:
+        sdp._before_forward(unit)
+
+
+def _after_forward(ref, unit, module, args, out):
+    sdp = ref()
+    if sdp is not None:
+        sdp._after_forward(unit, out)
+
+
+def _regather(ref, unit, fired, grad):
+    sdp = ref()
+    if sdp is not None and not fired[0]:
+        fired[0] = True
+        sdp._regather(unit)
+    return grad
+
+
+def _finish_backward(ref):
+    sdp = ref()
+    if sdp is not None:
+        sdp._finish_backward()
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _tensors(out):

@@ -1,0 +1,597 @@
+"""DDP's reducer: gradient buckets, from the first gradient of a backward to the write-back.
+
+``DistributedDataParallel`` holds one ``Reducer`` (``model.reducer``); it works the way torch's
+Reducer does, over the toolkit's collectives:
+
+1. *Buckets.* Parameters are packed into flat buffers (``collectives.torch.buckets``): in
+   reverse order at first, a small first bucket, at most ``bucket_cap_mb`` each. Each
+   parameter's ``.grad`` is a view into its bucket (``gradient_as_bucket_view``), so autograd
+   accumulates straight into the buffer that is reduced: no copies. Registered buckets
+   (``collectives.torch.memory``) on every rank of one node, on the host, with ``auto``, are
+   the *one-pass route*: each bucket's allreduce is the one-pass path (``collectives.onepass``)
+   by name, which skips ``auto``'s agreement at every launch.
+2. *Readiness.* A ``register_post_accumulate_grad_hook`` per parameter (holding a weak
+   reference to the reducer, STYLE 10) marks it ready; a parameter that got no gradient takes
+   part at the end of backward with what it has, or zeros (``find_unused_parameters``).
+3. *Launch.* When a bucket's last gradient lands its hook starts on it while backward goes
+   on. Buckets start strictly in bucket order -- a bucket complete early waits for the ones
+   before it -- so every rank starts the same collectives in the same order. Which hook runs
+   is decided once per backward by ``choose_hook``: the user's, or DDP's own average split
+   into a division as each gradient lands and a sum (on the one-pass route the one-pass
+   average, which divides in cache, or sum).
+4. *End of backward.* A callback queued on the autograd engine waits for every bucket in
+   order, copies each hook's result into its bucket, and rescales where ``join()`` says so.
+5. *Write-back.* Gradients that are not bucket views are copied out; a parameter unused on
+   every rank gets ``grad=None`` back, as in one process.
+6. *Rebuild.* After the first synchronized backward the buckets are rebuilt once, in the
+   order gradients actually became ready (rank 0's order, broadcast, so the same on every rank).
+
+``static_graph=True`` fixes the buckets and how many times each parameter's gradient
+accumulates after the first iteration, so activation checkpointing (reentrant or not) and
+parameters used twice train correctly; ``BackwardStart`` puts the end-of-backward callback on
+the outer backward. ``overlap_forward`` hands ready gradients to ``ForwardOverlap``'s pieces
+instead of launching buckets (``collectives.torch.overlap``).
+"""
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from typing import Callable, NamedTuple
+
+import torch
+
+from collectives import timeline, watchdog
+from collectives.topology import topology
+
+from . import functional
+from .buckets import Bucket, GradBucket, assign
+from .hooks import DefaultState, allreduce_hook
+from .memory import flat_zeros
+from .overlap import ForwardOverlap
+
+__all__ = ["ONE_PASS", "CommStats", "HookChoice", "choose_hook", "sum_hook",
+           "onepass_sum_hook", "onepass_avg_hook", "BackwardStart", "through_backward_start",
+           "Reducer"]
+
+ONE_PASS = "onepass"  # the name of the allreduce the one-pass route asks for
+# dtypes whose sum cannot overflow where the mean would not: the one-pass allreduce averages
+# them itself (the division in cache, no pass of its own)
+_AVERAGED = (torch.float32, torch.float64, torch.bfloat16)
+
+
+class CommStats:
+    """Gradient communication of one DDP: bytes handed to collectives and the time exposed.
+
+    Per synchronized backward, the *span* runs from the first bucket's launch to the moment
+    every bucket is reduced; the *exposed* part is what remains after backward's computation
+    ended (the end-of-backward callback's wait). ``hidden_fraction()`` = 1 - exposed / span.
+    With ``overlap_forward`` the span runs to the last piece finished and the exposed part is
+    the time spent waiting for pieces; the *forward* span starts when backward ends, and
+    ``forward_hidden_fraction()`` is the share of it hidden behind the next forward (and
+    whatever else ran before the waits).
+    """
+
+    __slots__ = ("steps", "wire_bytes", "span_s", "exposed_s", "last_span_s",
+                 "last_exposed_s", "forward_span_s", "forward_exposed_s")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.steps = 0
+        self.wire_bytes = 0
+        self.span_s = self.exposed_s = 0.0
+        self.last_span_s = self.last_exposed_s = 0.0
+        self.forward_span_s = self.forward_exposed_s = 0.0
+
+    def hidden_fraction(self) -> float:
+        """The fraction of the communication span that overlapped backward (1.0 if none)."""
+        return 1.0 - self.exposed_s / self.span_s if self.span_s > 0 else 1.0
+
+    def forward_hidden_fraction(self) -> float:
+        """``overlap_forward``: the fraction of the communication left when backward ended
+        that did not block (1.0 if none)."""
+        if self.forward_span_s <= 0:
+            return 1.0
+        return 1.0 - self.forward_exposed_s / self.forward_span_s
+
+    def __repr__(self):
+        return (f"CommStats(steps={self.steps}, wire_bytes={self.wire_bytes}, "
+                f"span_s={self.span_s:.4f}, exposed_s={self.exposed_s:.4f}, "
+                f"hidden={self.hidden_fraction():.2f})")
+
+
+# -- which hook reduces a bucket --------------------------------------------------------------
+def _first(fut):
+    return fut.value()[0]
+
+
+def sum_hook(state, bucket):
+    """``allreduce_hook`` when DDP has already divided every gradient by the rank count."""
+    return state.all_reduce(bucket.buffer()).get_future().then(_first)
+
+
+def onepass_sum_hook(state, bucket):
+    """``sum_hook`` on the one-pass route: the one-pass allreduce by name, which skips
+    ``auto``'s agreement (one blocking allreduce a bucket that would make each rank wait for
+    the others at every launch)."""
+    return state.all_reduce(bucket.buffer(), ONE_PASS).get_future().then(_first)
+
+
+def onepass_avg_hook(state, bucket):
+    """``allreduce_hook`` on the one-pass route with float buckets: the one-pass average,
+    which divides each chunk while it is in cache, so DDP leaves the gradients undivided."""
+    return state.all_reduce(bucket.buffer(), ONE_PASS, "avg").get_future().then(_first)
+
+
+class HookChoice(NamedTuple):
+    """What reduces this backward's buckets: ``hook(state, bucket)``, and whether DDP divides
+    each gradient by the rank count as it lands (``divide``)."""
+
+    hook: Callable
+    divide: bool
+
+
+def choose_hook(hook, *, ddp_average: bool, one_pass: bool, averages: bool,
+                everyone: bool = True, joined: bool = False,
+                overlap: bool = False) -> HookChoice:
+    """The hook a backward's buckets are reduced with (pure; decided once per backward).
+
+    ``hook`` is the registered one. ``ddp_average``: it is DDP's own average
+    (``allreduce_hook`` on a ``DefaultState``, more than one rank, no ``static_graph``), so DDP
+    may divide each gradient as it lands, while it is in cache, and sum (torch's Reducer
+    without a hook does the same: one pass over the gradients less). ``one_pass``: the buckets
+    are on the one-pass route; ``averages``: every bucket's dtype lets the one-pass allreduce
+    average. ``everyone``: every rank trains this step (under ``join()`` some may stand in);
+    ``joined``: this rank stands in with zeros, and must start the collectives the training
+    ranks start; ``overlap``: ``overlap_forward``'s pieces reduce, DDP divides.
+    """
+    if not ddp_average:
+        return HookChoice(hook, False)
+    if joined:  # zeros need no division; the training ranks sum, since not everyone trains
+        return HookChoice(sum_hook, False)
+    if one_pass and everyone:
+        if averages and not overlap:
+            return HookChoice(onepass_avg_hook, False)
+        return HookChoice(onepass_sum_hook, True)
+    return HookChoice(sum_hook, True)
+
+
+# -- autograd glue (weak references to the reducer only) ---------------------------------------
+def _on_grad_ready(ref, index, param):
+    reducer = ref()
+    if reducer is not None:
+        reducer.grad_ready(index)
+
+
+def _on_backward_end(ref):
+    reducer = ref()
+    if reducer is not None:
+        reducer.end_backward()
+
+
+def _on_forward_pre(ref, module, args):
+    reducer = ref()
+    if reducer is not None and reducer.overlap is not None:
+        reducer.overlap.before(module)
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+class BackwardStart(torch.autograd.Function):
+    """Identity on the forward's outputs whose backward runs first in the *outer* backward.
+
+    With reentrant activation checkpointing a gradient hook may fire inside a nested backward,
+    whose end callback would come too early; queueing the reducer's callback from here puts it
+    on the outer backward, the one that ends last (torch's ``_DDPSink``).
+    """
+
+    @staticmethod
+    def forward(ctx, ref, *tensors):
+        ctx.ref = ref
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reducer = ctx.ref()
+        if reducer is not None:
+            reducer.start_backward()
+        return (None, *grads)
+
+
+def through_backward_start(ref, out):
+    """``out`` with its tensors that need gradients passed through ``BackwardStart``."""
+    if isinstance(out, torch.Tensor):
+        return BackwardStart.apply(ref, out)[0] if out.requires_grad else out
+    if isinstance(out, (tuple, list)):
+        picks = [k for k, t in enumerate(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not picks:
+            return out
+        passed = BackwardStart.apply(ref, *(out[k] for k in picks))
+        items = list(out)
+        for k, t in zip(picks, passed):
+            items[k] = t
+        return type(out)(items) if isinstance(out, list) else tuple(items)
+    return out
+
+
+def _bucket_done(index: int, t0: float, fut):
+    timeline.span_event(f"bucket {index}", "bucket", t0, timeline.now(), {"bucket": index})
+    return fut.value()
+
+
+def _last_occurrences(seq) -> list:
+    """Each distinct item of ``seq`` once, ordered by where it occurs last."""
+    last = {x: k for k, x in enumerate(seq)}
+    return sorted(last, key=last.get)
+
+
+class Reducer:
+    """The buckets of one DDP and their life through each backward (see the module doc)."""
+
+    def __init__(self, params, names, comm, algorithm: str, bucket_cap_mb,
+                 registered_on, find_unused_parameters: bool, gradient_as_bucket_view: bool,
+                 static_graph: bool):
+        self.params, self.names = params, names
+        self.comm, self.size, self.rank = comm, comm.Get_size(), comm.Get_rank()
+        self.algorithm = algorithm
+        self.cap_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.stats = CommStats()
+        self.registered_on = registered_on   # the communicator buckets are registered on
+        # Every bucket registered on every rank of one node, on the host (fixed: the buckets
+        # always hold these parameters); the route also needs the hook's state on ``auto``.
+        # One node as the topology says (simulated nodes included), as dispatch asks.
+        self.on_node = registered_on is not None and self.size > 1 and \
+            topology(comm).single_node and all(p.device.type == "cpu" for p in params)
+        self.averages = all(p.dtype in _AVERAGED for p in params)
+        self.require_sync = True     # False inside no_sync()
+        self.everyone = True         # every rank trains this step (join() says otherwise)
+        self.rescale = 1.0           # join(): the hook's average times this is the wanted one
+        self.rebuild_pending = True
+        self.order: list[int] = []   # indices in the order gradients became ready
+        self.used = bytearray(len(params))   # got a gradient since the last sync
+        self.none_before: list[int] = []     # unused here and grad was None
+        # static_graph: gradient accumulations per parameter in one backward (None until the
+        # first synchronized backward has counted them), and the order of this one's.
+        self.expected = None
+        self.static_order: list[int] = []
+        self.t_backward = 0.0
+        self.overlap = None
+        self.build_buckets(None)
+        self.ref = weakref.ref(self)
+        self.handles = [p.register_post_accumulate_grad_hook(
+            functools.partial(_on_grad_ready, self.ref, i)) for i, p in enumerate(params)]
+        weakref.finalize(self, _remove_handles, self.handles)
+        self.set_hook(allreduce_hook, None)
+        self.reset_iteration()
+
+    def start_overlap(self, module) -> None:
+        """``overlap_forward``: hand ready gradients to pieces that the next forward of
+        ``module`` waits for, module by module (a forward pre-hook on each owner)."""
+        self.overlap = ForwardOverlap(module, self.params, self.names, self.state, self.size)
+        self.overlap.plan(self.buckets, self.piece_algorithm())
+        owners = {id(m): m for m in self.overlap.owner}.values()
+        self.handles.extend(m.register_forward_pre_hook(
+            functools.partial(_on_forward_pre, self.ref)) for m in owners)
+        self.choice = self.choose()
+
+    # -- the hook -----------------------------------------------------------------------------
+    def set_hook(self, hook, state) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` (state None: a ``DefaultState``)."""
+        self.hook = hook
+        self.state = DefaultState(self.comm, self.algorithm) if state is None else state
+        default = hook is allreduce_hook and type(self.state) is DefaultState
+        # With static_graph a gradient may land in two parts, so the hook divides the bucket.
+        self.ddp_average = default and self.size > 1 and not self.static_graph
+        self.one_pass = default and self.on_node and self.state.algorithm == "auto"
+        self.choice = self.choose()
+
+    def choose(self, joined: bool = False) -> HookChoice:
+        """This step's ``choose_hook`` (``joined``: this rank stands in with zeros)."""
+        return choose_hook(self.hook, ddp_average=self.ddp_average, one_pass=self.one_pass,
+                           averages=self.averages, everyone=self.everyone, joined=joined,
+                           overlap=self.overlap is not None)
+
+    def piece_algorithm(self):
+        """``overlap_forward``'s pieces: the one-pass allreduce by name on the one-pass route,
+        so a launch never waits for the others; else the state's algorithm."""
+        return ONE_PASS if self.one_pass else None
+
+    # -- buckets ------------------------------------------------------------------------------
+    def groups(self, order) -> list[list[int]]:
+        """The parameter indices of each bucket for ``order`` (None: reverse order)."""
+        params = self.params
+        return assign([p.numel() * p.element_size() for p in params],
+                      [(p.dtype, p.device) for p in params], self.cap_bytes, order)
+
+    def build_buckets(self, order) -> None:
+        """(Re)make the buckets for ``order``; gradients so far move into the new buffers."""
+        params = self.params
+        alloc = functools.partial(flat_zeros, comm=self.comm) \
+            if self.registered_on is not None else None
+        buckets = [Bucket(k, members, params, alloc)
+                   for k, members in enumerate(self.groups(order))]
+        slots = [None] * len(params)
+        for b in buckets:
+            for pos, i in enumerate(b.members):
+                slots[i] = (b, pos)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                b, pos = slots[i]
+                g = p.grad
+                if g is not None:
+                    b.views[pos].copy_(g)
+                    if self.gradient_as_bucket_view:
+                        p.grad = b.views[pos]
+        self.buckets, self.slots = buckets, slots
+
+    def rebuild(self, joined: bool = False) -> None:
+        """Once, after the first synchronized backward: buckets in the order grads were ready
+        (rank 0's; a rank standing in under ``join()`` has no order of its own)."""
+        self.rebuild_pending = False
+        n = len(self.params)
+        mine = self.order if len(self.order) == n and not joined else range(n - 1, -1, -1)
+        order = torch.tensor(mine, dtype=torch.int64)
+        self.order = []
+        functional.broadcast(order, 0, comm=self.comm)
+        order = order.tolist()
+        if self.groups(order) != [b.members for b in self.buckets]:
+            self.build_buckets(order)
+        if self.overlap is not None:
+            self.overlap.plan(self.buckets, self.piece_algorithm())
+            self.overlap.prioritize(self.comm)
+
+    # -- readiness ----------------------------------------------------------------------------
+    def reset_iteration(self) -> None:
+        """Forget this backward's progress (a new one, or one that raised)."""
+        self.in_backward = False
+        self.ready = bytearray(len(self.params))
+        self.calls = [0] * len(self.params)
+        self.static_order = []
+        self.next = 0
+        self.t_first = None
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.future = None
+            b.grad_bucket = None
+        if self.overlap is not None:
+            self.overlap.reset()
+
+    def start_backward(self) -> None:
+        """Queue the end-of-backward callback on the backward that runs now; choose the hook."""
+        if self.in_backward:
+            return
+        if self.overlap is not None and self.overlap.pending():
+            # Its gradients would land in buckets still on the wire.
+            raise RuntimeError("overlap_forward: this backward started while the last "
+                               "synchronized backward's updates are pending (no forward "
+                               "since); run a forward or model.synchronize() in between")
+        self.in_backward = True
+        self.choice = self.choose()
+        if timeline.on:
+            self.t_backward = timeline.now()
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_on_backward_end, self.ref))
+
+    def grad_ready(self, index: int) -> None:
+        """The post-accumulate-grad hook of parameter ``index``."""
+        self.start_backward()
+        p = self.params[index]
+        b, pos = self.slots[index]
+        view = b.views[pos]
+        sync = self.require_sync
+        complete = True
+        if sync and self.static_graph:
+            self.calls[index] += 1
+            calls = self.calls[index]
+            if self.expected is None:
+                self.static_order.append(index)
+                complete = False   # the first backward launches everything at its end
+            elif calls > self.expected[index]:
+                raise RuntimeError(
+                    f"parameter {self.names[index]!r} got a gradient {calls} times in one "
+                    f"backward, {self.expected[index]} in the first; static_graph=True needs "
+                    f"the same graph every iteration")
+            else:
+                complete = calls == self.expected[index]
+        elif sync and self.ready[index]:
+            raise RuntimeError(f"parameter {self.names[index]!r} got a gradient twice in one "
+                               f"backward (activation checkpointing, a parameter used twice "
+                               f"or a reentrant backward); pass static_graph=True to "
+                               f"DistributedDataParallel if the graph is the same every "
+                               f"iteration")
+        self.used[index] = 1
+        if self.gradient_as_bucket_view:
+            if p.grad is not view:  # set_to_none zero_grad, or a grad the user replaced
+                self.into_bucket(p.grad, view, sync)
+                p.grad = view
+            elif sync and self.choice.divide:
+                view.div_(self.size)  # while this gradient is still in cache
+        elif sync:
+            self.into_bucket(p.grad, view, True)
+        if sync and complete:
+            self.mark_ready(index, b)
+            functional.progress()  # without a progress thread, this is when bytes move
+
+    def into_bucket(self, grad, view, sync: bool) -> None:
+        """Copy ``grad`` into its bucket slot, divided by the rank count if DDP divides."""
+        if sync and self.choice.divide:
+            torch.div(grad, self.size, out=view)  # the copy and the division in one pass
+        else:
+            view.copy_(grad)
+
+    def mark_ready(self, index: int, b: Bucket) -> None:
+        self.ready[index] = 1
+        if self.rebuild_pending:
+            self.order.append(index)
+        b.pending -= 1
+        if self.overlap is not None:
+            self.overlap.ready(index)
+            return
+        if b.pending == 0:
+            if timeline.on:
+                timeline.instant(f"bucket {b.index} ready", "bucket", {"bucket": b.index})
+            buckets = self.buckets
+            while self.next < len(buckets) and buckets[self.next].pending == 0:
+                self.launch(buckets[self.next])
+                self.next += 1
+
+    def mark_unused(self, index: int) -> None:
+        """A parameter without a gradient this backward takes part with what it has (or 0)."""
+        p = self.params[index]
+        b, pos = self.slots[index]
+        view = b.views[pos]
+        g = p.grad
+        if g is None:
+            view.zero_()
+            self.none_before.append(index)
+        elif g is not view:
+            self.into_bucket(g, view, True)
+            if self.gradient_as_bucket_view:
+                p.grad = view
+        elif self.choice.divide:
+            view.div_(self.size)
+        self.mark_ready(index, b)
+
+    # -- launch -------------------------------------------------------------------------------
+    def grad_bucket(self, b: Bucket, flat=None) -> GradBucket:
+        """What the hook sees of ``b`` (``flat``: a joined rank's stand-in buffer)."""
+        params = [self.params[i] for i in b.members]
+        return GradBucket(b.index, b.flat if flat is None else flat, params,
+                          b.index == len(self.buckets) - 1, joined=flat is not None)
+
+    def launch(self, b: Bucket) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        b.grad_bucket = self.grad_bucket(b)
+        names = [self.names[i] for i in b.members]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        # A collective that hangs is reported by the watchdog with its bucket and parameters.
+        with watchdog.label(f"DDP bucket {b.index} of {len(self.buckets)}: {shown}"):
+            fut = self.choice.hook(self.state, b.grad_bucket)
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future and then()'s
+            raise TypeError(f"comm hook {getattr(self.hook, '__name__', self.hook)!r} "
+                            f"returned {type(fut).__name__}, expected a torch.futures.Future")
+        if timeline.on:
+            t0 = timeline.now()
+            timeline.instant(f"bucket {b.index} started", "bucket",
+                             {"bucket": b.index, "bytes": b.nbytes,
+                              "parameters": len(b.members)})
+            fut = fut.then(functools.partial(_bucket_done, b.index, t0))
+        b.future = fut
+
+    # -- end of backward ----------------------------------------------------------------------
+    def end_backward(self) -> None:
+        """The end-of-backward callback: finish every bucket, in order, then tidy up."""
+        self.in_backward = False
+        if timeline.on:
+            timeline.span_event("backward", "phase", self.t_backward, timeline.now(),
+                                {"sync": self.require_sync})
+        if not self.require_sync:
+            return
+        try:
+            t_end = time.perf_counter()
+            if self.static_graph and self.expected is None:
+                self.expected = list(self.calls)
+                for i in _last_occurrences(self.static_order):
+                    self.mark_ready(i, self.slots[i][0])
+            missing = [i for i, ready in enumerate(self.ready) if not ready]
+            if missing and not self.find_unused_parameters and not self.static_graph:
+                names = ", ".join(repr(self.names[i]) for i in missing[:4])
+                raise RuntimeError(
+                    f"rank {self.rank}: {len(missing)} of {len(self.params)} parameters got "
+                    f"no gradient in this backward ({names}{', ...' if len(missing) > 4 else ''}"
+                    f"); pass find_unused_parameters=True if parameters may not take part in "
+                    f"the loss, or static_graph=True with reentrant activation checkpointing")
+            for i in missing:
+                self.mark_unused(i)
+            if self.overlap is not None:
+                self.overlap.end_backward(t_end)
+                self.stats.steps += 1
+                self.stats.wire_bytes = self.state.wire_bytes
+                if self.rebuild_pending:  # the buckets change: nothing may be in flight
+                    self.synchronize()
+                    self.rebuild()
+                return
+            used = None
+            if self.find_unused_parameters:
+                # Every rank takes part: which parameters were used anywhere since the last sync.
+                used = torch.frombuffer(self.used, dtype=torch.uint8).to(torch.int32)
+                functional.all_reduce(used, "max", comm=self.comm)
+            for b in self.buckets:
+                value = functional.wait_future(b.future)
+                if value is not b.flat:
+                    if not isinstance(value, torch.Tensor) or value.numel() != b.flat.numel():
+                        raise TypeError(f"comm hook result for bucket {b.index}: expected a "
+                                        f"tensor of {b.flat.numel()} elements, got "
+                                        f"{getattr(value, 'shape', type(value).__name__)}")
+                    if value.data_ptr() != b.flat.data_ptr():
+                        b.flat.copy_(value.view(-1))
+            t_done = time.perf_counter()
+            if self.rescale != 1.0:  # join(): the hook averaged over ranks sending zeros
+                for b in self.buckets:
+                    b.flat.mul_(self.rescale)
+            self.write_back(used)
+            self.account(t_end, t_done)
+            if self.rebuild_pending:
+                self.rebuild()
+        finally:
+            self.used = bytearray(len(self.params))
+            self.none_before = []
+            self.reset_iteration()
+
+    def write_back(self, used) -> None:
+        """Gradients out of the buckets where they are not views; ``None`` back where a
+        parameter was unused on every rank (``used``: the agreed flags, or None)."""
+        with torch.no_grad():
+            if not self.gradient_as_bucket_view:
+                for i, p in enumerate(self.params):
+                    b, pos = self.slots[i]
+                    if p.grad is None:
+                        p.grad = b.views[pos].clone()
+                    else:
+                        p.grad.copy_(b.views[pos])
+            for i in self.none_before:
+                p = self.params[i]
+                if used is not None and not used[i]:
+                    p.grad = None  # unused on every rank: as in one process
+                elif p.grad is None:
+                    b, pos = self.slots[i]
+                    p.grad = b.views[pos] if self.gradient_as_bucket_view \
+                        else b.views[pos].clone()
+
+    # -- statistics ---------------------------------------------------------------------------
+    def account(self, t_end: float, t_done: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.wire_bytes = getattr(self.state, "wire_bytes", 0)
+        if self.t_first is not None:
+            s.last_span_s = t_done - self.t_first
+            s.last_exposed_s = t_done - t_end
+            s.span_s += s.last_span_s
+            s.exposed_s += s.last_exposed_s
+
+    def synchronize(self) -> None:
+        """``overlap_forward``: wait for every pending piece and apply its update."""
+        if self.overlap is not None and self.overlap.finish_all():
+            self.account_overlap()
+
+    def account_overlap(self) -> None:
+        times = self.overlap.done()
+        if times is None:
+            return
+        span, after, blocked = times
+        s = self.stats
+        s.last_span_s, s.last_exposed_s = span, blocked
+        s.span_s += span
+        s.exposed_s += blocked
+        s.forward_span_s += after
+        s.forward_exposed_s += blocked
