@@ -191,11 +191,12 @@ def _example():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shape,schedule", [((2, 2, 1), "1f1b"), ((2, 2, 1), "zero_bubble"),
-                                            ((2, 2, 2), "1f1b")])
-def test_gpt_3d_equals_one_process(shape, schedule):
-    """pp x dp (x tp) on the first prod(shape) ranks: full parameters after 3 steps (the tied
-    embedding included) equal one process on the whole batch."""
+@pytest.mark.parametrize("shape,schedule,zero", [((2, 2, 1), "1f1b", 0),
+                                                 ((2, 2, 1), "zero_bubble", 1),
+                                                 ((2, 2, 2), "1f1b", 0)])
+def test_gpt_3d_equals_one_process(shape, schedule, zero):
+    """pp x dp (x tp) on the first prod(shape) ranks, DDP or ZeRO-1 over dp: full parameters
+    after 3 steps (the tied embedding included) equal one process on the whole batch."""
     import math
     from mpi4py import MPI
 
@@ -218,7 +219,7 @@ def test_gpt_3d_equals_one_process(shape, schedule):
         torch.manual_seed(0)
         model = ex.GPT(args.vocab, args.dim, args.heads, args.layers)
         tp.parallelize(model, tp_comm, ex.plan(model, False))
-        job = pgpt.PipelinedGPT(model, mesh, schedule=schedule, microbatches=2,
+        job = pgpt.PipelinedGPT(model, mesh, schedule=schedule, microbatches=2, zero=zero,
                                 loss_fn=lambda z, y: tp.vocab_parallel_cross_entropy(z, y,
                                                                                      tp_comm))
         opt = torch.optim.SGD(list(job.parameters()), lr=0.5)
@@ -242,6 +243,9 @@ def test_gpt_3d_equals_one_process(shape, schedule):
             want.append(loss.item())
         if max(abs(a - b) for a, b in zip(losses, want)) > 1e-4:
             ok, msg = False, f"losses {losses} != {want}"
+        for wrapper in job.stages:   # ZeRO: the full parameters from the stepped shards
+            if hasattr(wrapper, "forward_refresh"):
+                wrapper.forward_refresh()
         full = tp.full_state_dict(model, tp_comm)
         k, p = mesh.coord("pp"), mesh.size("pp")
         mine = {"embed.weight"} if k == 0 else set()
@@ -254,7 +258,7 @@ def test_gpt_3d_equals_one_process(shape, schedule):
         refs = ref.state_dict()
         for name in sorted(mine):
             if not torch.allclose(full[name], refs[name], rtol=1e-4, atol=1e-5):
-                ok, msg = False, (f"{name}: {(full[name] - refs[name]).abs().max().item():.2e} "
-                                  f"off after 3 steps")
+                ok, msg = False, (msg + f"{name}: {(full[name] - refs[name]).abs().max().item():.2e} "
+                                  f"off after 3 steps; ")
         sub.Free()
-    assert_all(ok, f"{shape} {schedule}: {msg}")
+    assert_all(ok, f"{shape} {schedule} zero={zero}: {msg}")

@@ -236,7 +236,10 @@ class Pipeline:
                         self._backward(mb, s, inputs, outputs, grads, in_grads)
                 elif kind == W:
                     out, g = outputs.pop((mb, s)), grads.pop((mb, s), None)
-                    params = [q for q in self.modules[s].parameters() if q.requires_grad]
+                    # a data-parallel wrapper's parameters() may be its shards (ZeRO): the
+                    # graph's leaves are the wrapped module's own parameters
+                    inner = getattr(self.modules[s], "module", self.modules[s])
+                    params = [q for q in inner.parameters() if q.requires_grad]
                     if params:
                         with self._accumulating(s, i):
                             torch.autograd.backward(out, g, inputs=params)
