@@ -400,11 +400,14 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key
         send = _row_counts("alltoall", xb.shape[0], counts, size)
         if recv_counts is not None:
             recv = _counts(recv_counts, size)
-        if algorithm == "bruck" and (counts is not None or recv_counts is not None):
-            raise ValueError("alltoall: algorithm 'bruck' needs equal blocks (counts=None)")
-        if algorithm == "hierarchical" and recv_counts is not None:
-            raise ValueError("alltoall: algorithm 'hierarchical' needs every rank's counts; "
-                             "leave recv_counts out")
+        record = REGISTRY["alltoall"].get(algorithm) if type(algorithm) is str else None
+        takes = None if record is None else record.counts  # an unknown name: told later
+        if takes is select.EQUAL and (counts is not None or recv_counts is not None):
+            raise ValueError(f"alltoall: algorithm {algorithm!r} needs equal blocks "
+                             f"(counts=None)")
+        if takes is select.MATRIX and recv_counts is not None:
+            raise ValueError(f"alltoall: algorithm {algorithm!r} needs every rank's counts; "
+                             f"leave recv_counts out")
     except (TypeError, ValueError) as exc:
         error = exc
     if counts is not None and recv_counts is None:  # ragged: learn what comes from whom

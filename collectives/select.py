@@ -53,7 +53,7 @@ from typing import Callable, Mapping
 from . import config
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
-           "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "PREFERENCES", "register", "get",
+           "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "PREFERENCES", "register", "get",
            "algorithms", "auto",
            "rule", "load_table",
            "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "tuning_path", "describe"]
@@ -64,6 +64,9 @@ COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather"
 SHM_COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
 SCHEDULE, DIRECT, NATIVE = "schedule", "direct", "native"
 ANY, ONE_NODE, TOPOLOGY = "any", "one node", "topology"
+# What an all-to-all algorithm takes: any counts, equal blocks only, or any counts as long as
+# every rank's are known (it plans with the whole matrix, so recv_counts cannot stand in).
+ANY_COUNTS, EQUAL, MATRIX = "any counts", "equal blocks", "every rank's counts"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Algorithm:
     prefers: tuple[str, ...] = ()   # the collectives whose ``auto`` tries ``agree`` first
     averages: bool = False          # divides ``op="avg"`` itself
     registered: bool = False        # runs on registered buffers only (``coll.empty``)
+    counts: str = ANY_COUNTS        # alltoall: the counts it takes (ANY_COUNTS, EQUAL, MATRIX)
 
     def __post_init__(self):
         if self.kind == SCHEDULE:
@@ -112,28 +116,33 @@ def register(algorithm: Algorithm) -> None:
 def _register_builtin() -> None:
     from collectives import hierarchical, hierarchical_alltoall, native, ring, tree
     from collectives.node import composite, onepass, shm
-    for name, build, needs in (
+    for name, build, needs, counts in (
         ("ring", {"allreduce": ring.allreduce, "reduce_scatter": ring.reduce_scatter,
-                  "allgather": ring.allgather, "broadcast": ring.broadcast}, ANY),
+                  "allgather": ring.allgather, "broadcast": ring.broadcast}, ANY, ANY_COUNTS),
         ("tree", {"allreduce": tree.allreduce, "reduce": tree.reduce,
-                  "broadcast": tree.broadcast}, ANY),
+                  "broadcast": tree.broadcast}, ANY, ANY_COUNTS),
         ("binomial", {"allreduce": tree.binomial_allreduce, "reduce": tree.binomial_reduce,
                       "broadcast": tree.binomial_broadcast, "gather": tree.binomial_gather,
-                      "scatter": tree.binomial_scatter}, ANY),
-        ("pairwise", {"alltoall": ring.pairwise_alltoall}, ANY),
-        ("bruck", {"alltoall": tree.bruck_alltoall}, ANY),
-        ("double_binary_tree", {"allreduce": tree.double_binary_tree_allreduce}, ANY),
+                      "scatter": tree.binomial_scatter}, ANY, ANY_COUNTS),
+        ("pairwise", {"alltoall": ring.pairwise_alltoall}, ANY, ANY_COUNTS),
+        ("bruck", {"alltoall": tree.bruck_alltoall}, ANY, EQUAL),
+        ("double_binary_tree", {"allreduce": tree.double_binary_tree_allreduce}, ANY,
+         ANY_COUNTS),
         ("recursive_doubling", {"allreduce": tree.recursive_doubling_allreduce,
-                                "allgather": tree.recursive_doubling_allgather}, ANY),
-        ("rabenseifner", {"allreduce": tree.rabenseifner_allreduce}, ANY),
-        ("recursive_halving", {"reduce_scatter": tree.recursive_halving_reduce_scatter}, ANY),
+                                "allgather": tree.recursive_doubling_allgather}, ANY,
+         ANY_COUNTS),
+        ("rabenseifner", {"allreduce": tree.rabenseifner_allreduce}, ANY, ANY_COUNTS),
+        ("recursive_halving", {"reduce_scatter": tree.recursive_halving_reduce_scatter}, ANY,
+         ANY_COUNTS),
         ("hierarchical", {"allreduce": hierarchical.allreduce,
                           "reduce_scatter": hierarchical.reduce_scatter,
                           "allgather": hierarchical.allgather, "reduce": hierarchical.reduce,
                           "broadcast": hierarchical.broadcast,
-                          "alltoall": hierarchical_alltoall.hierarchical_alltoall}, TOPOLOGY),
+                          "alltoall": hierarchical_alltoall.hierarchical_alltoall}, TOPOLOGY,
+         MATRIX),
     ):
-        register(Algorithm(name, SCHEDULE, tuple(build), build=build, needs=needs))
+        register(Algorithm(name, SCHEDULE, tuple(build), build=build, needs=needs,
+                           counts=counts))
     register(Algorithm("native", NATIVE, COLLECTIVES, launch=native.launch))
     register(Algorithm("shm", DIRECT, SHM_COLLECTIVES, launch=shm.launch, needs=ONE_NODE))
     register(Algorithm("hierarchical_shm", DIRECT, ("allreduce",),
