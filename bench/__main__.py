@@ -3,9 +3,10 @@
 Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall,
 gather, scatter),
 ``overhead`` (the API's per-call cost against bare mpi4py), ``ddp`` (data-parallel training
-step), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and ``model`` (the
-alpha-beta-gamma cost model), ``plot`` (redraw JSON results) and ``docs`` (regenerate the
-documentation's sample outputs).
+step), ``fsdp`` (torch's FSDP2 on the backend against gloo; it launches its own jobs, so it runs
+without mpiexec), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and
+``model`` (the alpha-beta-gamma cost model), ``plot`` (redraw JSON results) and ``docs``
+(regenerate the documentation's sample outputs).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ COMMANDS = {
     "scatter": "the same for scatter",
     "overhead": "per-call cost of coll.allreduce against bare mpi4py, small sizes",
     "ddp": "data-parallel training step time (torch)",
+    "fsdp": "torch's FSDP2 step on the collectives backend against gloo (launches its jobs)",
     "zero": "ZeRO stages 1-3 against our DDP: step time, bytes per parameter, peak RSS",
     "tp": "tensor-parallel GPT step: our layers against torch's DTensor on gloo and on ours",
     "tune": "measure every algorithm and write the tuning table auto reads",

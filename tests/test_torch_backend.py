@@ -2,8 +2,9 @@
 
 Every test starts the default group on the toolkit's backend as a user does
 (``cb.init_process_group()``, whose TCP store every rank reaches), so that a gloo group of the
-same ranks can run beside it (``dist.new_group(backend="gloo")``) and give the reference results. Training tests run 5 steps and compare every parameter with one process
-training the same model on the whole batch.
+same ranks can run beside it (``dist.new_group(backend="gloo")``) and give the reference
+results. Training tests run 5 steps and compare every parameter with one process training the
+same model on the whole batch.
 """
 import pytest
 
@@ -315,3 +316,29 @@ def test_bad_splits_raise_on_every_rank_untouched(groups):
     ok = all(m is not None for m in msgs) and bool((o == -1).all())
     assert_all(ok, f"errors {msgs}, output {o}")
     dist.barrier()
+
+
+@pytest.mark.timeout(300)
+def test_bench_fsdp_prints_the_table():
+    """``python -m bench fsdp`` at its smallest (in-process tier: it launches its own mpiexec
+    jobs): a row per job, gloo's then the backend's, and the backend's parameters bitwise
+    gloo's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    if not (Path(sys.executable).parent / "mpiexec").exists():
+        pytest.skip("mpiexec not found beside the interpreter")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(MPIEXEC_TIMEOUT="120")
+    done = subprocess.run([sys.executable, "-m", "bench", "fsdp", "--pairs", "1", "--rounds",
+                           "2", "--steps", "1", "--warmup", "1", "--layers", "2", "--width",
+                           "64", "--batch", "4"], capture_output=True, text=True, timeout=280,
+                          env=env, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
+    assert [row[1] for row in rows] == ["gloo", "collectives"], done.stdout
+    assert len(rows[0]) == 6 + 2 and rows[0][4] == "1.00x", done.stdout  # 2 rounds
+    assert "collectives vs gloo: bitwise equal" in done.stdout, done.stdout
