@@ -13,7 +13,7 @@ For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B
   what the always-on watchdog costs per call.
 
 ``--collectives all`` (or a comma-separated list) measures instead every collective at 8 bytes
-per rank, two rows each: the bare mpi4py call (``Allreduce``, ``Reduce``, ``Bcast``,
+per rank (or at each of ``--sizes``: bytes per rank and block), two rows each: the bare mpi4py call (``Allreduce``, ``Reduce``, ``Bcast``,
 ``Reduce_scatter_block``, ``Allgather``, ``Alltoall``, ``Gather``, ``Scatter``, ``Barrier``) and
 the API's call as a training loop makes it (``algorithm="auto"``, ``out`` given, ``counts``
 given to ``allgather`` and ``gather``), on preallocated buffers.
@@ -83,13 +83,15 @@ COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather"
                "gather", "scatter", "barrier")
 
 
-def _collective_calls(comm, collective: str):
-    """(bare call, API call, the bare call's name) of ``collective`` at 8 bytes per rank."""
+def _collective_calls(comm, collective: str, nbytes: int = 8):
+    """(bare call, API call, the bare call's name) of ``collective`` at ``nbytes`` per rank
+    (per block where a rank sends one to each)."""
     import collectives as coll
     n, rank = comm.Get_size(), comm.Get_rank()
-    x, out = np.ones(2, np.float32), np.zeros(2, np.float32)
-    big, every = np.ones(2 * n, np.float32), np.zeros(2 * n, np.float32)
-    rows = (2,) * n
+    count = max(1, nbytes // 4)
+    x, out = np.ones(count, np.float32), np.zeros(count, np.float32)
+    big, every = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
+    rows = (count,) * n
     root_out = every if rank == 0 else None
     calls = {
         "allreduce": (lambda: comm.Allreduce(x, out), lambda: coll.allreduce(x, out=out),
@@ -112,25 +114,27 @@ def _collective_calls(comm, collective: str):
     return calls[collective]
 
 
-def measure_collectives(comm, collectives=COLLECTIVES, rounds: int = 9,
-                        calls: int = 2000) -> list:
-    """One dict per (collective, row "bare" or "api"): median and spread of the slowest rank's
-    per-call time and the API's gap to the bare call (seconds). Collective over ``comm``."""
+def measure_collectives(comm, collectives=COLLECTIVES, rounds: int = 9, calls: int = 2000,
+                        sizes=(8,)) -> list:
+    """One dict per (collective, size, row "bare" or "api"): median and spread of the slowest
+    rank's per-call time and the API's gap to the bare call (seconds). Collective over
+    ``comm``; fewer calls per block at larger sizes (at most about 64 MiB moved a block)."""
     out = []
     rng = np.random.default_rng(rounds)  # the same orders on every rank
-    for collective in collectives:
-        bare, api, name = _collective_calls(comm, collective)
+    for collective, nbytes in ((c, b) for c in collectives for b in sizes):
+        bare, api, name = _collective_calls(comm, collective, nbytes)
+        block = max(3, min(calls, (64 << 20) // max(1, nbytes * comm.Get_size())))
         fns = {"bare": bare, "api": api}
         for fn in fns.values():  # warm-up, untimed (the API keeps the call's record)
-            for _ in range(max(1, calls // 10)):
+            for _ in range(max(1, block // 10)):
                 fn()
         times = {row: [] for row in fns}
         keys = list(fns)
         for _ in range(rounds):
             for i in rng.permutation(len(keys)):
-                times[keys[i]].append(_block(comm, fns[keys[i]], calls))
+                times[keys[i]].append(_block(comm, fns[keys[i]], block))
         for row in keys:
-            out.append({"collective": collective, "row": row,
+            out.append({"collective": collective, "size": max(1, nbytes // 4) * 4, "row": row,
                         "call": f"comm.{name}" if row == "bare" else f"coll.{collective}",
                         "time": median(times[row]), "spread": spread(times[row]),
                         "over_bare": median(times[row]) - median(times["bare"]),
@@ -140,18 +144,19 @@ def measure_collectives(comm, collectives=COLLECTIVES, rounds: int = 9,
 
 def format_collectives(rows: list, info: dict) -> str:
     """``measure_collectives``'s rows as a Markdown table, one line per collective."""
-    by = {(r["collective"], r["row"]): r for r in rows}
-    lines = [f"# API overhead, 8 B per rank: {info['ranks']} ranks on {info['host']}, "
+    by = {(r["collective"], r["size"], r["row"]): r for r in rows}
+    lines = [f"# API overhead per call: {info['ranks']} ranks on {info['host']}, "
              f"{info['mpi']}; {info['rounds']} rounds of {info['calls']} calls per row, order "
              f"shuffled each round; time = median over rounds of the slowest rank's per-call "
              f"time; spread = interquartile range / median",
-             "", "| collective | bare call | bare (µs) | spread | API (µs) | spread | "
-             "API - bare (µs) |", "|:---|:---|---:|---:|---:|---:|---:|"]
-    for collective in dict.fromkeys(r["collective"] for r in rows):
-        b, a = by[(collective, "bare")], by[(collective, "api")]
-        lines.append(f"| {collective} | {b['call']} | {b['time'] * 1e6:.2f} | "
-                     f"{100 * b['spread']:.1f}% | {a['time'] * 1e6:.2f} | "
-                     f"{100 * a['spread']:.1f}% | {a['over_bare'] * 1e6:+.2f} |")
+             "", "| collective | size | bare call | bare (µs) | spread | API (µs) | spread | "
+             "API - bare (µs) | bare / API |", "|:---|---:|:---|---:|---:|---:|---:|---:|---:|"]
+    for collective, size in dict.fromkeys((r["collective"], r["size"]) for r in rows):
+        b, a = by[(collective, size, "bare")], by[(collective, size, "api")]
+        lines.append(f"| {collective} | {format_size(size)} | {b['call']} | "
+                     f"{b['time'] * 1e6:.2f} | {100 * b['spread']:.1f}% | {a['time'] * 1e6:.2f} | "
+                     f"{100 * a['spread']:.1f}% | {a['over_bare'] * 1e6:+.2f} | "
+                     f"{b['time'] / a['time']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -232,7 +237,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench overhead",
                                 description="per-call cost of coll.allreduce against bare "
                                             "mpi4py comm.Allreduce (run under mpiexec -n N)")
-    p.add_argument("--sizes", default=",".join(format_size(s) for s in SIZES),
+    p.add_argument("--sizes", default=None,
                    help="comma-separated bytes per rank, suffixes K, M (default "
                         "8,64,512,4K,32K,64K)")
     p.add_argument("--modes", default="out,in", help="out,in (default both)")
@@ -245,6 +250,9 @@ def main(argv=None) -> int:
                         "against its bare mpi4py call instead of the allreduce sweep")
     p.add_argument("--json", default=None, help="write the rows as JSON (times in seconds)")
     args = p.parse_args(argv)
+    args.sizes_given = args.sizes is not None
+    if args.sizes is None:
+        args.sizes = ",".join(format_size(s) for s in SIZES)
     chosen = None
     if args.collectives is not None:
         chosen = COLLECTIVES if args.collectives == "all" else \
@@ -257,7 +265,9 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     abort_on_error(comm)
     if chosen is not None:
-        rows = measure_collectives(comm, chosen, max(1, args.rounds), max(1, args.calls))
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] \
+            if args.sizes_given else [8]
+        rows = measure_collectives(comm, chosen, max(1, args.rounds), max(1, args.calls), sizes)
         if comm.Get_rank() == 0:
             info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
                     "mpi": MPI.Get_library_version().splitlines()[0].strip(),

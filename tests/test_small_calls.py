@@ -15,7 +15,7 @@ from tests.mpiutil import assert_all, world
 
 
 def _fresh():
-    kept.CALLS.clear()
+    kept.forget()
 
 
 def _cases(comm):
@@ -125,3 +125,25 @@ def test_counts_given(collective):
     with pytest.raises((ValueError, coll.MismatchError), match="counts|rank"):
         call(x, counts=wrong, check=True)
     assert_all(ok, f"{collective} with counts: {got}")
+
+
+@pytest.mark.mpi
+def test_kept_calls_hold_a_bounded_number_of_bytes():
+    """Fresh arrays every call: the oldest kept calls let go of theirs, so what the records hold
+    stays under the bound, and an array the caller dropped is freed once its record goes."""
+    import gc
+    import weakref
+    _fresh()
+    refs = []
+    per_call = 2 * (1 << 20)  # x and out, 1 MiB each
+    for _ in range(kept.KEPT_BYTES // per_call + 8):
+        x, out = np.ones(1 << 18, np.float32), np.empty(1 << 18, np.float32)
+        coll.allreduce(x, out=out)
+        refs.append(weakref.ref(x))
+        del x, out
+    gc.collect()
+    held = sum(k.nbytes for k in kept.CALLS.values())
+    alive = sum(r() is not None for r in refs)
+    assert_all(held <= kept.KEPT_BYTES and alive == len(kept.CALLS) and refs[0]() is None,
+               f"kept {len(kept.CALLS)} calls holding {held} bytes; {alive} inputs alive")
+    _fresh()
