@@ -162,9 +162,10 @@ def _parent(args) -> int:
           f"pairs of jobs, the order alternating")
     print(f"# a job: {args.warmup} untimed steps, then {args.rounds} rounds of {args.steps} "
           f"steps; a round's ms per step is the slowest rank's mean; cpu ms: the median "
-          f"round's process CPU time per step (all threads), the slowest rank's")
+          f"round's process CPU time per step (all threads), the slowest rank's; cpu max/min: "
+          f"the same over the rounds")
     print(f"# {'pair':>4} {'backend':<12} {'median ms':>9} {'max/min':>8} {'vs gloo':>8} "
-          f"{'cpu ms':>7}  rounds (ms per step)", flush=True)
+          f"{'cpu ms':>7} {'cpu max/min':>11}  rounds (ms per step)", flush=True)
     try:
         for pair in range(args.pairs):
             order = BACKENDS if pair % 2 == 0 else BACKENDS[::-1]
@@ -177,9 +178,10 @@ def _parent(args) -> int:
             for b in BACKENDS:
                 rounds = res[b]["rounds_s"]
                 ratio = f"{med[b] / med['gloo']:.2f}x"
-                cpu = 1e3 * statistics.median(res[b]["cpu_s"])
+                cpus = res[b]["cpu_s"]
                 print(f"  {pair:>4} {b:<12} {1e3 * med[b]:>9.1f} "
-                      f"{max(rounds) / min(rounds):>7.2f}x {ratio:>8} {cpu:>7.1f}  "
+                      f"{max(rounds) / min(rounds):>7.2f}x {ratio:>8} "
+                      f"{1e3 * statistics.median(cpus):>7.1f} {max(cpus) / min(cpus):>10.2f}x  "
                       + " ".join(f"{1e3 * t:.0f}" for t in rounds))
             same = _same(res["collectives"]["file"], res["gloo"]["file"])
             print(f"# pair {pair}: parameters after the run, collectives vs gloo: {same}",

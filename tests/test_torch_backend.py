@@ -340,5 +340,5 @@ def test_bench_fsdp_prints_the_table():
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
     assert [row[1] for row in rows] == ["gloo", "collectives"], done.stdout
-    assert len(rows[0]) == 6 + 2 and rows[0][4] == "1.00x", done.stdout  # 2 rounds
+    assert len(rows[0]) == 7 + 2 and rows[0][4] == "1.00x", done.stdout  # 2 rounds
     assert "collectives vs gloo: bitwise equal" in done.stdout, done.stdout
