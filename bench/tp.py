@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 __all__ = ["main", "VARIANTS"]
@@ -38,11 +37,15 @@ VARIANTS = ("ours", "dtensor-gloo", "dtensor-ours")
 
 
 def _train_gpt():
-    """examples/train_gpt.py as a module (its model, plan and corpus)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "examples"))
-    import train_gpt
-    return train_gpt
+    """examples/train_gpt.py as a module (its model, plan and corpus), loaded from its path:
+    the examples are scripts beside the package, not an installed module."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _dtensor(model, device_mesh):
