@@ -258,15 +258,6 @@ def _print(new, report, n, path, note, dry) -> None:
                                                 f"written to {path}"))
     if note:
         print(f"# note: {note}")
-    if not dry:
-        # What the next job needs to run on this table: nothing at the default path.
-        env = os.environ.get("COLLECTIVES_TUNING", "").strip()
-        if env and Path(os.path.expanduser(env)).resolve() == path.resolve():
-            print(f"# auto reads it while COLLECTIVES_TUNING={env}")
-        elif path.resolve() == output_path().resolve():
-            print("# auto reads it in every job (unless COLLECTIVES_TUNING names another file)")
-        else:
-            print(f"# auto reads it with COLLECTIVES_TUNING={path}")
     print(f"# {'rules':<20} {'size':>10} {'fastest':>19} {'time(us)':>10} {'built-in':>19} "
           f"{'time(us)':>10} {'pick':>19}")
     for key, nbytes, fastest, builtin, win in report:
@@ -280,3 +271,13 @@ def _print(new, report, n, path, note, dry) -> None:
                  if table and table[-1][0] is not None else ""))
     print(f"# pick: the fastest, unless the built-in table's pick is within "
           f"{100 * MARGIN:g}% of it")
+    if not dry:
+        # What the next job needs to run on this table: nothing at the default path.
+        env = os.environ.get("COLLECTIVES_TUNING", "").strip()
+        if env and Path(os.path.expanduser(env)).resolve() == path.resolve():
+            print(f"# auto reads {path} while COLLECTIVES_TUNING={env}")
+        elif path.resolve() == output_path().resolve():
+            print(f"# auto reads {path} in every job (unless COLLECTIVES_TUNING names another "
+                  f"file)")
+        else:
+            print(f"# auto reads {path} with COLLECTIVES_TUNING={path}")

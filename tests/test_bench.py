@@ -729,6 +729,9 @@ def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
                    collectives.algorithms("broadcast") for rule in table)
     assert "in-place" not in tables["broadcast"]
     assert "# allreduce: " in p.stdout and "# allreduce in-place: " in p.stdout
+    # the run says how the next job reads the table, and that past 4K the built-in one applies
+    assert f"# auto reads {path} while COLLECTIVES_TUNING={path}" in p.stdout, p.stdout
+    assert "past 4K: the built-in table" in p.stdout, p.stdout
     old = config.set("COLLECTIVES_TUNING", str(path))
     try:
         for limit, name in tables["allreduce"]["2"]:
