@@ -4,7 +4,8 @@ layers with biases under sequence parallelism; bad input on every rank; paramete
 own clients (DTensor, FSDP2) on the Mesh's groups.
 
 Each MPI test runs on a sub-communicator of the first ranks it needs (the other ranks wait at the
-next test), so it runs at every rank count that holds it and skips below."""
+next test), so it runs at every rank count that holds it and skips below; the GPT's equivalence
+cases, the slowest, run at the rank count they need and at one more."""
 import os
 import sys
 
@@ -87,7 +88,12 @@ CASES = [(2, 1, False, 0), (2, 1, True, 0), (3, 1, False, 0), (3, 1, True, 0),
 def test_gpt_equals_one_process(tp_size, dp, sp, zero):
     """Loss at every step and parameters after 5 AdamW steps equal one process on the whole
     batch (rtol 1e-4); the norms identical on every rank of a tp group."""
+    from mpi4py import MPI
+
     from collectives import Mesh
+    if MPI.COMM_WORLD.Get_size() > tp_size * dp + 1:
+        pytest.skip(f"runs at n = {tp_size * dp} and {tp_size * dp + 1} (a rank outside the "
+                    f"mesh), which bounds the suite's time")
     comm = _first(tp_size * dp)
     msgs = []
     if comm is not None:
