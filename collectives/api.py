@@ -403,8 +403,7 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key
         record = REGISTRY["alltoall"].get(algorithm) if type(algorithm) is str else None
         takes = None if record is None else record.counts  # an unknown name: told later
         if takes is select.EQUAL and (counts is not None or recv_counts is not None):
-            raise ValueError(f"alltoall: algorithm {algorithm!r} needs equal blocks "
-                             f"(counts=None)")
+            raise ValueError(f"alltoall: algorithm {algorithm!r} needs equal blocks (counts=None)")
         if takes is select.MATRIX and recv_counts is not None:
             raise ValueError(f"alltoall: algorithm {algorithm!r} needs every rank's counts; "
                              f"leave recv_counts out")

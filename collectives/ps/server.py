@@ -19,16 +19,15 @@ A rejected request leaves the tables as they were and gets a reply with a status
 worker raises ``TableError`` naming the table and the key. Replies are non-blocking sends,
 completed as the loop goes, so a slow reader never stalls the others.
 
-A stall monitor (a thread woken on the watchdog's settings, ``COLLECTIVES_STALL_WARNING`` and
-``COLLECTIVES_TIMEOUT``) names the workers a queued pull waits for when they have not been
-heard from for that long: it prints a warning, and past the timeout aborts the job with the
-watchdog's ``EXIT_CODE``, since the workers waiting on the laggard would otherwise hang.
+A queued pull that waits on workers not heard from is registered with the watchdog
+(``watchdog.watch_local``), bounded by its settings (``COLLECTIVES_STALL_WARNING``,
+``COLLECTIVES_TIMEOUT``) from the moment the last of those workers was heard: the watchdog
+names them in a warning (kept in ``Server.warnings`` too), and past the timeout aborts the job
+with its ``EXIT_CODE``, since the workers waiting on the laggard would otherwise hang.
 """
 from __future__ import annotations
 
 import json
-import sys
-import threading
 import time
 
 import numpy as np
@@ -82,7 +81,7 @@ class Server:
         from mpi4py import MPI
         hdr = np.empty(P.HEADER, dtype=np.int64)
         status = MPI.Status()
-        monitor = _Monitor(self)
+        stall = _Stall(self)
         try:
             while not self.clocks.all_done():
                 msg = self.comm.Mprobe(MPI.ANY_SOURCE, P.TAG_REQUEST, status)
@@ -91,13 +90,14 @@ class Server:
                 self.clocks.heard(worker)
                 self.requests += 1
                 self.handle(worker, hdr.copy())
+                stall.update()
                 if len(self.sends) >= 64:
                     self.reap()
             self.progress()
             MPI.Request.Waitall([r for r, _ in self.sends])
             self.sends.clear()
         finally:
-            monitor.stop()
+            stall.end()
 
     def handle(self, worker: int, hdr: np.ndarray) -> None:
         """One request from ``worker``."""
@@ -265,65 +265,62 @@ class Server:
         self.queue = waiting
 
 
-class _Monitor:
-    """Names the workers a queued pull waits for, on the watchdog's stall settings."""
+class _Stall:
+    """The watchdog's entry for the oldest queued pull while it waits on workers not heard
+    from (``watchdog.watch_local``), kept up to date by the server's loop after each request:
+    its start is when the last of those workers was heard, so the watchdog warns and aborts
+    on their silence, not on a slow but live worker."""
+
+    done = False  # as the watchdog reads a work's state: the entry is ended by ``end``
 
     def __init__(self, server: Server):
         self.server = server
-        self.warn = watchdog.stall_warning()
-        self.limit = watchdog.timeout()
-        self.event = threading.Event()
-        self.thread = None
-        periods = [t for t in (self.warn, self.limit) if t > 0]
-        if periods:
-            self.tick = min(1.0, min(periods) / 8)
-            self.thread = threading.Thread(target=self.loop, name="ps-stall-monitor",
-                                           daemon=True)
-            self.thread.start()
+        self.entry = None
+        self.on = watchdog.enabled()
 
-    def stop(self) -> None:
-        """End the thread."""
-        self.event.set()
-        if self.thread is not None:
-            self.thread.join()
+    def late(self):
+        """``(oldest queued pull, the workers it waits for)``, or None."""
+        server = self.server
+        if not server.queue:
+            return None
+        pull = min(server.queue, key=lambda q: q[5])
+        clocks, need = server.clocks, pull[4] - pull[2].staleness
+        late = [w for w in range(len(clocks.clock))
+                if not clocks.done[w] and clocks.clock[w] < need]
+        return (pull, late) if late else None
 
-    def loop(self) -> None:
-        """Wake every tick; warn once per stall period; abort past the timeout."""
-        warned = {}
-        while not self.event.wait(self.tick):
-            queue = list(self.server.queue)
-            if not queue:
-                warned.clear()
-                continue
-            now = time.monotonic()
-            worker, _, table, _, clock, since = min(queue, key=lambda q: q[5])
-            waited = now - since
-            clocks = self.server.clocks
-            need = clock - table.staleness
-            late = [w for w in range(len(clocks.clock))
-                    if not clocks.done[w] and clocks.clock[w] < need]
-            if not late:
-                continue
-            quiet = min(now - clocks.seen[w] for w in late)
-            names = ", ".join(f"worker rank {w} (at clock {clocks.clock[w]}, silent "
-                              f"{now - clocks.seen[w]:.1f} s)" for w in late)
-            text = (f"collectives.ps: server rank {self.server.comm.Get_rank()}: worker rank "
-                    f"{worker} has waited {waited:.1f} s in a pull of table {table.name!r} at "
-                    f"clock {clock} (staleness {table.staleness}) for {names}")
-            if self.limit > 0 and quiet >= self.limit:
-                self.say(text + f"; aborting after the {self.limit:g} s timeout")
-                from mpi4py import MPI
-                MPI.COMM_WORLD.Abort(watchdog.EXIT_CODE)
-            if self.warn > 0 and quiet >= self.warn:
-                key = (worker, clock)
-                if now - warned.get(key, -1e18) >= self.warn:
-                    warned[key] = now
-                    self.say(text)
+    def update(self) -> None:
+        """Register, move or end the entry after the server's state changed."""
+        if not self.on:
+            return
+        found = self.late()
+        if found is None:
+            self.end()
+            return
+        (worker, _, table, _, clock, _), late = found
+        what = (f"parameter server: worker rank {worker} waits in a pull of table "
+                f"{table.name!r} at clock {clock} (staleness {table.staleness})")
+        start = float(max(self.server.clocks.seen[w] for w in late))
+        entry = self.entry
+        if entry is None:
+            entry = self.entry = watchdog.watch_local(self.server.comm, what, self,
+                                                      self.server.warnings)
+        elif entry.what == what and entry.start == start:
+            return
+        entry.what, entry.start, entry.warned = what, start, 0
 
-    def say(self, text: str) -> None:
-        """Print a line on stderr and keep it in ``Server.warnings``."""
-        self.server.warnings.append(text)
-        print(text, file=sys.stderr, flush=True)
+    def waiting_for(self) -> str:
+        found = self.late()
+        if found is None:
+            return "nothing (the pull is being answered)"
+        clocks, now = self.server.clocks, time.monotonic()
+        return ", ".join(f"worker rank {w} (at clock {clocks.clock[w]}, silent "
+                         f"{now - clocks.seen[w]:.1f} s)" for w in found[1])
+
+    def end(self) -> None:
+        if self.entry is not None:
+            watchdog.unwatch(self.entry)
+            self.entry = None
 
 
 def _mpi():

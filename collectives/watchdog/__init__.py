@@ -49,11 +49,11 @@ from __future__ import annotations
 from .. import config
 from . import monitor
 from .channel import Channel
-from .registry import (EXIT_CODE, INFLIGHT, Entry, current_label, enabled, label, report,
+from .registry import (EXIT_CODE, INFLIGHT, LOCAL, SETUP, Entry, current_label, enabled, label, report,
                        set_timeout, stall_warning, timeout, unwatch)
 
 __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
-           "enter", "watch", "watching", "watch_setup", "unwatch", "report"]
+           "enter", "watch", "watching", "watch_setup", "watch_local", "unwatch", "report"]
 
 
 def watch(ctx, call=None, what: str = "", phase: str = "run") -> Entry:
@@ -121,6 +121,18 @@ def watch_setup(comm, collective: str | None = None) -> Entry:
     monitor.launch()
     name = f"{collective} #0" if collective else "the first collective"
     entry = Entry(None, None, f"{name} (the first collective call on this communicator)",
-                   comm=comm)
+                   comm=comm, kind=SETUP)
+    INFLIGHT.add(entry)
+    return entry
+
+
+def watch_local(comm, what: str, work, notes: list | None = None) -> Entry:
+    """Register a wait of this rank's own on ``comm`` (a server's queued request): bounded by
+    the watchdog's settings from ``entry.start``, reported on this rank only (``what`` and
+    ``work.waiting_for()``, also appended to ``notes``), the job aborted past the timeout.
+    Its owner keeps ``what`` and ``start`` up to date and ``unwatch``es it when it ends."""
+    monitor.launch()
+    entry = Entry(None, None, what, comm=comm, kind=LOCAL)
+    entry.work, entry.notes = work, notes
     INFLIGHT.add(entry)
     return entry

@@ -118,6 +118,14 @@ def _inquire(entry, n: int) -> None:
                 f"COLLECTIVES_TIMEOUT={registry.timeout():g} s)")
     if entry.setup:
         return _inquire_setup(entry, head, n)
+    if entry.kind is registry.LOCAL:
+        text = (f"[collectives watchdog] rank {entry.rank}: {entry.describe()} {head}; waiting "
+                f"for: {entry.waiting_for()}")
+        if entry.notes is not None:
+            entry.notes.append(text)
+        chan.write(text if n >= 0 else text + f"\n[collectives watchdog] aborting the job: "
+                   f"MPI_Abort(COMM_WORLD, {registry.EXIT_CODE})")
+        return
     ctx = entry.ctx
     channel = ctx.slots.get(chan.Channel)
     chan.write(f"[collectives watchdog] rank {ctx.rank}: {entry.describe()} {head}; waiting "

@@ -15,7 +15,7 @@ from .. import config
 from ..schedule import SEND
 
 __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
-           "current_label", "Entry",
+           "current_label", "COLLECTIVE", "SETUP", "LOCAL", "Entry",
            "INFLIGHT", "CHANNELS", "Failure", "unwatch", "inflight", "failed", "state", "report",
            "posted", "spans"]
 
@@ -75,18 +75,28 @@ INFLIGHT: set = set()          # the entries in flight (each communicator's reus
 CHANNELS: list = []            # every side channel (its reused entry of blocking calls)
 
 
+# What an entry bounds, which says how the monitor reports it.
+COLLECTIVE = "collective"  # a collective on a context: the other ranks are asked (side channel)
+SETUP = "setup"            # a communicator's first call: its Dup, no side channel yet
+LOCAL = "local"            # a wait of this rank's own (a server's queued request): said here
+
+
 class Entry:
-    """One thing in flight on this rank that the watchdog bounds: a collective on a
-    communicator's context (``ctx``), or the first call on a communicator, while its private
-    communicator is created (``ctx`` None: an ``MPI_Comm_dup`` of ``comm`` that every rank
-    must join, with no side channel yet). ``active``: for a communicator's reused entry of
-    blocking calls, whether one runs now. ``told``: the ranks heard from waiting in the same
-    setup."""
+    """One thing in flight on this rank that the watchdog bounds (``kind``): a collective on a
+    communicator's context (``ctx``); the first call on a communicator, while its private
+    communicator is created (an ``MPI_Comm_dup`` of ``comm`` that every rank must join, with
+    no side channel yet); or a wait of this rank's own, which its owner keeps up to date
+    (``what``, ``start``, and ``work.waiting_for()``). ``active``: for a communicator's reused
+    entry of blocking calls, whether one runs now. ``told``: the ranks heard from waiting in
+    the same setup. ``notes``: a list that also receives what the watchdog says of it."""
 
-    __slots__ = ("ctx", "comm", "rank", "size", "call", "what", "seq", "start", "work",
-                 "phase", "label", "warned", "active", "told")
+    __slots__ = ("kind", "ctx", "comm", "rank", "size", "call", "what", "seq", "start", "work",
+                 "phase", "label", "warned", "active", "told", "notes")
 
-    def __init__(self, ctx=None, call=None, what: str = "", phase: str = "run", comm=None):
+    def __init__(self, ctx=None, call=None, what: str = "", phase: str = "run", comm=None,
+                 kind: str = COLLECTIVE):
+        self.kind = kind if ctx is None else COLLECTIVE
+        self.notes = None
         self.ctx, self.call, self.what, self.phase = ctx, call, what, phase
         if ctx is not None:
             self.comm, self.rank, self.size = ctx.comm, ctx.rank, ctx.size
@@ -102,7 +112,7 @@ class Entry:
     @property
     def setup(self) -> bool:
         """Whether this is a communicator's first call, creating its private communicator."""
-        return self.ctx is None
+        return self.kind is SETUP
 
     def finished(self, work) -> None:
         """``work``, this entry's non-blocking collective, has ended: forget it (and with it
@@ -118,6 +128,8 @@ class Entry:
         if self.setup:
             return ("every rank of the communicator to make its first collective call on it "
                     "(MPI_Comm_dup of the communicator, for the toolkit's private one)")
+        if self.kind is LOCAL:
+            return self.work.waiting_for()
         if self.phase == "check":
             return ("the cross-rank argument check (COLLECTIVES_CHECK): an MPI_Allreduce that "
                     "every rank of the communicator must join")
@@ -194,7 +206,7 @@ class Failure:
 
 
 def failed(entry: Entry, error) -> None:
-    if entry.setup:
+    if entry.ctx is None:
         return
     entry.ctx.slot(Failure).text = f"{entry.describe()} failed: {type(error).__name__}: {error}"
 
