@@ -89,7 +89,9 @@ def _across(work, cross, block, op) -> None:
     call = dispatch.make_call("allreduce", ctx, buf, buf, op, inplace=True)
     call.algorithm, call.seq = "ring", ctx.next_seq()
     run = launch_schedule(call, schedule_for(call, ring_allreduce))
-    work.where = lambda: f"the ring across nodes, {run.describe()}: {run.waiting_for()}"
+    # the ring's ranks are the cross communicator's: rank n is this local rank on node n
+    work.where = lambda: (f"the ring across nodes (rank n: the same local rank on node n), "
+                          f"{run.describe()}: {run.waiting_for()}")
     run.wait()
     work.where = None
 
