@@ -147,10 +147,12 @@ def _input_bytes(collective: str, result) -> int:
 
 
 def _algorithms(collective: str, one_node: bool) -> list[str]:
-    """The registered algorithms that can run here (single-node ones only on one node)."""
+    """The registered algorithms a table may name that can run here (single-node ones only on
+    one node; not those that run on registered buffers only, which auto takes by agreement)."""
     from collectives import select
     return [a for a in select.algorithms(collective)
-            if one_node or select.get(collective, a).needs != select.ONE_NODE]
+            if (one_node or select.get(collective, a).needs != select.ONE_NODE)
+            and not select.get(collective, a).registered]
 
 
 def _modes(collective: str, modes) -> list[str]:

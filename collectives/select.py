@@ -270,7 +270,10 @@ def _check_rules(collective: str, rules: dict) -> None:
             for limit, name in rule:
                 if limit is not None and not isinstance(limit, int):
                     raise ValueError(f"{collective} {key}: limit {limit!r} is not a byte count")
-                get(collective, name)
+                if get(collective, name).registered:
+                    raise ValueError(f"{collective} {key}: {name!r} runs on registered buffers "
+                                     f"only, which auto takes on its own where every rank's "
+                                     f"are; a table cannot name it")
 
 
 def _for_size(rules_by_size: dict, size: int):

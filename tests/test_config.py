@@ -238,7 +238,10 @@ def test_a_missing_tuning_file_fails_the_first_call(environ, tmp_path, capsys):
 @pytest.mark.parametrize("text", ["not json {", json.dumps({"version": 1}),
                                   json.dumps({"tables": {"allreduce": {"2": [[None, "nope"]]}}}),
                                   json.dumps({"tables": {"nope": {"2": [[None, "ring"]]}}}),
-                                  json.dumps({"tables": {"allreduce": {"2": [["4K", "ring"]]}}})])
+                                  json.dumps({"tables": {"allreduce": {"2": [["4K", "ring"]]}}}),
+                                  # registered buffers only: auto takes it by agreement
+                                  json.dumps({"tables": {"allreduce":
+                                                         {"2": [[None, "onepass"]]}}})])
 def test_a_bad_tuning_file_fails_the_first_auto_call(text, environ, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(text)
