@@ -1,4 +1,4 @@
-"""collectives.cma in one process: reads of our own memory through process_vm_readv, and the
+"""collectives.node.cma in one process: reads of our own memory through process_vm_readv, and the
 errors (a bad address, a process that does not exist)."""
 import os
 

@@ -1,5 +1,5 @@
 """Registered buffers under mpiexec (n = 1..5): ``coll.empty``, ``coll.is_registered`` and the
-one-pass collectives (``collectives.onepass``).
+one-pass collectives (``collectives.node.onepass``).
 
 Every collective it implements runs on registered buffers for every dtype and op, lengths 0, 1
 and primes, in place and out of place, through tiny chunks, and must give the bits MPI's own
