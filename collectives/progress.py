@@ -222,6 +222,8 @@ class Request:
             _progress_thread().put(self)
         else:
             self._event = None
+            if work.done:  # complete already: nothing tracks it but this request
+                self._release()
 
     def _release(self) -> None:
         """The work has ended: let go of whatever tracks it besides this request (``release``,
