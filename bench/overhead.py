@@ -232,6 +232,21 @@ def format_table(rows: list, info: dict) -> str:
     return "\n".join(lines)
 
 
+def _report(comm, args, rows, form) -> None:
+    """On rank 0: the table ``form`` makes of ``rows``, and ``--json``'s file."""
+    from mpi4py import MPI
+    if comm.Get_rank() != 0:
+        return
+    info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "rounds": max(1, args.rounds), "calls": max(1, args.calls)}
+    print(form(rows, info), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(info, rows=rows), f, indent=1)
+            f.write("\n")
+
+
 def main(argv=None) -> int:
     """``[mpiexec -n N] python -m bench overhead [options]``."""
     p = argparse.ArgumentParser(prog="python -m bench overhead",
@@ -239,7 +254,7 @@ def main(argv=None) -> int:
                                             "mpi4py comm.Allreduce (run under mpiexec -n N)")
     p.add_argument("--sizes", default=None,
                    help="comma-separated bytes per rank, suffixes K, M (default "
-                        "8,64,512,4K,32K,64K)")
+                        "8,64,512,4K,32K,64K; with --collectives, 8)")
     p.add_argument("--modes", default="out,in", help="out,in (default both)")
     p.add_argument("--rounds", type=int, default=9, help="timed rounds (default 9)")
     p.add_argument("--calls", type=int, default=500, help="calls per timed block (default 500)")
@@ -268,27 +283,11 @@ def main(argv=None) -> int:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] \
             if args.sizes_given else [8]
         rows = measure_collectives(comm, chosen, max(1, args.rounds), max(1, args.calls), sizes)
-        if comm.Get_rank() == 0:
-            info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
-                    "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-                    "rounds": max(1, args.rounds), "calls": max(1, args.calls)}
-            print(format_collectives(rows, info), flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(dict(info, rows=rows), f, indent=1)
-                    f.write("\n")
+        _report(comm, args, rows, format_collectives)
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     modes = [m for m in args.modes.split(",") if m in ("out", "in")]
     rows = measure(comm, sizes, modes, max(1, args.rounds), max(1, args.calls),
                    tuple(ROWS) if args.watchdog else ("bare", "native", "auto"))
-    if comm.Get_rank() == 0:
-        info = {"ranks": comm.Get_size(), "host": socket.gethostname(),
-                "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-                "rounds": max(1, args.rounds), "calls": max(1, args.calls)}
-        print(format_table(rows, info), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(info, rows=rows), f, indent=1)
-                f.write("\n")
+    _report(comm, args, rows, format_table)
     return 0
