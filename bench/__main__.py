@@ -2,7 +2,8 @@
 
 Commands: the collectives (allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall,
 gather, scatter),
-``overhead`` (the API's per-call cost against bare mpi4py), ``ddp`` (data-parallel training
+``overhead`` (the API's per-call cost against bare mpi4py), ``memory`` (resident memory over a
+long loop of calls), ``ddp`` (data-parallel training
 step), ``fsdp`` (torch's FSDP2 on the backend against gloo; it launches its own jobs, so it runs
 without mpiexec), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and
 ``model`` (the alpha-beta-gamma cost model), ``plot`` (redraw JSON results) and ``docs``
@@ -25,6 +26,7 @@ COMMANDS = {
     "gather": "the same for gather",
     "scatter": "the same for scatter",
     "overhead": "per-call cost of coll.allreduce against bare mpi4py, small sizes",
+    "memory": "resident memory over thousands of calls of each non-blocking form",
     "ddp": "data-parallel training step time (torch)",
     "fsdp": "torch's FSDP2 step on the collectives backend against gloo (launches its jobs)",
     "zero": "ZeRO stages 1-3 against our DDP: step time, bytes per parameter, peak RSS",

@@ -60,6 +60,7 @@ SHRINK = {
     "bench tune": {"--collectives": "allreduce", "-b": "8", "-e": "64", "-f": "8",
                    "--rounds": "1"},
     "bench overhead": {"--sizes": "8", "--rounds": "1", "--calls": "10"},
+    "bench memory": {"--calls": "20", "--warmup": "5", "--bytes": "4K"},
     "bench ddp": {"--rounds": "1", "--steps": "1", "--warmup": "1"},
     "bench zero": {"--rounds": "1", "--steps": "1"},
     "bench pipeline": {"--microbatches": "2", "--steps": "1", "--warmup": "1"},
