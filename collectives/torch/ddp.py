@@ -142,7 +142,7 @@ class DistributedDataParallel(nn.Module):
             if clash:
                 raise ValueError(f"overlap_forward=True does not combine with "
                                  f"{', '.join(clash)}")
-        # Buckets in shared windows (collectives.registered): every step's allreduce takes
+        # Buckets in shared windows (collectives.node.registered): every step's allreduce takes
         # the one-pass path.
         registered_on = register_on(registered_buckets, comm, algorithm, "registered_buckets")
 

@@ -1,6 +1,6 @@
 """Registered torch tensors: ``empty(shape, dtype=...)`` in a shared window of the node's ranks.
 
-The torch form of ``collectives.empty`` (``collectives.registered``): the same window, seen as
+The torch form of ``collectives.empty`` (``collectives.node.registered``): the same window, seen as
 a CPU tensor of any dtype torch has (bfloat16 included), so that collectives on it take the
 one-pass path. Collective over ``comm`` like ``collectives.empty``.
 """

@@ -8,7 +8,7 @@ Reducer does, over the toolkit's collectives:
    parameter's ``.grad`` is a view into its bucket (``gradient_as_bucket_view``), so autograd
    accumulates straight into the buffer that is reduced: no copies. Registered buckets
    (``collectives.torch.memory``) on every rank of one node, on the host, with ``auto``, are
-   the *one-pass route*: each bucket's allreduce is the one-pass path (``collectives.onepass``)
+   the *one-pass route*: each bucket's allreduce is the one-pass path (``collectives.node.onepass``)
    by name, which skips ``auto``'s agreement at every launch.
 2. *Readiness.* A ``register_post_accumulate_grad_hook`` per parameter (holding a weak
    reference to the reducer, STYLE 10) marks it ready; a parameter that got no gradient takes

@@ -29,9 +29,9 @@ unit), which is all an optimizer sees.
 Flat buffers come from ``flat_buffer`` alone. On one node (``registered_buffers``, default
 ``"auto"``: the ranks share one node and ``algorithm="auto"``) the host buffers that
 collectives read -- the flat parameters and gradients, the shards of stage 3, the packed
-gradients of stages 2 and 3 -- are registered buffers (``collectives.registered``), so their
+gradients of stages 2 and 3 -- are registered buffers (``collectives.node.registered``), so their
 broadcasts, allreduces, reduce-scatters and all-gathers take the one-pass path
-(``collectives.onepass``); stage 3's gathered layers stay ordinary memory, freed after use.
+(``collectives.node.onepass``); stage 3's gathered layers stay ordinary memory, freed after use.
 
 Construction checks that every rank wraps the same parameters with DDP's check
 (``agreement.check_same_parameters``). The hooks on the module's parameters, layers and
