@@ -16,7 +16,8 @@ For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B
 per rank (or at each of ``--sizes``: bytes per rank and block), two rows each: the bare mpi4py call (``Allreduce``, ``Reduce``, ``Bcast``,
 ``Reduce_scatter_block``, ``Allgather``, ``Alltoall``, ``Gather``, ``Scatter``, ``Barrier``) and
 the API's call as a training loop makes it (``algorithm="auto"``, ``out`` given, ``counts``
-given to ``allgather`` and ``gather``), on preallocated buffers.
+given to ``allgather`` and ``gather``, ``header=False`` to ``scatter``), on preallocated
+buffers.
 
 The rows run in interleaved rounds (their order shuffled each round); a round times one
 block of ``--calls`` back-to-back calls of each, after one untimed call; a block's time is the
@@ -108,7 +109,7 @@ def _collective_calls(comm, collective: str, nbytes: int = 8):
         "gather": (lambda: comm.Gather(x, root_out, root=0),
                    lambda: coll.gather(x, out=root_out, counts=rows), "Gather"),
         "scatter": (lambda: comm.Scatter(big, out, root=0),
-                    lambda: coll.scatter(big, out=out), "Scatter"),
+                    lambda: coll.scatter(big, out=out, header=False), "Scatter"),
         "barrier": (comm.Barrier, coll.barrier, "Barrier"),
     }
     return calls[collective]

@@ -17,9 +17,8 @@ import math
 import numpy as np
 
 from . import check as _check
-from . import config, kept, select
-from . import watchdog as _watchdog
-from .buffers import DTYPES, Buffer, wrap
+from . import config, kept, select, shapes
+from .buffers import Buffer, wrap
 from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
 from .ops import resolve
 from .progress import Request
@@ -184,33 +183,15 @@ def ibroadcast(x, root=0, *, comm=None, algorithm="auto", check=None) -> Request
     return _broadcast(x, root, comm, algorithm, check, False)
 
 
-def _balanced(count: int, size: int) -> tuple[int, ...]:
-    q, r = divmod(count, size)
-    return tuple(q + 1 if k < r else q for k in range(size))
-
-
-def _counts(counts, size: int) -> tuple[int, ...]:
-    """``counts`` as a tuple of ``size`` non-negative ints, or a ValueError saying why not."""
-    try:
-        values = np.asarray(counts)
-    except Exception:  # noqa: BLE001 - anything numpy cannot read is not a counts list
-        values = np.asarray([None])
-    if values.ndim != 1 or len(values) != size or values.dtype.kind not in "iu" or \
-            (values < 0).any():
-        raise ValueError(f"counts must be {size} non-negative integers (one per rank), got "
-                         f"{counts!r}")
-    return tuple(int(c) for c in values)
-
-
 def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "reduce_scatter")
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
         if counts is None:
-            counts = _balanced(xb.count, ctx.size)
+            counts = shapes.balanced(xb.count, ctx.size)
         else:
-            counts = _counts(counts, ctx.size)
+            counts = shapes.counts_of(counts, ctx.size)
             if sum(counts) != xb.count:
                 raise ValueError(f"counts add up to {sum(counts)}, but x has {xb.count} "
                                  f"elements")
@@ -245,72 +226,9 @@ def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm=
     return _reduce_scatter(x, op, counts, out, comm, algorithm, check, False)
 
 
-class _CountBuffers:
-    """One communicator's buffers for the row-count exchange (``_allgather_counts``)."""
-
-    __slots__ = ("mine", "table", "send", "recv")
-
-    def __init__(self, ctx):
-        from mpi4py import MPI
-        self.mine, self.table = np.empty(2, np.int64), np.empty((ctx.size, 2), np.int64)
-        self.send, self.recv = [self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]
-
-
-def _allgather_counts(ctx, xb: Buffer | None, error=None,
-                      collective="allgather") -> tuple[tuple[int, ...], int]:
-    """Every rank's element count, from one small Allgather of (rows, elements per row).
-
-    A rank whose ``x`` was refused (``xb`` None, ``error`` set) still joins, with rows -1, so
-    that every rank raises (``check.settle``) instead of the others waiting.
-    """
-    shape = None if xb is None else xb.shape
-    # Plain ints (math.prod, tolist) and buffers kept on the communicator: this runs on every
-    # allgather, and numpy's reductions on two-element arrays made it 25 us at 8 B, n = 2,
-    # against 3 us for the MPI_Allgather.
-    rows = -1 if xb is None else shape[0] if shape else 1
-    row = -1 if xb is None else math.prod(shape[1:]) if shape else 1
-    bufs = ctx.slot(_CountBuffers)
-    mine, table, send, recv = bufs.mine, bufs.table, bufs.send, bufs.recv
-    mine[0] = rows
-    mine[1] = row
-    with _watchdog.watching(ctx, f"{collective} #{ctx.seq} (exchanging row counts: "
-                                 f"MPI_Allgather)"):
-        ctx.comm.Allgather(send, recv)
-    every_rows, every_row = table.T.tolist()
-    if min(every_rows) < 0:
-        _check.settle(ctx.comm, collective, error)
-    if every_row.count(row) != ctx.size:
-        shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(every_row))
-        raise ValueError(f"{collective}: x's trailing axes must agree on every rank ({shapes})")
-    if row == 1:
-        return tuple(every_rows), sum(every_rows)
-    return tuple(r * row for r in every_rows), sum(every_rows)
-
-
-def _gathered(ctx, x, rows, check, collective) -> tuple[Buffer, tuple[int, ...], int]:
-    """``(x wrapped, every rank's element count, total rows)`` of an allgather or gather:
-    from ``rows`` (every rank's rows, given alike on every rank: nothing to exchange, as
-    ``MPI_Allgather``), else learned with one small exchange (``_allgather_counts``)."""
-    try:
-        xb, error = wrap(x, "x"), None
-        if rows is not None:
-            rows = _counts(rows, ctx.size)
-            mine, row = _rows(xb)
-            if rows[ctx.rank] != mine:
-                raise ValueError(f"{collective}: counts[{ctx.rank}] is {rows[ctx.rank]}, but "
-                                 f"x has {mine} rows on rank {ctx.rank}")
-            return xb, _elements(rows, row), sum(rows)
-    except (TypeError, ValueError) as exc:
-        if rows is not None:
-            raise _check.failed(ctx, collective, check, exc)
-        xb, error = None, exc
-    counts, total = _allgather_counts(ctx, xb, error, collective)
-    return xb, counts, total
-
-
 def _allgather(x, out, comm, algorithm, check, blocking, rows=None, key=None):
     ctx = comm_context(comm, "allgather")
-    xb, counts, rows = _gathered(ctx, x, rows, check, "allgather")
+    xb, counts, rows = shapes.gathered(ctx, x, rows, check, "allgather")
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -344,51 +262,6 @@ def iallgather(x, *, counts=None, out=None, comm=None, algorithm="auto",
 
 
 # -- all-to-all, gather, scatter, barrier ------------------------------------------------------
-def _elements(counts, row: int) -> tuple[int, ...]:
-    return counts if row == 1 else tuple(c * row for c in counts)
-
-
-def _alltoall_counts(ctx, xb, send, recv, error):
-    """``(recv, matrix)`` in rows: ``recv`` as given, or learned with one small Allgather of
-    every rank's (elements per row, send counts), which also gives every rank the whole
-    ``matrix`` (rank i's send counts in row i). A rank whose arguments were refused joins with
-    -1, so that every rank raises (``check.settle``) instead of the others waiting."""
-    size = ctx.size
-    mine = np.full(size + 1, -1, np.int64)
-    if error is None:
-        mine[0] = _rows(xb)[1]
-        mine[1:] = send
-    table = np.empty((size, size + 1), np.int64)
-    with _watchdog.watching(ctx, f"alltoall #{ctx.seq} (exchanging counts: MPI_Allgather)"):
-        ctx.comm.Allgather(mine, table)
-    if table[:, 0].min() < 0:
-        _check.settle(ctx.comm, "alltoall", error)
-    if (table[:, 0] != mine[0]).any():
-        shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(table[:, 0].tolist()))
-        raise ValueError(f"alltoall: x's trailing axes must agree on every rank ({shapes})")
-    matrix = table[:, 1:]
-    return tuple(matrix[:, ctx.rank].tolist()), tuple(map(tuple, matrix.tolist()))
-
-
-def _row_counts(collective: str, rows: int, counts, size: int) -> tuple[int, ...]:
-    """The rows for each rank: ``counts`` checked against x's ``rows``, or equal blocks."""
-    if counts is None:
-        if rows % size:
-            raise ValueError(f"{collective}: x has {rows} rows, which {size} ranks cannot "
-                             f"share equally; pass counts (rows for each rank)")
-        return (rows // size,) * size
-    counts = _counts(counts, size)
-    if sum(counts) != rows:
-        raise ValueError(f"{collective}: counts add up to {sum(counts)}, but x has {rows} rows")
-    return counts
-
-
-def _rows(xb: Buffer) -> tuple[int, int]:
-    """``(rows, elements per row)`` of ``xb``: axis 0 and the product of the others."""
-    shape = xb.shape
-    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-
-
 def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key=None):
     ctx = comm_context(comm, "alltoall")
     size = ctx.size
@@ -397,9 +270,9 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key
         xb = wrap(x, "x")
         if not xb.shape:
             raise ValueError("alltoall: x must have an axis 0 (its rows go to the ranks)")
-        send = _row_counts("alltoall", xb.shape[0], counts, size)
+        send = shapes.row_counts("alltoall", xb.shape[0], counts, size)
         if recv_counts is not None:
-            recv = _counts(recv_counts, size)
+            recv = shapes.counts_of(recv_counts, size)
         record = REGISTRY["alltoall"].get(algorithm) if type(algorithm) is str else None
         takes = None if record is None else record.counts  # an unknown name: told later
         if takes is select.EQUAL and (counts is not None or recv_counts is not None):
@@ -410,20 +283,20 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key
     except (TypeError, ValueError) as exc:
         error = exc
     if counts is not None and recv_counts is None:  # ragged: learn what comes from whom
-        recv, matrix = _alltoall_counts(ctx, xb, send, recv, error)
+        recv, matrix = shapes.alltoall_counts(ctx, xb, send, recv, error)
     elif error is not None:
         raise _check.failed(ctx, "alltoall", check, error)
     elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
         recv, matrix = send, (send,) * size
-    row = _rows(xb)[1]
+    row = shapes.rows_of(xb)[1]
     try:
         outb, inplace = _output(xb, out, (sum(recv),) + tuple(xb.shape[1:]))
         if inplace:
             raise ValueError("alltoall cannot run in place: out must not be x")
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "alltoall", check, exc)
-    counts_e = (_elements(send, row), _elements(recv, row),
-                None if matrix is None else tuple(_elements(r, row) for r in matrix))
+    counts_e = (shapes.elements(send, row), shapes.elements(recv, row),
+                None if matrix is None else tuple(shapes.elements(r, row) for r in matrix))
     call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, blocking)
     # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
     algo = REGISTRY["alltoall"][NATIVE] if matrix is None and algorithm == "auto" else None
@@ -459,7 +332,7 @@ def _gather(x, root, out, comm, algorithm, check, blocking, rows=None, key=None)
         root = _root(root, ctx.size)
     except ValueError as exc:
         raise _check.failed(ctx, "gather", check, exc)
-    xb, counts, rows = _gathered(ctx, x, rows, check, "gather")
+    xb, counts, rows = shapes.gathered(ctx, x, rows, check, "gather")
     outb, result = None, None
     if ctx.rank == root:
         try:
@@ -497,46 +370,16 @@ def igather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
     return _gather(x, root, out, comm, algorithm, check, False, counts)
 
 
-_MAX_AXES = 8  # of a scattered array, besides axis 0 (the header the root broadcasts)
-
-
-def _scatter_header(ctx, root, x, counts):
-    """The root's ``(dtype, trailing shape, counts in rows)``, told to every rank by one small
-    Bcast; a refused call on the root is a ``ValueError`` on every rank."""
-    size = ctx.size
-    head = np.zeros(3 + _MAX_AXES + size, np.int64)
-    error = None
-    if ctx.rank == root:
-        try:
-            xb = wrap(x, "x")
-            if not xb.shape or len(xb.shape) > _MAX_AXES + 1:
-                raise ValueError(f"scatter: x must have 1 to {_MAX_AXES + 1} axes, has "
-                                 f"{len(xb.shape)}")
-            counts = _row_counts("scatter", xb.shape[0], counts, size)
-            trailing = xb.shape[1:]
-            head[0], head[1], head[2] = 1, DTYPES.index(xb.dtype), len(trailing)
-            head[3:3 + len(trailing)] = trailing
-            head[3 + _MAX_AXES:] = counts
-        except (TypeError, ValueError) as exc:
-            error = exc
-    with _watchdog.watching(ctx, f"scatter #{ctx.seq} (the root's counts: MPI_Bcast)"):
-        ctx.comm.Bcast(head, root)
-    if error is not None:
-        raise error
-    if head[0] != 1:
-        raise ValueError(f"scatter: the root (rank {root}) refused its arguments (its own "
-                         f"error says why)")
-    trailing = tuple(head[3:3 + head[2]].tolist())
-    return DTYPES[int(head[1])], trailing, tuple(head[3 + _MAX_AXES:].tolist())
-
-
-def _scatter(x, root, counts, out, comm, algorithm, check, blocking):
+def _scatter(x, root, counts, out, comm, algorithm, check, blocking, header=True, key=None):
     ctx = comm_context(comm, "scatter")
     try:
         root = _root(root, ctx.size)
-    except ValueError as exc:
+        if not header:
+            dtype, trailing, counts = shapes.scatter_known(ctx, root, x, out, counts)
+    except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "scatter", check, exc)
-    dtype, trailing, counts = _scatter_header(ctx, root, x, counts)
+    if header:
+        dtype, trailing, counts = shapes.scatter_header(ctx, root, x, counts)
     try:
         if ctx.rank == root:
             xb = wrap(x, "x")
@@ -556,21 +399,36 @@ def _scatter(x, root, counts, out, comm, algorithm, check, blocking):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "scatter", check, exc)
     row = math.prod(trailing)
-    call = make_call("scatter", ctx, xb, outb, None, root, _elements(counts, row), False,
+    call = make_call("scatter", ctx, xb, outb, None, root, shapes.elements(counts, row), False,
                      blocking)
-    return start(call, algorithm, check, outb.obj)
+    result = start(call, algorithm, check, outb.obj)
+    if blocking:  # kept on out (x is None off the root)
+        kept.keep(key, out, x, comm, call, result, None)
+    return result
 
 
-def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
+def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None,
+            header=True):
     """This rank's block of root's ``x``, split on axis 0 in equal blocks or by ``counts``
-    (given on the root); ``x`` is read on the root only (None elsewhere is fine)."""
-    return _scatter(x, root, counts, out, comm, algorithm, check, True)
+    (given on the root); ``x`` is read on the root only (None elsewhere is fine). The root's
+    dtype, trailing shape and counts reach the others in one small header; ``header=False``
+    (alike on every rank) skips it where every rank passes ``out`` and, if ragged, ``counts``
+    (as ``MPI_Scatterv``)."""
+    key = ("scatter", id(x), id(out), None if x is None else x.dtype, root, counts, id(comm),
+           algorithm) if not header and type(root) is int and \
+        (counts is None or type(counts) is tuple) and kept.small(out, x, None, algorithm) \
+        else None
+    result = kept.repeat(key, out, out, check)
+    if result is not kept.MISS:
+        return result
+    return _scatter(x, root, counts, out, comm, algorithm, check, True, header, key)
 
 
 def iscatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
-             check=None) -> Request:
-    """Non-blocking ``scatter`` (the root's counts are broadcast first, blocking)."""
-    return _scatter(x, root, counts, out, comm, algorithm, check, False)
+             check=None, header=True) -> Request:
+    """Non-blocking ``scatter`` (the root's header is broadcast first, blocking, unless
+    ``header=False``)."""
+    return _scatter(x, root, counts, out, comm, algorithm, check, False, header)
 
 
 _NOTHING = np.empty(0, np.uint8)

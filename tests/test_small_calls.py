@@ -147,3 +147,31 @@ def test_kept_calls_hold_a_bounded_number_of_bytes():
     assert_all(held <= kept.KEPT_BYTES and alive == len(kept.CALLS) and refs[0]() is None,
                f"kept {len(kept.CALLS)} calls holding {held} bytes; {alive} inputs alive")
     _fresh()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ragged", [False, True])
+def test_scatter_without_header(ragged):
+    """``header=False``: every rank passes out (and, if ragged, counts), no header moves; the
+    call is kept and follows the data; a rank without out is an error on every rank (checked)."""
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    _fresh()
+    rows = tuple(j + 1 for j in range(n)) if ragged else (2,) * n
+    counts = rows if ragged else None
+    x = np.zeros((sum(rows), 3), np.int64) if r == n - 1 else None
+    out = np.zeros((rows[r], 3), np.int64)
+    bad = []
+    for step in range(3):
+        if x is not None:
+            x[...] = np.arange(x.size).reshape(x.shape) + 100 * step
+        got = coll.scatter(x, root=n - 1, out=out, counts=counts, header=False)
+        start = sum(rows[:r]) * 3
+        want = (np.arange(start, start + rows[r] * 3) + 100 * step).reshape(rows[r], 3)
+        if got is not out or not np.array_equal(out, want):
+            bad.append(f"step {step}: {got}")
+    remembered = any(k[0] == "scatter" for k in kept.CALLS)
+    with pytest.raises((ValueError, coll.MismatchError), match="out|rank"):
+        coll.scatter(x, root=n - 1, out=None if r == 0 else out, counts=counts, header=False,
+                     check=True)
+    assert_all(not bad and remembered, f"scatter header=False: {bad[:2]}, kept {remembered}")
