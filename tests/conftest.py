@@ -107,6 +107,22 @@ def pytest_runtest_logreport(report):
 
 
 @pytest.fixture
+def process_group():
+    """torch.distributed on the toolkit's backend for one test (left as found: a group that
+    another test made stays, one made here is destroyed, so later tests can make their own)."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import collectives.torch.backend as cb
+    made = not dist.is_initialized()
+    if made:
+        cb.init_process_group()
+    yield
+    if made:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def setting():
     """``setting(name, value)``: ``config.set(name, value)`` for this test only (a blank value:
     the default, as an empty variable is). Settings are read once per process, so a test that

@@ -138,7 +138,6 @@ def test_memory_flat_registered():
     x = coll.empty(ELEMENTS, np.float32)
     _flat("registered allreduce", lambda: coll.allreduce(x, out=x))
     _flat("registered iallreduce", lambda: coll.iallreduce(x, out=x).wait())
-    del x
 
 
 @pytest.mark.mpi
@@ -152,23 +151,16 @@ def test_memory_flat_torch_dropin():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
-def test_memory_flat_torch_backend():
+def test_memory_flat_torch_backend(process_group):
     """torch's own async calls on the backend, as FSDP2 and torch's DDP issue every step."""
-    torch = pytest.importorskip("torch")
+    import torch
     import torch.distributed as dist
-
-    import collectives.torch.backend as cb
-    cb.init_process_group()
-    try:
-        n = dist.get_world_size()
-        full = torch.empty(ELEMENTS * n)
-        _flat("dist.all_reduce(async_op=True)",
-              lambda: dist.all_reduce(torch.ones(ELEMENTS), async_op=True).wait())
-        _flat("dist.all_gather_into_tensor(async_op=True)",
-              lambda: dist.all_gather_into_tensor(full, torch.ones(ELEMENTS),
-                                                  async_op=True).wait())
-        _flat("dist.reduce_scatter_tensor(async_op=True)",
-              lambda: dist.reduce_scatter_tensor(torch.empty(ELEMENTS), torch.ones(ELEMENTS * n),
-                                                 async_op=True).wait())
-    finally:
-        dist.destroy_process_group()
+    n = dist.get_world_size()
+    full = torch.empty(ELEMENTS * n)
+    _flat("dist.all_reduce(async_op=True)",
+          lambda: dist.all_reduce(torch.ones(ELEMENTS), async_op=True).wait())
+    _flat("dist.all_gather_into_tensor(async_op=True)",
+          lambda: dist.all_gather_into_tensor(full, torch.ones(ELEMENTS), async_op=True).wait())
+    _flat("dist.reduce_scatter_tensor(async_op=True)",
+          lambda: dist.reduce_scatter_tensor(torch.empty(ELEMENTS), torch.ones(ELEMENTS * n),
+                                             async_op=True).wait())

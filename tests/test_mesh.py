@@ -70,21 +70,6 @@ def test_bad_layouts(shape, names, size, words):
         check_layout(shape, names, size)
 
 
-@pytest.fixture
-def process_group():
-    """torch.distributed on the toolkit's backend for one test (left as found: a group that
-    another test made stays, one made here is destroyed, so later tests can make their own)."""
-    import torch.distributed as dist
-
-    import collectives.torch.backend as cb
-    made = not dist.is_initialized()
-    if made:
-        cb.init_process_group()
-    yield
-    if made:
-        dist.destroy_process_group()
-
-
 def _factorizations(n, k):
     """Every shape of k axes whose product is n."""
     return [s for s in itertools.product(range(1, n + 1), repeat=k) if math.prod(s) == n]

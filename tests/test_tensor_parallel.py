@@ -191,21 +191,6 @@ def test_layers_built_directly(tp_size):
     _agree(not msgs, "; ".join(msgs), comm)
 
 
-@pytest.fixture
-def process_group():
-    """torch.distributed on the toolkit's backend for one test (left as found: a group that
-    another test made stays, one made here is destroyed, so later tests can make their own)."""
-    import torch.distributed as dist
-
-    import collectives.torch.backend as cb
-    made = not dist.is_initialized()
-    if made:
-        cb.init_process_group()
-    yield
-    if made:
-        dist.destroy_process_group()
-
-
 def _raises(fn):
     try:
         fn()
