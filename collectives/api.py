@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import check as _check
-from . import config, kept, select, shapes
+from . import kept, select, shapes
 from .buffers import Buffer, wrap
 from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
 from .ops import resolve
@@ -95,17 +95,12 @@ def _allreduce(x, op, out, comm, algorithm, check, blocking, key=None):
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks of ``comm``; every rank gets the result (like x)."""
-    key = None
-    if out is not None and type(op) is str and type(algorithm) is str:
-        # inline, as _kept: the smallest calls are allreduces, and a call here costs
-        key = ("allreduce", id(x), id(out), op, id(comm), algorithm)
-        hit = kept.CALLS.get(key)
-        if hit is not None and x.dtype is hit.dtype and out.flags.writeable and \
-                hit.tuning is config.get("COLLECTIVES_TUNING"):
-            return start(hit.call, algorithm, check, out, hit.finalize, hit.algo, hit.bound)
-        if not kept.small(x, out, op, algorithm):
-            key = None
-    return _allreduce(x, op, out, comm, algorithm, check, True, key)
+    key = ("allreduce", id(x), id(out), op, id(comm), algorithm)
+    result = kept.repeat(key, x, out, check)
+    if result is not kept.MISS:
+        return result
+    keep = out is not None and kept.small(x, out, op, algorithm)
+    return _allreduce(x, op, out, comm, algorithm, check, True, key if keep else None)
 
 
 def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None) -> Request:
@@ -137,12 +132,12 @@ def _reduce(x, op, root, out, comm, algorithm, check, blocking, key=None):
 
 def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks onto ``root``: the result there, None elsewhere."""
-    key = ("reduce", id(x), id(out), op, root, id(comm), algorithm) \
-        if kept.small(x, out, op, algorithm) and type(root) is int else None
+    key = ("reduce", id(x), id(out), op, root, id(comm), algorithm)
     result = kept.repeat(key, x, out, check)
     if result is not kept.MISS:
         return result
-    return _reduce(x, op, root, out, comm, algorithm, check, True, key)
+    keep = kept.small(x, out, op, algorithm) and type(root) is int
+    return _reduce(x, op, root, out, comm, algorithm, check, True, key if keep else None)
 
 
 def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
@@ -170,12 +165,12 @@ def _broadcast(x, root, comm, algorithm, check, blocking, key=None):
 
 def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
     """Fill ``x`` on every rank with root's ``x``, in place; returns x."""
-    key = ("broadcast", id(x), root, id(comm), algorithm) \
-        if kept.small(x, None, None, algorithm) and type(root) is int else None
+    key = ("broadcast", id(x), root, id(comm), algorithm)
     result = kept.repeat(key, x, x, check)
     if result is not kept.MISS:
         return result
-    return _broadcast(x, root, comm, algorithm, check, True, key)
+    keep = kept.small(x, None, None, algorithm) and type(root) is int
+    return _broadcast(x, root, comm, algorithm, check, True, key if keep else None)
 
 
 def ibroadcast(x, root=0, *, comm=None, algorithm="auto", check=None) -> Request:
@@ -211,13 +206,13 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking, key=No
 def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
                    check=None):
     """Reduce flat ``x`` over all ranks; rank r gets block r (``counts[r]`` elements, 1-D)."""
-    key = ("reduce_scatter", id(x), id(out), op, counts, id(comm), algorithm) \
-        if kept.small(x, out, op, algorithm) and (counts is None or type(counts) is tuple) \
-        else None
+    key = ("reduce_scatter", id(x), id(out), op, counts, id(comm), algorithm)
     result = kept.repeat(key, x, out, check)
     if result is not kept.MISS:
         return result
-    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, True, key)
+    keep = kept.small(x, out, op, algorithm) and (counts is None or type(counts) is tuple)
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, True,
+                           key if keep else None)
 
 
 def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
@@ -247,12 +242,12 @@ def allgather(x, *, counts=None, out=None, comm=None, algorithm="auto", check=No
     """Concatenate every rank's ``x`` along axis 0 (ranks may differ in that axis' length).
     ``counts``: every rank's rows, given alike on every rank or on none; without it they are
     learned with one small exchange."""
-    key = ("allgather", id(x), id(out), counts, id(comm), algorithm) \
-        if type(counts) is tuple and kept.small(x, out, None, algorithm) else None
+    key = ("allgather", id(x), id(out), counts, id(comm), algorithm)
     result = kept.repeat(key, x, out, check)
     if result is not kept.MISS:
         return result
-    return _allgather(x, out, comm, algorithm, check, True, counts, key)
+    keep = type(counts) is tuple and kept.small(x, out, None, algorithm)
+    return _allgather(x, out, comm, algorithm, check, True, counts, key if keep else None)
 
 
 def iallgather(x, *, counts=None, out=None, comm=None, algorithm="auto",
@@ -310,13 +305,14 @@ def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm
              check=None):
     """Split ``x``'s axis 0 into blocks for the ranks (equal, or ``counts[j]`` rows for rank
     j); returns the rows received from every rank, concatenated in rank order."""
-    key = ("alltoall", id(x), id(out), counts, recv_counts, id(comm), algorithm) \
-        if (counts is None or type(recv_counts) is tuple) and type(counts) in (tuple, kept.NONE) \
-        and kept.small(x, out, None, algorithm) else None
+    key = ("alltoall", id(x), id(out), counts, recv_counts, id(comm), algorithm)
     result = kept.repeat(key, x, out, check)
     if result is not kept.MISS:
         return result
-    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, True, key)
+    keep = (counts is None or type(recv_counts) is tuple) and \
+        type(counts) in (tuple, kept.NONE) and kept.small(x, out, None, algorithm)
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, True,
+                     key if keep else None)
 
 
 def ialltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
@@ -354,13 +350,12 @@ def gather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", che
     """Every rank's ``x`` concatenated along axis 0 on ``root`` (ranks may differ in that
     axis' length); None on the other ranks. ``counts``: every rank's rows, given alike on
     every rank or on none; without it they are learned with one small exchange."""
-    key = ("gather", id(x), id(out), root, counts, id(comm), algorithm) \
-        if type(counts) is tuple and type(root) is int and kept.small(x, out, None, algorithm) \
-        else None
+    key = ("gather", id(x), id(out), root, counts, id(comm), algorithm)
     result = kept.repeat(key, x, out, check)
     if result is not kept.MISS:
         return result
-    return _gather(x, root, out, comm, algorithm, check, True, counts, key)
+    keep = type(counts) is tuple and type(root) is int and kept.small(x, out, None, algorithm)
+    return _gather(x, root, out, comm, algorithm, check, True, counts, key if keep else None)
 
 
 def igather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
@@ -415,13 +410,14 @@ def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", ch
     (alike on every rank) skips it where every rank passes ``out`` and, if ragged, ``counts``
     (as ``MPI_Scatterv``)."""
     key = ("scatter", id(x), id(out), None if x is None else x.dtype, root, counts, id(comm),
-           algorithm) if not header and type(root) is int and \
-        (counts is None or type(counts) is tuple) and kept.small(out, x, None, algorithm) \
-        else None
+           algorithm, header)
     result = kept.repeat(key, out, out, check)
     if result is not kept.MISS:
         return result
-    return _scatter(x, root, counts, out, comm, algorithm, check, True, header, key)
+    keep = not header and type(root) is int and (counts is None or type(counts) is tuple) and \
+        kept.small(out, x, None, algorithm)
+    return _scatter(x, root, counts, out, comm, algorithm, check, True, header,
+                    key if keep else None)
 
 
 def iscatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
@@ -446,9 +442,9 @@ def _barrier(comm, algorithm, check, blocking, key=None):
 
 def barrier(comm=None, *, algorithm="auto", check=None) -> None:
     """Block until every rank of ``comm`` has called ``barrier``."""
-    key = ("barrier", id(comm), algorithm) if type(algorithm) is str else None
+    key = ("barrier", id(comm), algorithm)
     if kept.repeat(key, _NOTHING, None, check) is kept.MISS:
-        _barrier(comm, algorithm, check, True, key)
+        _barrier(comm, algorithm, check, True, key if type(algorithm) is str else None)
 
 
 def ibarrier(comm=None, *, algorithm="auto", check=None) -> Request:

@@ -181,11 +181,11 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
 
 
 # -- validate, choose, run ---------------------------------------------------------------------
-def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=None):
-    """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``
-    (``bound``: the call bound to its buffers already, ``native.bind``); returns the result or
-    a ``Request``. The check comes before the choice: ranks whose arguments differ may choose
-    differently, and a choice may ask the topology (collective on first use)."""
+def start(call: Call, algorithm, check, result, finalize=None, algo=None):
+    """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``;
+    returns the result or a ``Request``. The check comes before the choice: ranks whose
+    arguments differ may choose differently, and a choice may ask the topology (collective on
+    first use)."""
     ctx, collective = call.ctx, call.collective
     if _timeline.on:
         finalize = _traced(call, _timeline.now(), finalize)
@@ -235,8 +235,7 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
                              f"communicator of {ctx.size} ranks spans nodes")
-        # bound: MPI's own blocking call, done on return (work None, as the watchdog reads it)
-        work = _run(call, algo, plan) if bound is None else bound()
+        work = _run(call, algo, plan)
         if entry is not None:
             entry.work = work  # what the watchdog asks where this rank waits
         if call.blocking:
@@ -256,6 +255,32 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None, bound=
         return result
     return Request(work, result, finalize, description=call.describe(),
                    release=None if entry is None else entry.finished)
+
+
+def again(call: Call, bound, check, result, finalize):
+    """``start`` once more for a blocking ``call`` that ran before on the same buffers and
+    whose MPI collective is bound to them (``native.bind``): what the first run worked out (the
+    checks on the arguments, the choice) holds, so this numbers the call, lets the watchdog see
+    it and runs it. A check or the timeline asked for takes ``start``'s whole way."""
+    if check is not None or _timeline.on or config.get("COLLECTIVES_CHECK"):
+        return start(call, call.algorithm, check, result, finalize, call.algo)
+    ctx = call.ctx
+    call.seq = ctx.seq
+    ctx.seq += 1
+    if ctx.pending:
+        _drain(ctx)
+    entry = _watchdog.enter(ctx, call, "run")
+    try:
+        bound()  # done on return: the entry's work stays None, as the watchdog reads it
+    except BaseException as exc:
+        if entry is not None:
+            _watchdog.unwatch(entry, exc)
+        raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
+    if entry is not None:
+        entry.active, entry.call = False, None
+    if finalize is not None:
+        finalize()
+    return result
 
 
 def _traced(call: Call, t0: float, finalize):

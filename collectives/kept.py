@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import config, native, select
-from .dispatch import nothing_to_move, start
+from .dispatch import again, nothing_to_move, start
 
 __all__ = ["KEEP_BYTES", "KEPT_CALLS", "KEPT_BYTES", "CALLS", "MISS", "NONE", "Kept", "repeat",
            "small", "keep", "forget"]
@@ -43,8 +43,9 @@ class Kept:
         if x.dtype is not self.dtype or (out is not None and not out.flags.writeable) or \
                 self.tuning is not config.get("COLLECTIVES_TUNING"):
             return MISS
-        return start(self.call, self.algorithm, check, self.result, self.finalize, self.algo,
-                     self.bound)
+        if self.bound is not None:
+            return again(self.call, self.bound, check, self.result, self.finalize)
+        return start(self.call, self.algorithm, check, self.result, self.finalize, self.algo)
 
 
 MISS = object()
@@ -52,11 +53,13 @@ NONE = type(None)
 
 
 def repeat(key, x, out, check):
-    """The result of the call ``key`` names if an earlier one was kept (``MISS`` otherwise);
-    ``key`` None: a call that is never kept."""
-    if key is None:
+    """The result of the call ``key`` names if an earlier one was kept (``MISS`` otherwise).
+    Only calls that ``small`` allows are kept, so a caller may look its key up before asking
+    ``small``: a hit was allowed when it was kept, and holds the same arrays."""
+    try:
+        hit = CALLS.get(key)
+    except TypeError:  # a key holding a list: never kept
         return MISS
-    hit = CALLS.get(key)
     return MISS if hit is None else hit.run(x, out, check)
 
 

@@ -175,3 +175,51 @@ def test_scatter_without_header(ragged):
         coll.scatter(x, root=n - 1, out=None if r == 0 else out, counts=counts, header=False,
                      check=True)
     assert_all(not bad and remembered, f"scatter header=False: {bad[:2]}, kept {remembered}")
+
+
+@pytest.mark.mpi
+def test_kept_call_takes_the_whole_way_when_checked_or_traced(monkeypatch):
+    """A kept call bound to MPI's own collective skips what its first run worked out, but a
+    check asked for (per call or by ``COLLECTIVES_CHECK``) still runs, and the timeline still
+    records it; every repeat is numbered, as the watchdog and the check read it."""
+    from collectives import check as _check
+    from collectives import config, timeline
+    from collectives.api import comm_context
+    comm = world()
+    _fresh()
+    x, out = np.full(5, comm.Get_rank(), np.float64), np.zeros(5)
+    coll.allreduce(x, out=out)
+    ctx = comm_context(comm, "allreduce")
+    seq = ctx.seq
+    verified = []
+    real = _check.verify
+    monkeypatch.setattr(_check, "verify", lambda *a, **k: (verified.append(k), real(*a, **k)))
+    coll.allreduce(x, out=out)  # the lean repeat: no check
+    coll.allreduce(x, out=out, check=True)
+    old = config.set("COLLECTIVES_CHECK", True)
+    try:
+        coll.allreduce(x, out=out)
+    finally:
+        config.set("COLLECTIVES_CHECK", old)
+    before = len(timeline.events())
+    timeline.on = True
+    try:
+        coll.allreduce(x, out=out)
+    finally:
+        timeline.on = False
+    traced = [e for e in timeline.events()[before:] if e.get("name") == "allreduce"]
+    want = np.full(5, sum(range(comm.Get_size())), np.float64)
+    assert_all(len(verified) == 2 and [v["sequence"] for v in verified] == [seq + 1, seq + 2]
+               and ctx.seq == seq + 4 and len(traced) == 1 and np.array_equal(out, want),
+               f"checked {len(verified)}, numbered {ctx.seq - seq}, traced {len(traced)}")
+
+
+@pytest.mark.mpi
+def test_counts_as_a_list_are_never_kept():
+    """Counts given as a list (unhashable) run, every time, and are not kept."""
+    n = world().Get_size()
+    _fresh()
+    x, out = np.ones(2, np.int32), np.zeros(2 * n, np.int32)
+    for _ in range(2):
+        coll.allgather(x, out=out, counts=[2] * n)
+    assert_all(not kept.CALLS and np.array_equal(out, np.ones(2 * n)), f"kept {len(kept.CALLS)}")
