@@ -38,14 +38,15 @@ __all__ = ["empty", "is_registered", "lookup", "live", "single_node", "on", "Reg
 POOL = 4              # windows kept for reuse per communicator
 SETTLE = 14           # released windows a rank reports per ``empty`` (later calls take the rest)
 _PAGE = 4096
-_NODES: dict = {}     # id(comm) -> _Node
+_NODES = weakref.WeakSet()  # every _Node of this process, for ``lookup``
 
 
 def on(comm) -> bool:
     """Whether ``empty`` has been called on ``comm``: the same on every rank of it at any
     collective call, since ``empty`` is collective over ``comm`` too."""
-    entry = _NODES.get(id(comm))
-    return entry is not None and entry.comm is comm
+    from ..executor import cached_context
+    ctx = cached_context(comm)
+    return ctx is not None and _Node in ctx.slots
 
 
 class Registration:
@@ -74,15 +75,17 @@ class Registration:
 
 
 class _Node:
-    """What one communicator's registrations share: its node communicator and windows."""
+    """What one communicator's registrations share: its node communicator and windows (a slot
+    of the communicator's ``Context``; an array's finalizer keeps it while the array lives)."""
 
-    def __init__(self, comm):
+    def __init__(self, ctx):
         from ..topology import node_comm, topology
-        self.comm = comm
+        self.comm = ctx.user_comm
+        self.private = ctx.comm  # the toolkit's own messages: never the caller's communicator
         # The topology's nodes, simulated ones included, so that every layer that asks
         # "one node?" (dispatch, DDP, ZeRO) hears the same answer.
-        self.node = node_comm(comm)
-        self.single = topology(comm).single_node
+        self.node = node_comm(self.comm)
+        self.single = topology(self.comm).single_node
         self.next = 0
         self.live: dict = {}       # seq -> Registration with an array in it on this rank
         self.released: set = set()  # seqs whose array died here, not yet agreed on
@@ -90,9 +93,12 @@ class _Node:
 
 
 def _node(comm) -> _Node:
-    entry = _NODES.get(id(comm))
-    if entry is None or entry.comm is not comm:
-        entry = _NODES[id(comm)] = _Node(comm)
+    from ..executor import context
+    ctx = context(comm)
+    entry = ctx.slots.get(_Node)
+    if entry is None:
+        entry = ctx.slot(_Node)
+        _NODES.add(entry)
     return entry
 
 
@@ -109,8 +115,8 @@ def _settle(entry: _Node, nbytes: int) -> list[int]:
     mine = np.full(2 + SETTLE, -1, np.int64)
     released = sorted(entry.released)[:SETTLE]
     mine[0], mine[1:1 + len(released)] = nbytes, released
-    said = np.empty((entry.comm.Get_size(), mine.size), np.int64)
-    entry.comm.Allgather(mine, said)
+    said = np.empty((entry.private.Get_size(), mine.size), np.int64)
+    entry.private.Allgather(mine, said)
     common = set(said[0, 1:].tolist()).intersection(*(set(row[1:].tolist()) for row in said))
     common.discard(-1)
     for seq in sorted(common):
@@ -187,7 +193,7 @@ def lookup(x):
     if where is None:
         return None
     addr, n = where
-    for entry in _NODES.values():
+    for entry in _NODES:
         for reg in entry.live.values():
             if reg.lo <= addr and addr + n <= reg.hi:
                 return reg, addr - reg.lo
