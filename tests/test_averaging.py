@@ -1,0 +1,404 @@
+"""collectives.torch.averaging: periodic, hierarchical and DiLoCo averaging.
+
+In-process tests (one rank) cover the choice of period, the checks and their messages, the
+byte formula and checkpoints; MPI tests (``mpiexec -n 2``, ``3``; every n passes) compare
+every averaging round with a mean taken by hand from every rank's tensors, check that the
+ranks hold bitwise the same parameters and buffers after it and different ones between
+rounds, that period 1 gives DDP's parameters, and that a setting that differs across ranks is
+a ValueError on every rank.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from collectives.torch import DistributedDataParallel as DDP  # noqa: E402
+from collectives.torch import averaging  # noqa: E402
+from collectives.torch.averaging import (DiLoCo, Hierarchical, Periodic,  # noqa: E402
+                                         bandwidth_bytes, pick_level)
+from mpiutil import assert_all, world  # noqa: E402
+
+torch.set_num_threads(1)
+
+IN, HIDDEN, OUT, BATCH = 6, 16, 3, 8
+
+
+def _net(seed=0, bn=True, hidden=HIDDEN):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(IN, hidden)] + ([nn.BatchNorm1d(hidden)] if bn else []) + \
+        [nn.Tanh(), nn.Linear(hidden, OUT)]
+    return nn.Sequential(*layers)
+
+
+def _train(model, opt, rank, step):
+    """One step on this rank's batch of ``step`` (different data on every rank)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def _state(module, buffers=True) -> np.ndarray:
+    """The parameters (and floating buffers) of ``module``, flat, as numpy."""
+    ts = list(module.parameters())
+    if buffers:
+        ts += [b for b in module.buffers() if b.is_floating_point()]
+    return torch.cat([t.detach().reshape(-1) for t in ts]).numpy().copy()
+
+
+def _averaged_elements(module) -> int:
+    return sum(p.numel() for p in module.parameters()) + \
+        sum(b.numel() for b in module.buffers() if b.is_floating_point())
+
+
+def _same(arrays) -> bool:
+    return all(np.array_equal(a, arrays[0]) for a in arrays)
+
+
+def _mean(arrays) -> np.ndarray:
+    return np.mean([a.astype(np.float64) for a in arrays], axis=0)
+
+
+# -- in-process ----------------------------------------------------------------------------------
+def test_largest_dividing_period_picks_the_level():
+    periods = [2, 4, 8]
+    assert [pick_level(t, periods) for t in range(1, 17)] == \
+        [None, 0, None, 1, None, 0, None, 2, None, 0, None, 1, None, 0, None, 2]
+    assert [pick_level(t, [3]) for t in (1, 2, 3, 4, 6)] == [None, None, 0, None, 0]
+    assert all(pick_level(t, [1]) == 0 for t in range(1, 5))
+    assert [pick_level(t, [1, 5]) for t in (4, 5, 10)] == [0, 1, 1]
+
+
+def test_bandwidth_bytes_is_two_n_minus_one_over_n():
+    assert bandwidth_bytes(900, 3) == 1200
+    assert bandwidth_bytes(1000, 2) == 1000
+    assert bandwidth_bytes(1000, 1) == 0
+    assert bandwidth_bytes(10, 4) == 15
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda net: Periodic(net, period=0), "Periodic: rank 0: period must be an integer >= 1, got 0"),
+    (lambda net: Periodic(net, period=True), "period must be an integer >= 1, got True"),
+    (lambda net: Periodic(net, period=4, warmup=-1), "warmup must be an integer >= 0, got -1"),
+    (lambda net: Periodic(net, period=2.5), "period must be an integer >= 1, got 2.5"),
+    (lambda net: Hierarchical(net, {"4": None}), "period must be an integer >= 1, got '4'"),
+    (lambda net: DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), outer="adam"),
+     "outer must be one of 'nesterov', 'sgd', got 'adam'"),
+    (lambda net: DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), outer_lr=0),
+     "outer_lr must be a positive number, got 0"),
+    (lambda net: DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), outer_momentum=1),
+     "outer_momentum must be in [0, 1), got 1"),
+    (lambda net: DiLoCo(net, torch.optim.SGD(_net().parameters(), lr=0.1)),
+     "inner_optimizer steps parameters that are not the model's"),
+    (lambda net: DiLoCo(net, "sgd"), "inner_optimizer must be a torch.optim.Optimizer, got str"),
+    (lambda net: Periodic(DDP(net, overlap_forward=True)), "overlap_forward=True takes no comm"),
+])
+def test_bad_arguments_are_value_errors_naming_them(make, message):
+    with pytest.raises(ValueError) as info:
+        make(_net())
+    assert message in str(info.value)
+
+
+def test_argument_types():
+    with pytest.raises(TypeError, match="non-empty dict"):
+        Hierarchical(_net(), {})
+    with pytest.raises(TypeError, match="the communicator of period 8 is 3, not an mpi4py"):
+        Periodic(_net(), comm=3)
+    with pytest.raises(TypeError, match="must be a torch.nn.Module, got list"):
+        Periodic([], period=2)
+
+
+def test_one_rank_averaging_is_a_no_op_that_counts_steps():
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    avg = Periodic(net, period=2, warmup=1)
+    for step in range(5):
+        _train(net, opt, 0, step)
+        before = _state(net)
+        avg.step()
+        assert np.array_equal(_state(net), before)
+    assert (avg.step_count, avg.rounds, avg.bytes_sent, avg.payload_bytes) == (5, 3, 0, 0)
+    assert avg.averaged_bytes == 4 * _averaged_elements(net)
+    assert avg.bytes_per_step() == 0.0
+
+
+def test_hierarchical_sorts_periods_and_mixed_dtypes_get_one_buffer_each():
+    net = _net()
+    net.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+    net.register_buffer("count", torch.zeros(2, dtype=torch.int64))  # not averaged
+    avg = Hierarchical(net, {8: None, 2: None})
+    assert avg.periods == [2, 8]
+    assert [g.flat.dtype for g in avg.groups] == [torch.float32, torch.float64]
+    assert avg.averaged_bytes == 4 * (_averaged_elements(net) - 3) + 8 * 3
+
+
+def test_ddp_hook_is_wrapped_once():
+    ddp = DDP(_net())
+    avg = Periodic(ddp, period=2, warmup=3)
+    assert ddp.reducer.hook is averaging.post_local_sgd_hook
+    assert ddp.comm_state is avg.hook_state and ddp.broadcast_buffers
+    with pytest.raises(ValueError, match="driven by another averager"):
+        Periodic(ddp, period=2)
+
+
+def test_state_dict_round_trip():
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    avg = DiLoCo(net, opt, period=2, outer_lr=0.7)
+    for step in range(4):
+        _train(net, opt, 0, step)
+        avg.step()
+    saved = avg.state_dict()
+    glob = {k: v.clone() for k, v in avg.global_state().items()}
+    momentum = [s["momentum_buffer"].clone() for s in avg.outer.state.values()]
+    for step in range(4, 8):
+        _train(net, opt, 0, step)
+        avg.step()
+    assert not torch.equal(avg.global_state()["0.weight"], glob["0.weight"])
+    avg.load_state_dict(saved)
+    assert avg.step_count == 4 and avg.rounds == 2
+    assert all(torch.equal(avg.global_state()[k], v) for k, v in glob.items())
+    assert all(torch.equal(s["momentum_buffer"], m)
+               for s, m in zip(avg.outer.state.values(), momentum))
+    with pytest.raises(ValueError, match="the state is a 'DiLoCo'"):
+        Periodic(_net(), period=2).load_state_dict(saved)
+
+
+def test_diloco_with_plain_sgd_and_lr_one_is_averaging():
+    """outer='sgd', outer_lr=1: global - (global - mean) is the mean (here, one rank's)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    avg = DiLoCo(net, opt, outer="sgd", outer_lr=1.0, period=2)
+    for step in range(4):
+        _train(net, opt, 0, step)
+        before = _state(net)
+        avg.step()
+        np.testing.assert_allclose(_state(net), before, rtol=1e-6, atol=1e-6)
+
+
+# -- MPI -----------------------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_period_one_gives_ddp_parameters():
+    comm = world()
+    r = comm.Get_rank()
+    ddp = DDP(_net(seed=r, bn=False))       # both start from rank 0's values
+    plain = _net(seed=r, bn=False)
+    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    avg = Periodic(plain, period=1)
+    for step in range(5):
+        _train(ddp, opt_ddp, r, step)
+        _train(plain, opt, r, step)
+        avg.step()
+        a, b = _state(ddp.module), _state(plain)
+        assert_all(np.allclose(a, b, rtol=1e-5, atol=1e-6),
+                   f"step {step}: max difference {np.abs(a - b).max()}")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_period_k_averages_parameters_and_buffers_as_by_hand():
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    net = _net(seed=r)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    avg = Periodic(net, period=3)
+    assert_all(_same(comm.allgather(_state(net))), "not started from rank 0's values")
+    for step in range(7):
+        _train(net, opt, r, step)
+        before = comm.allgather(_state(net))
+        avg.step()
+        after = comm.allgather(_state(net))
+        if (step + 1) % 3 == 0:
+            assert_all(_same(after), f"step {step + 1}: ranks differ after averaging")
+            err = np.abs(after[r] - _mean(before)).max()
+            assert_all(err < 1e-6, f"step {step + 1}: {err} from the mean by hand")
+        else:
+            assert_all(np.array_equal(after[r], before[r]), f"step {step + 1} averaged")
+            assert_all(n == 1 or not _same(after), f"step {step + 1}: ranks agree")
+    assert_all(int(net[1].num_batches_tracked) == 7, "num_batches_tracked")
+    # Bytes: two rounds of every parameter and floating buffer, 2 (n-1)/n each.
+    payload = 2 * 4 * _averaged_elements(net) if n > 1 else 0
+    assert_all(avg.averaged_bytes == 4 * _averaged_elements(net), f"{avg.averaged_bytes}")
+    assert_all(avg.payload_bytes == payload and avg.rounds == 2, repr(avg))
+    assert_all(avg.bytes_sent == payload * 2 * (n - 1) // n, f"{avg.bytes_sent} bytes sent")
+    assert_all(avg.bytes_per_step() == avg.bytes_sent / 7, "bytes per step")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_warmup_of_a_module_averages_every_step_then_periodically():
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    net = _net(seed=r)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    avg = Periodic(net, period=2, warmup=3)
+    for t in range(1, 9):
+        _train(net, opt, r, t)
+        before = comm.allgather(_state(net))
+        avg.step()
+        after = comm.allgather(_state(net))
+        if t <= 3 or (t - 3) % 2 == 0:
+            err = np.abs(after[r] - _mean(before)).max()
+            assert_all(_same(after) and err < 1e-6, f"step {t}: not averaged ({err})")
+        else:
+            assert_all(n == 1 or not _same(after), f"step {t}: averaged in local SGD")
+    assert_all(avg.rounds == 5, f"{avg.rounds} rounds")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_warmup_of_a_ddp_allreduces_gradients_then_stops():
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    ddp = DDP(_net(seed=r))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    avg = Periodic(ddp, period=3, warmup=2)
+    grads = []   # the DDP's gradient payload after each step
+    for t in range(1, 7):
+        _train(ddp, opt, r, t)
+        before = comm.allgather(_state(ddp.module))
+        avg.step()
+        grads.append(ddp.comm_state.wire_bytes)
+        params = comm.allgather(_state(ddp.module, buffers=False))
+        both = comm.allgather(_state(ddp.module))
+        if t <= 2:   # DDP: the same gradients, so the same parameters, without averaging
+            assert_all(_same(params) and both[r].tobytes() == before[r].tobytes(),
+                       f"step {t}: warm-up")
+        elif t == 5:
+            err = np.abs(both[r] - _mean(before)).max()
+            assert_all(_same(both) and err < 1e-6, f"step {t}: not averaged ({err})")
+        else:
+            assert_all(n == 1 or not _same(params), f"step {t}: ranks agree in local SGD")
+    per_step = grads[0]
+    assert_all(per_step > 0 and grads == [per_step] * 1 + [2 * per_step] * 5,
+               f"gradient bytes after each step: {grads}")
+    assert_all(not ddp.broadcast_buffers, "buffers still broadcast after the warm-up")
+    rounds = avg.averaged_bytes if n > 1 else 0
+    assert_all(avg.payload_bytes == 2 * per_step + rounds, f"{avg.payload_bytes} payload")
+    assert_all(avg.bytes_sent == bandwidth_bytes(2 * per_step, n) + bandwidth_bytes(rounds, n),
+               f"{avg.bytes_sent} bytes sent")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_hierarchical_over_pairs_and_world_matches_hand_reference():
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    pair = comm.Split(r // 2, r)
+    try:
+        mates = [q for q in range(n) if q // 2 == r // 2]
+        net = _net(seed=r)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        avg = Hierarchical(net, {2: pair, 4: None})
+        for t in range(1, 9):
+            _train(net, opt, r, t)
+            before = comm.allgather(_state(net))
+            avg.step()
+            after = comm.allgather(_state(net))
+            group = range(n) if t % 4 == 0 else mates if t % 2 == 0 else [r]
+            err = np.abs(after[r] - _mean([before[q] for q in group])).max()
+            assert_all(_same([after[q] for q in group]) and err < 1e-6,
+                       f"step {t}: over ranks {list(group)}: {err} from the mean by hand")
+            if t % 2:
+                assert_all(np.array_equal(after[r], before[r]), f"step {t} averaged")
+        one = 4 * _averaged_elements(net)
+        expect = [2 * one if len(mates) > 1 else 0, 2 * one if n > 1 else 0]
+        assert_all(avg.payload == expect, f"payload per level {avg.payload}, not {expect}")
+        assert_all(avg.bytes_sent == sum(bandwidth_bytes(p, s) for p, s in
+                                         zip(expect, [len(mates), n])), f"{avg.bytes_sent}")
+    finally:
+        pair.Free()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_hierarchical_communicators_must_nest():
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    pair, parity = comm.Split(r // 2, r), comm.Split(r % 2, r)
+    try:
+        try:
+            Hierarchical(_net(), {2: pair, 4: parity})
+            raised = None
+        except ValueError as e:
+            raised = str(e)
+        assert_all(raised is not None and "is not inside that of period 4" in raised,
+                   f"rank {r}: {raised}")
+    finally:
+        pair.Free()
+        parity.Free()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_diloco_outer_step_is_nesterov_on_the_averaged_delta():
+    comm = world()
+    r = comm.Get_rank()
+    net = _net(seed=r)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    lr, mu = 0.7, 0.9
+    avg = DiLoCo(net, opt, outer="nesterov", outer_lr=lr, period=2)
+    names = [n for n, _ in net.named_parameters()]
+    buffer_names = [n for n, b in net.named_buffers() if b.is_floating_point()]
+    momentum = None
+    for t in range(1, 7):
+        _train(net, opt, r, t)
+        if t % 2:
+            avg.step()
+            continue
+        glob = {k: v.double() for k, v in avg.global_state().items()}
+        local = comm.allgather({k: v.detach().clone() for k, v in net.state_dict().items()})
+        avg.step()
+        delta = {k: glob[k] - sum(d[k].double() for d in local) / len(local) for k in names}
+        momentum = delta if momentum is None else {k: mu * momentum[k] + delta[k]
+                                                   for k in names}
+        hand = {k: glob[k] - lr * (delta[k] + mu * momentum[k]) for k in names}
+        hand.update({k: sum(d[k].double() for d in local) / len(local) for k in buffer_names})
+        now = net.state_dict()
+        err = max(float((now[k].double() - hand[k]).abs().max()) for k in hand)
+        assert_all(err < 1e-5, f"step {t}: {err} from the Nesterov step by hand")
+        assert_all(all(torch.equal(now[k], v) for k, v in avg.global_state().items()),
+                   "parameters are not the global copy")
+        assert_all(_same(comm.allgather(_state(net))), f"step {t}: ranks differ")
+    assert_all(avg.rounds == 3, f"{avg.rounds} rounds")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["warmup", "period", "outer_lr", "kind", "bad_period",
+                                  "tensors"])
+def test_settings_that_differ_are_value_errors_on_every_rank(case):
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    odd = int(r == n - 1)
+    net = _net(hidden=HIDDEN + (odd if case == "tensors" else 0))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    make, expect = {
+        "warmup": (lambda: Periodic(net, period=4, warmup=5 + odd),
+                   f"Periodic: warmup differs across ranks: rank 0 has 5; rank {n - 1} has 6"),
+        "period": (lambda: Periodic(net, period=4 + 4 * odd),
+                   f"period differs across ranks: rank 0 has 4; rank {n - 1} has 8"),
+        "outer_lr": (lambda: DiLoCo(net, opt, outer_lr=0.5 if odd else 0.7, period=4),
+                     f"outer_lr differs across ranks: rank 0 has 0.7; rank {n - 1} has 0.5"),
+        "kind": (lambda: (DiLoCo(net, opt, period=4) if odd else Periodic(net, period=4)),
+                 f"kind differs across ranks: rank 0 has 'Periodic'; rank {n - 1} has "
+                 f"'DiLoCo'"),
+        "bad_period": (lambda: Periodic(net, period=0 if odd else 4),
+                       f"Periodic: rank {n - 1}: period must be an integer >= 1, got 0"),
+        "tensors": (lambda: Periodic(net, period=4),
+                    f"rank {n - 1} has '0.weight' of shape [{HIDDEN + 1}, {IN}]"),
+    }[case]
+    try:
+        make()
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    assert_all(raised is not None and expect in raised, f"rank {r}: {raised}")
