@@ -130,7 +130,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent():  # in the child, before exec: the runner's death kills unshare
+def _start_child():
+    """In the child, before exec: a process group of its own (signals reach the job through
+    it), and the runner's death kills unshare."""
+    os.setpgid(0, 0)
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
@@ -169,7 +172,8 @@ class Network:
         ``os.environ``); the status is the job's (128 + n for a job ended by signal n). On
         ``timeout`` seconds the whole namespace is killed and ``subprocess.TimeoutExpired`` is
         raised. A SIGINT or SIGTERM to this process is passed on to the job; once the job has
-        ended, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``SystemExit(143)``.
+        ended, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``SystemExit(143)`` (signals are
+        handled so in the main thread only; elsewhere they stay with this process's handlers).
         ``RuntimeError`` (the reason) where jobs cannot run here."""
         why = check_available()
         if why:
@@ -186,8 +190,7 @@ class Network:
         full = dict(os.environ if env is None else env)
         full.update(TCP_ENV)
         stdin = subprocess.DEVNULL if _tty_stdin() else None
-        proc = subprocess.Popen(self.argv(argv), env=full, stdin=stdin, process_group=0,
-                                preexec_fn=_die_with_parent,
+        proc = subprocess.Popen(self.argv(argv), env=full, stdin=stdin, preexec_fn=_start_child,
                                 stdout=subprocess.PIPE if capture else None,
                                 stderr=subprocess.PIPE if capture else None,
                                 text=True if capture else None)

@@ -230,3 +230,57 @@ def test_nothing_survives_a_killed_runner():
     assert proc.returncode == -signal.SIGKILL
     assert_gone(marker)
     assert host_qdisc() == before
+
+
+ALLREDUCE = """
+import time
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+x = np.ones(1 << 18, np.float32)  # 1 MiB
+y = np.empty_like(x)
+comm.Allreduce(x[:2], y[:2])  # connections up
+comm.Barrier()
+t = time.perf_counter()
+comm.Allreduce(x, y)
+t = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+assert y[0] == comm.Get_size()
+if comm.Get_rank() == 0:
+    print(t)
+"""
+
+
+@needs_net
+def test_mpi_goes_through_the_limited_loopback():
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("mpiexec not found beside the interpreter")
+    seconds = {}
+    for rate in ("none", "50mbit"):
+        done = net.Network(rate).run([str(mpiexec), "-n", "2", sys.executable, "-c", ALLREDUCE],
+                                     capture=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seconds[rate] = float(done.stdout.split()[-1])
+    # 2 ranks put 2 MiB on the wire (0.34 s at 50 Mbit/s, 256 KB of it in the burst)
+    assert seconds["50mbit"] > 0.15 and seconds["50mbit"] > 5 * seconds["none"], seconds
+
+
+@needs_net
+def test_network_run_raises_keyboard_interrupt_after_the_job_ends():
+    marker = f"bench-net-{uuid.uuid4().hex}"
+    script = ("import sys; from bench.net import Network\n"
+              "try:\n"
+              f"    Network('1gbit').run({sleeper(marker)!r})\n"
+              "except KeyboardInterrupt:\n"
+              "    print('interrupted', flush=True); sys.exit(7)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 7 and out.strip() == "interrupted", err
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_gone(marker)
