@@ -290,7 +290,7 @@ def main(argv=None) -> int:
         return 0
     why = check_available()
     if why:
-        print(f"bench net: {why}; nothing was run", file=sys.stderr)
+        print(f"{why}; nothing was run", file=sys.stderr)
         return 2
     done, _ = net._execute(args.command, None, None, False)
     return done.returncode
