@@ -342,3 +342,41 @@ def test_bench_fsdp_prints_the_table():
     assert [row[1] for row in rows] == ["gloo", "collectives"], done.stdout
     assert len(rows[0]) == 7 + 2 and rows[0][4] == "1.00x", done.stdout  # 2 rounds
     assert "collectives vs gloo: bitwise equal" in done.stdout, done.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_sizes_torch_passes_move_no_extra_message(groups, monkeypatch):
+    """``all_gather`` (uneven too), ``gather`` and ``scatter`` take the sizes torch passes them:
+    no rank exchanges counts or a header. A root whose list does not fit torch's equal blocks
+    gets a ValueError once the call is done; the other ranks complete, and the next call works."""
+    from collectives import shapes
+    r, p = dist.get_rank(), dist.get_world_size()
+    exchanged = []
+    for name in ("allgather_counts", "scatter_header"):
+        real = getattr(shapes, name)
+        monkeypatch.setattr(shapes, name,
+                            lambda *a, _real=real, _name=name, **k: (exchanged.append(_name),
+                                                                     _real(*a, **k))[1])
+    outs = [torch.empty(j + 1) for j in range(p)]
+    dist.all_gather(outs, torch.full((r + 1,), float(r)))
+    ok = all(torch.equal(o, torch.full((j + 1,), float(j))) for j, o in enumerate(outs))
+    rows = [torch.empty(3) for _ in range(p)] if r == 0 else None
+    dist.gather(torch.full((3,), float(r)), rows, dst=0)
+    ok &= r != 0 or all(torch.equal(t, torch.full((3,), float(j))) for j, t in enumerate(rows))
+    got = torch.empty(2)
+    dist.scatter(got, [torch.full((2,), float(j)) for j in range(p)] if r == p - 1 else None,
+                 src=p - 1)
+    ok &= torch.equal(got, torch.full((2,), float(r)))
+    misfit = None
+    try:
+        dist.gather(torch.full((3,), 1.0), [torch.empty(4) for _ in range(p)] if r == 0 else None,
+                    dst=0)
+    except (ValueError, RuntimeError) as exc:
+        misfit = str(exc)
+    after = torch.full((2,), 1.0)
+    dist.all_reduce(after)
+    ok &= torch.equal(after, torch.full((2,), float(p)))
+    assert_all(ok and not exchanged and (misfit is not None) == (r == 0)
+               and (misfit is None or "equal" in misfit or "block" in misfit),
+               f"results {ok}, exchanged {exchanged}, misfit {misfit!r}")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import collectives as coll
 
 from ..progress import Worker
-from .functional import op_name, unpack_into
+from .functional import equal_blocks, op_name, unpack_into
 
 __all__ = ["ProcessGroupCollectives", "init_process_group", "register", "tcp_store", "BACKEND"]
 
@@ -58,9 +58,36 @@ def _completer() -> Worker:
     return Worker("collectives-torch-completer", _complete)
 
 
-def _work_from_future(fut):
-    from torch._C._distributed_c10d import _create_work_from_future
-    return _create_work_from_future(fut)
+class _Work(dist.Work):
+    """torch's ``Work`` for one call, completed through ``fut``: ``wait()`` raises the call's
+    error (a mismatch, a failed peer, the watchdog's timeout), where a Work that torch makes
+    from a future (``_create_work_from_future``) returns True and drops it."""
+
+    def __init__(self, fut):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()  # raises what set_exception gave it
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self):
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.wait()
+        except Exception as exc:  # noqa: BLE001 - the call's error, reported, not raised
+            return exc
+        return None
+
+    def get_future(self):
+        return self._fut
 
 
 class ProcessGroupCollectives(dist.ProcessGroup):
@@ -121,7 +148,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             _complete((wait, fut, result))
         else:
             self._completer.put((wait, fut, result))
-        return _work_from_future(fut)
+        return _Work(fut)
 
     def _kw(self, collective: str = "allreduce"):
         """The keyword arguments of a call: the group's communicator, and its algorithm where
@@ -171,16 +198,19 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     _allgather_base = all_gather_single  # the name before torch 2.12
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        reqs, copies = [], []
+        # every rank's output list holds every rank's size (uneven ones too): the counts,
+        # known alike on every rank, so none is exchanged
+        reqs, unpacks = [], []
         for outs, inp in zip(output_tensors, input_tensors):
-            flat = inp.new_empty(self.size() * inp.numel())
-            reqs.append(coll.iallgather(inp.reshape(-1), out=flat, **self._kw("allgather")))
-            copies.append((outs, flat, inp.numel()))
+            counts = tuple(o.numel() for o in outs)
+            flat = inp.new_empty(sum(counts))
+            reqs.append(coll.iallgather(inp.reshape(-1), counts=counts, out=flat,
+                                        **self._kw("allgather")))
+            unpacks.append(unpack_into(flat, outs))
 
         def unpack():
-            for outs, flat, n in copies:
-                for r, o in enumerate(outs):
-                    o.copy_(flat[r * n:(r + 1) * n].view(o.shape))
+            for each in unpacks:
+                each()
 
         return self._submit(opts, reqs, output_tensors, unpack)
 
@@ -237,22 +267,26 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def gather(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         inp = input_tensors[0]
-        out = None
+        size, n = self.size(), inp.numel()
+        out = then = None
         if self.rank() == root:
-            out = inp.new_empty(sum(t.numel() for t in output_tensors[0]))
-        req = coll.igather(inp.reshape(-1), root, out=out, **self._kw("gather"))
-        then = unpack_into(out, output_tensors[0]) if out is not None else None
+            out = inp.new_empty(size * n)
+            then = equal_blocks(n, output_tensors[0], size, "gather") or \
+                unpack_into(out, output_tensors[0])
+        req = coll.igather(inp.reshape(-1), root, out=out, counts=(n,) * size,
+                           **self._kw("gather"))
         return self._submit(opts, [req], output_tensors, then)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        out = output_tensors[0]
-        flat = counts = None
+        out = output_tensors[0].view(-1)
+        flat = misfit = None
         if self.rank() == root:
-            flat = torch.cat([t.reshape(-1) for t in input_tensors[0]])
-            counts = [t.numel() for t in input_tensors[0]]
-        req = coll.iscatter(flat, root, counts=counts, out=out.view(-1), **self._kw("scatter"))
-        return self._submit(opts, [req], output_tensors)
+            misfit = equal_blocks(out.numel(), input_tensors[0], self.size(), "scatter")
+            flat = torch.cat([t.reshape(-1) for t in input_tensors[0]]) if misfit is None \
+                else out.new_zeros(self.size() * out.numel())
+        req = coll.iscatter(flat, root, out=out, header=False, **self._kw("scatter"))
+        return self._submit(opts, [req], output_tensors, misfit)
 
     def barrier(self, opts=None):
         return self._submit(opts, [coll.ibarrier(self._comm)], [])

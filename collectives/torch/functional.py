@@ -25,7 +25,7 @@ import collectives as coll
 
 __all__ = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
            "all_to_all_single", "all_to_all", "gather", "scatter", "Work", "wait_future",
-           "progress", "op_name", "unpack_into"]
+           "progress", "op_name", "unpack_into", "equal_blocks"]
 
 _TORCH_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg",
               "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -298,23 +298,46 @@ def all_to_all(output_tensor_list, input_tensor_list, comm=None, async_op=False,
 
 
 def gather(tensor, gather_list=None, dst=0, comm=None, async_op=False, *, algorithm="auto"):
-    """Every rank's ``tensor`` into ``gather_list`` (one tensor per rank) on rank ``dst``."""
+    """Every rank's ``tensor`` into ``gather_list`` (one tensor per rank) on rank ``dst``; as
+    in torch, every rank's tensor has as many elements (``equal_blocks``)."""
     _tensor(tensor, "tensor")
-    out = None
+    size, n = _size(comm), tensor.numel()
+    out = then = None
     if gather_list is not None:
-        out = tensor.new_empty(sum(t.numel() for t in gather_list))
-    req = coll.igather(tensor.reshape(-1), dst, out=out, comm=comm, algorithm=algorithm)
-    then = None if out is None else unpack_into(out, gather_list)
+        out = tensor.new_empty(size * n)
+        then = equal_blocks(n, gather_list, size, "gather_list") or \
+            unpack_into(out, gather_list)
+    req = coll.igather(tensor.reshape(-1), dst, out=out, counts=(n,) * size, comm=comm,
+                       algorithm=algorithm)
     return _run(req, list(gather_list or []), async_op, then)
 
 
 def scatter(tensor, scatter_list=None, src=0, comm=None, async_op=False, *, algorithm="auto"):
-    """``scatter_list[r]`` of rank ``src`` into ``tensor`` on every rank r."""
+    """``scatter_list[r]`` of rank ``src`` into ``tensor`` on every rank r; as in torch, every
+    piece has ``tensor``'s number of elements (``equal_blocks``)."""
     _tensor(tensor, "tensor")
-    flat = counts = None
+    out = _flat(tensor, "tensor")
+    flat = misfit = None
     if scatter_list is not None:
-        flat = _cat(scatter_list, "scatter_list")
-        counts = [t.numel() for t in scatter_list]
-    req = coll.iscatter(flat, src, counts=counts, out=_flat(tensor, "tensor"), comm=comm,
-                        algorithm=algorithm)
-    return _run(req, [tensor], async_op)
+        misfit = equal_blocks(out.numel(), scatter_list, _size(comm), "scatter_list")
+        flat = _cat(scatter_list, "scatter_list") if misfit is None else \
+            out.new_zeros(_size(comm) * out.numel())
+    req = coll.iscatter(flat, src, out=out, header=False, comm=comm, algorithm=algorithm)
+    return _run(req, [tensor], async_op, misfit)
+
+
+def equal_blocks(n: int, pieces, size: int, what: str):
+    """torch's gather and scatter move equal blocks ("all tensors must be the same size"), so
+    every rank knows every block's size from its own tensor and none exchanges sizes (MPI_Gather
+    and MPI_Scatter). None when the root's ``pieces`` are ``size`` tensors of ``n`` elements;
+    else a callable raising the error, to run once the call is done: the root takes part all
+    the same, with a scratch buffer, so that no rank is left waiting."""
+    got = [t.numel() for t in pieces]
+    if len(got) == size and got.count(n) == size:
+        return None
+    error = ValueError(f"{what}: torch's gather and scatter move one block a rank, the size of "
+                       f"this rank's tensor: {size} tensors of {n} elements, got {got}")
+
+    def fail():
+        raise error
+    return fail
