@@ -9,7 +9,8 @@ command gives a job one: it runs the command in a new, anonymous network namespa
 namespace) whose only interface is a loopback of its own, shaped by a token-bucket filter
 (``tc qdisc add dev lo root tbf rate R burst B latency L``), with the environment telling MPI to
 use TCP even between ranks of one machine (``TCP_ENV``: MPICH's ofi/tcp netmod without the
-shared-memory path, Open MPI's tcp BTL). The rate is shared by all of the job's traffic: every
+shared-memory path, Open MPI's tcp BTL) and the toolkit that every rank is a node of its own
+(``NODE_ENV``). The rate is shared by all of the job's traffic: every
 rank's sends cross the same one loopback.
 
 Nothing is ever changed on the host: the limit lives on the namespace's own loopback, and the
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["TCP_ENV", "check_available", "Network", "parse_rate", "main"]
+__all__ = ["TCP_ENV", "NODE_ENV", "check_available", "Network", "parse_rate", "main"]
 
 # MPI between ranks of one machine over TCP, not shared memory. MPICH: no local (shm) path, the
 # OFI netmod on libfabric's tcp provider. Open MPI: the tcp and self BTLs only, on the loopback
@@ -57,6 +58,11 @@ TCP_ENV: dict[str, str] = {
     "OMPI_MCA_btl": "tcp,self",
     "OMPI_MCA_btl_tcp_if_include": "lo",
 }
+
+# The toolkit, told that every rank is a node of its own (``COLLECTIVES_RANKS_PER_NODE``), as
+# across a network: no shared-memory algorithm, window or one-pass bucket, so all of its bytes
+# cross the limited loopback. Set the variable to simulate nodes of several ranks instead.
+NODE_ENV: dict[str, str] = {"COLLECTIVES_RANKS_PER_NODE": "1"}
 
 TOOLS = ("unshare", "ip", "tc")
 NO_LIMIT = ("none", "0", "unlimited", "off")
@@ -189,6 +195,8 @@ class Network:
         """(CompletedProcess, the signal passed on or None)."""
         full = dict(os.environ if env is None else env)
         full.update(TCP_ENV)
+        for name, value in NODE_ENV.items():  # the caller's choice wins
+            full.setdefault(name, value)
         stdin = subprocess.DEVNULL if _tty_stdin() else None
         proc = subprocess.Popen(self.argv(argv), env=full, stdin=stdin, preexec_fn=_start_child,
                                 stdout=subprocess.PIPE if capture else None,
@@ -283,7 +291,8 @@ def main(argv=None) -> int:
         print(f"bench net: {exc}", file=sys.stderr)
         return 2
     if args.show:
-        print(" ".join(f"{k}={v}" for k, v in TCP_ENV.items()) + " \\\n  "
+        shown = {**TCP_ENV, **{k: os.environ.get(k, v) for k, v in NODE_ENV.items()}}
+        print(" ".join(f"{k}={v}" for k, v in shown.items()) + " \\\n  "
               + shlex.join(net.argv(args.command)))
         why = check_available()
         print(f"# {'runs here' if why is None else 'cannot run here: ' + why}")

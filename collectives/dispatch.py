@@ -125,7 +125,8 @@ def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     key = (collective, nbytes, inplace)
     algo = memo.picks.get(key)
     if algo is None:
-        name = select.auto(collective, nbytes, ctx.size, lambda: _single_node(ctx), inplace)
+        name = select.auto(collective, nbytes, ctx.size, lambda: _single_node(ctx), inplace,
+                           lambda: _alone(ctx))
         if len(memo.picks) >= 1024:  # the sizes a program uses are few; a bound all the same
             memo.picks.clear()
         algo = memo.picks[key] = REGISTRY[collective][name]
@@ -170,6 +171,12 @@ def _single_node(ctx) -> bool:
     """Whether ``ctx``'s ranks share one node (collective on first use, then cached)."""
     from .topology import topology
     return topology(ctx).single_node
+
+
+def _alone(ctx) -> bool:
+    """Whether every node holds one rank of ``ctx`` (cached with the topology)."""
+    from .topology import topology
+    return max(map(len, topology(ctx).nodes)) == 1
 
 
 def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) -> str:

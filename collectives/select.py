@@ -39,7 +39,8 @@ A communicator size without rules of its own uses the nearest smaller size that 
 ``"in-place"`` rules where there are some for its size: in place, the buffer a rank sends is the
 one it has just written, and reading freshly written memory from another process costs more, so
 the crossovers move. A single-node algorithm picked for a communicator that spans nodes becomes
-its hierarchical counterpart (``MULTI_NODE``). Sizes are the per-rank input's bytes (for
+its hierarchical counterpart (``MULTI_NODE``), and where every node holds one rank (a network
+between all ranks), the part of that across nodes (``ONE_RANK_A_NODE``). Sizes are the per-rank input's bytes (for
 allgather, whose ranks may differ in length, the mean).
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPO
            "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "PREFERENCES", "register", "get",
            "algorithms", "auto",
            "rule", "load_table",
-           "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "tuning_path", "describe"]
+           "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "ONE_RANK_A_NODE", "tuning_path",
+           "describe"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
                "gather", "scatter", "barrier")
@@ -211,8 +213,10 @@ DEFAULT_TABLE = {
 for _rules in DEFAULT_TABLE.values():
     _rules.setdefault("default", _rules[min((k for k in _rules if k.isdigit()), key=int)])
 
-# What a single-node algorithm becomes when the communicator spans several nodes.
+# What a single-node algorithm becomes when the communicator spans several nodes, and what
+# that becomes when every node holds one rank (no node stage to do: the part across nodes).
 MULTI_NODE = {"shm": {"allreduce": "hierarchical_shm", "default": "hierarchical"}}
+ONE_RANK_A_NODE = {"hierarchical_shm": "ring", "hierarchical": NATIVE}
 
 # The collectives whose ``"in-place"`` rules are used: those in place on every rank or on none
 # (as MPI_IN_PLACE), so that every rank picks alike. Not ``reduce``: only its root can be.
@@ -305,13 +309,17 @@ def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = F
     return NATIVE
 
 
-def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=False) -> str:
+def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=False,
+         alone=False) -> str:
     """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks (``inplace``: a
-    call with ``out=x``). ``single_node``: a bool, or a callable asked only when it matters."""
+    call with ``out=x``). ``single_node`` (all ranks on one node) and ``alone`` (one rank on
+    every node): bools, or callables asked only when it matters."""
     name = rule(load_table(), collective, nbytes, size, inplace)
     swap = MULTI_NODE.get(name)
     if swap is not None and not (single_node() if callable(single_node) else single_node):
         name = swap.get(collective, swap["default"])
+        if alone() if callable(alone) else alone:
+            name = ONE_RANK_A_NODE.get(name, name)
     return name if name in REGISTRY[collective] else NATIVE
 
 

@@ -329,3 +329,19 @@ def test_the_readme_settings_table_is_config_table():
         assert got == expected, f"README settings table, line {k + 1}"
     assert len(table) == len(want), f"README settings table: {len(table)} lines, " \
                                     f"config.table() {len(want)}"
+
+
+def test_single_node_algorithms_across_nodes(environ, tmp_path):
+    """A rule naming shm runs its hierarchical counterpart where the ranks span nodes, and the
+    part across nodes alone where every node holds one rank (no shared window to set up)."""
+    table = tmp_path / "shm.json"
+    table.write_text(json.dumps({"version": 1, "tables": {
+        "allreduce": {"default": [[None, "shm"]]}, "reduce": {"default": [[None, "shm"]]}}}))
+    environ("COLLECTIVES_TUNING", str(table))
+    assert select.auto("allreduce", 1 << 20, 3) == "shm"
+    assert select.auto("allreduce", 1 << 20, 3, single_node=False) == "hierarchical_shm"
+    assert select.auto("allreduce", 1 << 20, 3, single_node=False, alone=True) == "ring"
+    asked = []
+    assert select.auto("allreduce", 1 << 20, 3, single_node=True,
+                       alone=lambda: asked.append(1) or True) == "shm" and not asked
+    assert select.auto("reduce", 1 << 20, 3, single_node=False, alone=True) == "native"
