@@ -62,6 +62,11 @@ def _mean(arrays) -> np.ndarray:
 
 
 # -- in-process ----------------------------------------------------------------------------------
+def test_the_documented_import():
+    assert (averaging.Periodic, averaging.Hierarchical, averaging.DiLoCo) == \
+        (Periodic, Hierarchical, DiLoCo)
+
+
 def test_largest_dividing_period_picks_the_level():
     periods = [2, 4, 8]
     assert [pick_level(t, periods) for t in range(1, 17)] == \
@@ -134,13 +139,28 @@ def test_hierarchical_sorts_periods_and_mixed_dtypes_get_one_buffer_each():
     assert avg.averaged_bytes == 4 * (_averaged_elements(net) - 3) + 8 * 3
 
 
-def test_ddp_hook_is_wrapped_once():
+def test_ddp_keeps_its_hook_in_the_warmup_then_sends_nothing():
+    from collectives.torch.hooks import allreduce_hook, noop_hook
     ddp = DDP(_net())
-    avg = Periodic(ddp, period=2, warmup=3)
-    assert ddp.reducer.hook is averaging.post_local_sgd_hook
-    assert ddp.comm_state is avg.hook_state and ddp.broadcast_buffers
+    state = ddp.comm_state
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    avg = Periodic(ddp, period=2, warmup=2)
+    for step in range(3):
+        assert ddp.reducer.hook is (allreduce_hook if step < 2 else noop_hook), step
+        assert ddp.broadcast_buffers == (step < 2), step
+        _train(ddp, opt, 0, step)
+        avg.step()
+    assert ddp.comm_state is state and state.wire_bytes == 2 * 4 * sum(
+        p.numel() for p in ddp.parameters())
+    assert avg.payload_bytes == state.wire_bytes and avg.bytes_sent == 0
     with pytest.raises(ValueError, match="driven by another averager"):
         Periodic(ddp, period=2)
+    saved = avg.state_dict()
+    fresh = DDP(_net())
+    again = Periodic(fresh, period=2, warmup=2)
+    again.load_state_dict(saved)
+    assert fresh.reducer.hook is noop_hook and not fresh.broadcast_buffers
+    assert again.payload_bytes == avg.payload_bytes and again.step_count == 3
 
 
 def test_state_dict_round_trip():

@@ -32,15 +32,16 @@ and, when the period says so, makes the copies one again:
    allreduce (``op="avg"``; float16 and bfloat16 are divided first, then summed, so the sum of
    n stays in range) and copied back. Results are bitwise identical on every rank.
 3. *Warm-up* (post-local SGD: ``warmup`` steps of every-step synchronous training first).
-   With a ``collectives.torch.DistributedDataParallel`` model the averager wraps the DDP's comm
-   hook in ``post_local_sgd_hook``: during the warm-up each bucket goes through the wrapped
-   hook (the default average, or a hook registered before the averager), after it backward
-   sends nothing, and the DDP stops broadcasting buffers at each forward (they are averaged
-   with the parameters instead). That is torch's ``post_localSGD_hook``, and the gradients the
-   optimizer sees during warm-up are DDP's, so any optimizer trains as under DDP. With a plain
-   module there is no gradient to average: the parameters and buffers are averaged after every
-   warm-up step, which gives DDP's parameters for SGD with or without momentum (the update is
-   linear in the gradient) but not for Adam.
+   With a ``collectives.torch.DistributedDataParallel`` model the warm-up is the DDP as it is
+   (its own average with its fast paths, or the comm hook registered on it); when it ends the
+   averager registers ``hooks.noop_hook`` on the DDP's comm state, so backward sends nothing,
+   and turns the DDP's buffer broadcast at each forward off (the buffers are averaged with the
+   parameters instead). That is what torch's ``post_localSGD_hook`` does by counting
+   iterations inside the hook; one object that counts the steps can switch the hook instead.
+   The optimizer sees DDP's gradients during the warm-up, so any optimizer trains as under
+   DDP. With a plain module there is no gradient exchange to use: the parameters and buffers
+   are averaged after every warm-up step, which gives DDP's parameters for SGD with or without
+   momentum (the update is linear in the gradient) but not for Adam.
 4. *Agreement.* At construction every rank checks its arguments, then one allgather on the
    outermost communicator compares every setting the ranks must share (the kind of averager,
    the periods, the warm-up, DiLoCo's outer optimizer and learning rate, whether the model is
@@ -51,7 +52,7 @@ and, when the period says so, makes the copies one again:
    (``agreement.broadcast_coalesced``; a DDP has done both already).
 5. *Bytes.* ``payload_bytes`` is what this rank handed to collectives for synchronisation:
    the flat buffers of its averaging rounds, and with a DDP model the warm-up's gradient
-   buckets (as the wrapped hook's state counts them, ``wire_bytes``). ``bytes_sent`` is what a
+   buckets (what the DDP's comm state counted, ``wire_bytes``, since the averager began). ``bytes_sent`` is what a
    bandwidth-optimal allreduce (ring, Rabenseifner) sends per rank for that payload:
    payload x 2 (n-1) / n on each communicator of n ranks (0 on one rank), the volume behind
    nccl-tests' bus bandwidth. It is the figure to compare across methods; the algorithm that
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import weakref
 
 import torch
 from torch import nn
@@ -74,12 +76,13 @@ from collectives import timeline, watchdog
 from . import functional
 from .agreement import broadcast_coalesced, check_same_parameters
 from .ddp import DistributedDataParallel
+from .hooks import noop_hook
 
-__all__ = ["Periodic", "Hierarchical", "DiLoCo", "PostLocalSGDState", "post_local_sgd_hook",
-           "pick_level", "OUTER"]
+__all__ = ["Periodic", "Hierarchical", "DiLoCo", "pick_level", "bandwidth_bytes", "OUTER"]
 
 OUTER = ("nesterov", "sgd")  # DiLoCo's outer optimizers by name
 _DIVIDE_FIRST = (torch.float16, torch.bfloat16)  # a sum of n could overflow where the mean does not
+_DRIVEN: weakref.WeakSet = weakref.WeakSet()  # the DDPs an averager drives (one each)
 
 
 def pick_level(local_step: int, periods) -> int | None:
@@ -95,39 +98,6 @@ def bandwidth_bytes(payload: int, size: int) -> int:
     """Bytes one rank sends in a bandwidth-optimal allreduce of ``payload`` bytes over ``size``
     ranks: payload x 2 (size-1) / size, rounded down."""
     return payload * 2 * (size - 1) // size
-
-
-# -- the DDP comm hook of the warm-up -----------------------------------------------------------
-class PostLocalSGDState:
-    """``post_local_sgd_hook``'s state: the wrapped hook and its state, the warm-up and the
-    steps done so far (the averager keeps ``step`` current), and the payload let through."""
-
-    __slots__ = ("hook", "inner", "warmup", "step", "payload_bytes")
-
-    def __init__(self, hook, inner, warmup: int):
-        self.hook = hook
-        self.inner = inner
-        self.warmup = warmup
-        self.step = 0
-        self.payload_bytes = 0   # what the wrapped hook handed to collectives in the warm-up
-
-    @property
-    def wire_bytes(self) -> int:
-        """The wrapped state's count (DDP's ``CommStats`` reads it)."""
-        return getattr(self.inner, "wire_bytes", 0)
-
-
-def post_local_sgd_hook(state: PostLocalSGDState, bucket):
-    """The wrapped hook for the first ``state.warmup`` steps, then no communication: each rank
-    keeps its own gradients (torch's ``post_localSGD_hook``)."""
-    if state.step < state.warmup:
-        before = state.wire_bytes
-        fut = state.hook(state.inner, bucket)
-        state.payload_bytes += state.wire_bytes - before
-        return fut
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -265,12 +235,12 @@ class _Averager:
         self.rounds = 0                          # averaging rounds done (warm-up ones included)
         self.payload = [0] * len(levels)         # bytes handed to allreduces, per level
 
-        # 3. A DDP: its comm hook runs during the warm-up only.
-        self.hook_state = None
+        # 3. A DDP: its gradient payload from here on is the warm-up's.
+        self.local = False      # past the warm-up: a DDP's backward sends nothing
+        self.warmup_payload = 0
         if self.ddp is not None:
-            r = self.ddp.reducer
-            self.hook_state = PostLocalSGDState(r.hook, r.state, warmup)
-            self.ddp.register_comm_hook(self.hook_state, post_local_sgd_hook)
+            _DRIVEN.add(self.ddp)
+            self._wire0 = self._ddp_wire_bytes()
         if warmup == 0:
             self._end_warmup()
 
@@ -282,7 +252,7 @@ class _Averager:
                 return ("a DistributedDataParallel with overlap_forward=True takes no comm "
                         "hook; the averager needs one to stop the gradient allreduce after "
                         "the warm-up")
-            if self.ddp.reducer.hook is post_local_sgd_hook:
+            if self.ddp in _DRIVEN:
                 return "this DistributedDataParallel is driven by another averager already"
             if MPI.Comm.Compare(self.ddp.comm, self.comm) not in (MPI.IDENT, MPI.CONGRUENT):
                 return (f"the DistributedDataParallel's communicator "
@@ -297,8 +267,6 @@ class _Averager:
         average if the period says so."""
         self.step_count += 1
         t = self.step_count
-        if self.hook_state is not None:
-            self.hook_state.step = t
         if t <= self.warmup:
             if self.ddp is None:   # a plain module: the warm-up averages every step
                 self._average(len(self.comms) - 1)
@@ -309,10 +277,17 @@ class _Averager:
         if k is not None:
             self._round(k)
 
+    def _ddp_wire_bytes(self) -> int:
+        return getattr(self.ddp.comm_state, "wire_bytes", 0)
+
     def _end_warmup(self) -> None:
-        if self.ddp is not None:
-            # Buffers are averaged with the parameters from now on, not broadcast every forward.
+        if self.ddp is not None and not self.local:
+            self.warmup_payload = self._ddp_wire_bytes() - self._wire0
+            # The same state keeps the DDP's byte count; backward sends nothing from now on,
+            # and buffers are averaged with the parameters rather than broadcast every forward.
+            self.ddp.register_comm_hook(self.ddp.comm_state, noop_hook)
             self.ddp.broadcast_buffers = False
+        self.local = True
 
     def _round(self, k: int) -> None:
         """What the period does at level ``k``."""
@@ -350,16 +325,21 @@ class _Averager:
     def payload_bytes(self) -> int:
         """Bytes this rank handed to collectives to synchronise: averaging rounds, and with a
         DDP model the warm-up's gradient buckets."""
-        hook = self.hook_state.payload_bytes if self.hook_state is not None else 0
-        return sum(self.payload) + hook
+        return sum(self.payload) + self._gradient_payload()
+
+    def _gradient_payload(self) -> int:
+        """A DDP's gradient payload in the warm-up (so far, while it lasts)."""
+        if self.ddp is None or self.local:
+            return self.warmup_payload
+        return self._ddp_wire_bytes() - self._wire0
 
     @property
     def bytes_sent(self) -> int:
         """Bytes a bandwidth-optimal allreduce sends from this rank for ``payload_bytes``:
         payload x 2 (n-1) / n on each communicator of n ranks."""
         sent = sum(bandwidth_bytes(p, n) for p, n in zip(self.payload, self.sizes))
-        if self.hook_state is not None:
-            sent += bandwidth_bytes(self.hook_state.payload_bytes, self.ddp.size)
+        if self.ddp is not None:
+            sent += bandwidth_bytes(self._gradient_payload(), self.ddp.size)
         return sent
 
     def bytes_per_step(self) -> float:
@@ -376,7 +356,7 @@ class _Averager:
         """The step counter and the byte counts (DiLoCo adds its global copy and outer state)."""
         return {"kind": self.kind, "step_count": self.step_count, "rounds": self.rounds,
                 "payload": list(self.payload),
-                "hook_payload": self.hook_state.payload_bytes if self.hook_state else 0}
+                "warmup_payload": self._gradient_payload()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``: the next ``step()`` continues its count."""
@@ -390,11 +370,11 @@ class _Averager:
         self.step_count = int(state["step_count"])
         self.rounds = int(state["rounds"])
         self.payload = [int(p) for p in state["payload"]]
-        if self.hook_state is not None:
-            self.hook_state.step = self.step_count
-            self.hook_state.payload_bytes = int(state["hook_payload"])
         if self.step_count >= self.warmup:
             self._end_warmup()
+        if self.ddp is not None and not self.local:   # the warm-up goes on from here
+            self._wire0 = self._ddp_wire_bytes() - int(state["warmup_payload"])
+        self.warmup_payload = int(state["warmup_payload"])
 
     def __repr__(self):
         return (f"{self.kind}(periods={self.periods}, warmup={self.warmup}, "
