@@ -250,6 +250,35 @@ def test_period_k_averages_parameters_and_buffers_as_by_hand():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
+def test_each_dtype_is_averaged_in_its_own_buffer():
+    """float32 and bfloat16 parameters and a float64 buffer: three flat buffers, three
+    allreduces (bfloat16 divided first), each tensor the mean of rank-dependent values."""
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    net = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3).to(torch.bfloat16))
+    net.register_buffer("scale", torch.zeros(7, dtype=torch.float64))
+    avg = Periodic(net, period=1)
+    tensors = list(net.parameters()) + [net.scale]
+    with torch.no_grad():
+        for k, t in enumerate(tensors):   # rank r holds (r + 1) * (k + 1) + i % 3
+            t.copy_(((r + 1) * (k + 1) + torch.arange(t.numel()) % 3).view(t.shape))
+    avg.step()
+    ok = True
+    for k, t in enumerate(tensors):
+        want = (n + 1) / 2 * (k + 1) + torch.arange(t.numel()) % 3
+        tol = 0.02 * float(want.abs().max()) if t.dtype == torch.bfloat16 else 1e-12
+        ok &= float((t.detach().double().reshape(-1) - want).abs().max()) <= tol
+        ok &= _same(comm.allgather(t.detach().float().numpy().copy()))
+    assert_all(ok, "a tensor is not the mean, or differs across ranks")
+    assert_all([g.flat.dtype for g in avg.groups] ==
+               [torch.float32, torch.bfloat16, torch.float64], "groups")
+    size = 4 * (5 * 4 + 4) + 2 * (4 * 3 + 3) + 8 * 7
+    assert_all(avg.averaged_bytes == size and avg.payload_bytes == (size if n > 1 else 0),
+               f"{avg.averaged_bytes}, {avg.payload_bytes}")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
 def test_warmup_of_a_module_averages_every_step_then_periodically():
     comm = world()
     n, r = comm.Get_size(), comm.Get_rank()

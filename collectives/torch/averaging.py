@@ -181,18 +181,15 @@ class _Averager:
     kind = "averager"
 
     def __init__(self, model, levels, warmup, extra_settings: dict, local_error=None):
+        from mpi4py import MPI
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.kind}: model must be a torch.nn.Module, got "
                             f"{type(model).__name__}")
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.module = model.module if self.ddp is not None else model
-        default = self.ddp.comm if self.ddp is not None else None
-        if default is None:
-            from mpi4py import MPI
-            default = MPI.COMM_WORLD
+        default = self.ddp.comm if self.ddp is not None else MPI.COMM_WORLD
         self.periods = [p for p, _ in levels]
         self.comms = [default if c is None else c for _, c in levels]
-        from mpi4py import MPI
         for p, c in zip(self.periods, self.comms):
             if not isinstance(c, MPI.Comm) or c == MPI.COMM_NULL:  # nothing to agree over
                 raise TypeError(f"{self.kind}: the communicator of period {p} is {c!r}, not "
