@@ -38,15 +38,6 @@ class Kept:
     __slots__ = ("held", "nbytes", "dtype", "tuning", "call", "algo", "finalize", "bound",
                  "result", "algorithm")
 
-    def run(self, x, out, check):
-        """The call again, if nothing it depends on changed; else ``MISS``."""
-        if x.dtype is not self.dtype or (out is not None and not out.flags.writeable) or \
-                self.tuning is not config.get("COLLECTIVES_TUNING"):
-            return MISS
-        if self.bound is not None:
-            return again(self.call, self.bound, check, self.result, self.finalize)
-        return start(self.call, self.algorithm, check, self.result, self.finalize, self.algo)
-
 
 MISS = object()
 NONE = type(None)
@@ -60,7 +51,13 @@ def repeat(key, x, out, check):
         hit = CALLS.get(key)
     except TypeError:  # a key holding a list: never kept
         return MISS
-    return MISS if hit is None else hit.run(x, out, check)
+    # what can change on the same objects: x's dtype, out's write flag, the tuning table
+    if hit is None or x.dtype is not hit.dtype or (out is not None and not out.flags.writeable) \
+            or hit.tuning is not config.get("COLLECTIVES_TUNING"):
+        return MISS
+    if hit.bound is not None:
+        return again(hit.call, hit.bound, check, hit.result, hit.finalize)
+    return start(hit.call, hit.algorithm, check, hit.result, hit.finalize, hit.algo)
 
 
 def small(x, out, op, algorithm) -> bool:
