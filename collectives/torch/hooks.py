@@ -75,7 +75,9 @@ def allreduce_hook(state: DefaultState, bucket):
 
 
 def noop_hook(state, bucket):
-    """No communication: each rank keeps its local gradients (for measuring, never training)."""
+    """No communication: each rank keeps its local gradients (local SGD after the warm-up in
+    ``collectives.torch.averaging``, which averages the parameters instead; else for
+    measuring)."""
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
