@@ -44,6 +44,9 @@ SKIP = [
                  "beside it; make test is this suite)"),
     (r"-m pytest\b", "the test suite itself"),
     (r"-m bench fsdp\b", "launches its own mpiexec jobs: pairs of FSDP2 training runs, minutes"),
+    (r"-m bench wall\b", "launches its own mpiexec jobs, on a rate-limited network namespace "
+                          "(root): minutes of training; tests/test_bench_wall.py runs a small "
+                          "study on shared memory"),
     (r"-m bench net\b", "needs root and starts its own mpiexec job in a network namespace "
                          "(tests/test_bench_net.py runs bench net)"),
     (r"-m bench docs(?! --list)", "reruns the documentation's sample commands: minutes of "
