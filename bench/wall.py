@@ -20,7 +20,11 @@ at ``--width`` 128 (1.13M parameters, 4.5 MB of float32 gradients) on 16 x 16 im
 noisy shapes, ``--batch`` 128 images per rank and step, one torch thread per rank. At 1 Gbit/s
 and 3 ranks a ring allreduce of the gradients (4/3 x 4.5 MB sent by each rank, all through one
 loopback) takes about 150 ms, the same order as a step's compute with 3 ranks on 2 cores.
-Every method starts from the same seeded model and sees the same batches:
+Within a round every method starts from the same model and sees the same batches; round r
+seeds both (the initial parameters and the batch order) with r, so that the spread over rounds
+holds the training's own variation as well as the machine's (on this model a change of
+rounding alone, as between ``ddp`` and ``ddp+overlap_forward``, moves the step at which a run
+first reaches the target by an evaluation or two). The methods:
 
 - ``ddp``: ``collectives.torch.DistributedDataParallel`` (buckets of ``--bucket-cap-mb``),
   SGD with momentum;
@@ -109,8 +113,8 @@ def _parser():
     p.add_argument("--no-network", action="store_true",
                    help="run the jobs without a network namespace (shared memory; no root)")
     p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (0.95)")
-    p.add_argument("--steps", type=int, default=224,
-                   help="steps every run trains (224: 3.5 epochs at 3 ranks)")
+    p.add_argument("--steps", type=int, default=256,
+                   help="steps every run trains (256: 4 epochs at 3 ranks)")
     p.add_argument("--stop-at-target", action="store_true",
                    help="end each run at the target instead (quicker; the final accuracy is "
                         "then that of the first evaluation at or above it)")
@@ -143,6 +147,7 @@ def _parser():
     p.add_argument("--plot", metavar="PATH", help="draw accuracy against training time (PNG)")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # under mpiexec
     p.add_argument("--out", help=argparse.SUPPRESS)                       # the job's result file
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the round's
     p.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)  # lo is the job's own
     return p
 
@@ -224,7 +229,7 @@ def _build(name, args, comm, example):
     """The seeded model of ``name`` with its optimizer, DDP, comm hook or averager."""
     import torch
     from collectives.torch import DistributedDataParallel, averaging, compression, hooks
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     module = example.CNN(args.width)
 
     def ddp(**kw):
@@ -287,7 +292,8 @@ def _train(name, args, comm, example, data, test) -> dict:
     while True:
         epoch, i = divmod(step, per_epoch)
         if i == 0:
-            order = torch.randperm(len(images), generator=torch.Generator().manual_seed(epoch))
+            gen = torch.Generator().manual_seed(1000 * args.seed + epoch)
+            order = torch.randperm(len(images), generator=gen)
         mine = order[i * global_batch + rank * args.batch:][:args.batch]
         t0 = time.perf_counter()
         if m.opt is not None:
@@ -388,9 +394,9 @@ def _launcher(given: str | None) -> str:
     return found
 
 
-def _run_round(args, order, out, network, env) -> list[dict]:
+def _run_round(args, order, seed, out, network, env) -> list[dict]:
     cmd = [_launcher(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench.wall",
-           "--job", "--methods", ",".join(order), "--out", out]
+           "--job", "--methods", ",".join(order), "--out", out, "--seed", str(seed)]
     for name in _TRAINING:
         value = getattr(args, name)
         if value is not False:
@@ -554,7 +560,8 @@ def _parent(args) -> int:
             k = rnd % len(methods)
             order = methods[k:] + methods[:k]
             t0 = time.perf_counter()
-            got = _run_round(args, order, os.path.join(tmp, f"round{rnd}.jsonl"), network, env)
+            got = _run_round(args, order, rnd, os.path.join(tmp, f"round{rnd}.jsonl"), network,
+                             env)
             for r in got:
                 r["round"] = rnd
             runs += got
