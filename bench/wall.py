@@ -124,7 +124,8 @@ def _parser():
     p.add_argument("--batch", type=int, default=128, help="images per rank and step (128)")
     p.add_argument("--samples", type=int, default=24576, help="training images (24576)")
     p.add_argument("--test", type=int, default=1024, help="test images (1024)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (0.1)")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="SGD's learning rate (0.05: at 0.1 the runs fall back to chance)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (0.9)")
     p.add_argument("--inner-lr", type=float, default=1e-3, help="DiLoCo's AdamW lr (1e-3)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (0.7)")
