@@ -17,9 +17,11 @@ exits with status 2; ``--no-network`` runs the jobs without a namespace (shared 
 
 The model and the data are those of ``examples/train_ddp.py`` (loaded from that file): its CNN
 at ``--width`` 128 (1.13M parameters, 4.5 MB of float32 gradients) on 16 x 16 images of six
-noisy shapes, ``--batch`` 128 images per rank and step, one torch thread per rank. At 1 Gbit/s
-and 3 ranks a ring allreduce of the gradients (4/3 x 4.5 MB sent by each rank, all through one
-loopback) takes about 150 ms, the same order as a step's compute with 3 ranks on 2 cores.
+noisy shapes, ``--batch`` 64 images per rank and step, one torch thread per rank. At 1 Gbit/s
+and 3 ranks a ring allreduce of the gradients (4/3 x 4.5 MB sent by each rank, 18 MB in all
+through the one loopback) takes 144 ms, about three times a step's compute with 3 ranks on 2
+cores (``diloco-32``'s step, which hardly communicates, takes about 45 ms); ``--batch 128``
+doubles the compute.
 Within a round every method starts from the same model and sees the same batches; round r
 seeds both (the initial parameters and the batch order) with r, so that the spread over rounds
 holds the training's own variation as well as the machine's (on this model a change of
@@ -121,7 +123,7 @@ def _parser():
     p.add_argument("--eval-every", type=int, default=8,
                    help="evaluate every this many steps where the ranks agree (8)")
     p.add_argument("--width", type=int, default=128, help="the CNN's channels (128)")
-    p.add_argument("--batch", type=int, default=128, help="images per rank and step (128)")
+    p.add_argument("--batch", type=int, default=64, help="images per rank and step (64)")
     p.add_argument("--samples", type=int, default=24576, help="training images (24576)")
     p.add_argument("--test", type=int, default=1024, help="test images (1024)")
     p.add_argument("--lr", type=float, default=0.05,
