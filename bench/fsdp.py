@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from bench.launch import mpiexec
+
 __all__ = ["main", "model", "BACKENDS"]
 
 BACKENDS = ("gloo", "collectives")
@@ -121,18 +123,8 @@ def _job(args) -> int:
 
 
 # -- the parent ----------------------------------------------------------------------------------
-def _launcher(given: str | None) -> str:
-    if given:
-        return given
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
-    if not found:
-        raise SystemExit("no mpiexec beside this Python or on PATH; pass --mpiexec")
-    return found
-
-
 def _run_job(args, backend: str, out: str) -> dict:
-    cmd = [_launcher(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench.fsdp",
+    cmd = [mpiexec(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench.fsdp",
            "--backend", backend, "--out", out]
     for name in ("rounds", "steps", "warmup", "layers", "width", "batch"):
         cmd += [f"--{name}", str(getattr(args, name))]

@@ -88,6 +88,8 @@ import sys
 import tempfile
 import time
 
+from bench.launch import mpiexec
+
 __all__ = ["main", "METHODS", "ACCEPTANCE", "summarise", "plot"]
 
 METHODS = ("ddp", "ddp+overlap_forward", "topk", "sign", "powersgd", "periodic-8",
@@ -387,18 +389,8 @@ def _job(args) -> int:
 
 
 # -- the parent ----------------------------------------------------------------------------------
-def _launcher(given: str | None) -> str:
-    if given:
-        return given
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
-    if not found:
-        raise SystemExit("no mpiexec beside this Python or on PATH; pass --mpiexec")
-    return found
-
-
 def _run_round(args, order, seed, out, network, env) -> list[dict]:
-    cmd = [_launcher(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench.wall",
+    cmd = [mpiexec(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench.wall",
            "--job", "--methods", ",".join(order), "--out", out, "--seed", str(seed)]
     for name in _TRAINING:
         value = getattr(args, name)
