@@ -110,12 +110,13 @@ def make_hook(name, comm, args=None):
     if name == "qsgd":
         return (compression.QSGDState(comm, bits=args.bits if args else 4, error_feedback=ef,
                                       momentum=mom), compression.qsgd_hook)
+    algorithm = getattr(args, "algorithm", "auto")  # --algorithm: the hook's allreduce too
     if name == "allreduce":
-        return hooks.DefaultState(comm), hooks.allreduce_hook
+        return hooks.DefaultState(comm, algorithm), hooks.allreduce_hook
     if name == "fp16":
-        return hooks.DefaultState(comm), hooks.fp16_compress_hook
+        return hooks.DefaultState(comm, algorithm), hooks.fp16_compress_hook
     if name == "bf16":
-        return hooks.DefaultState(comm), hooks.bf16_compress_hook
+        return hooks.DefaultState(comm, algorithm), hooks.bf16_compress_hook
     state = hooks.PowerSGDState(comm, matrix_approximation_rank=2, start_powerSGD_iter=10)
     return state, hooks.powerSGD_hook
 
