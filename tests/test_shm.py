@@ -396,7 +396,9 @@ def test_several_nodes_is_a_clear_error(monkeypatch):
 @pytest.mark.mpi
 def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
     """Where the table says shm and the ranks span nodes, auto runs the hierarchical
-    counterpart (allreduce: hierarchical_shm; others: hierarchical), correctly."""
+    counterpart (allreduce: hierarchical_shm; others: hierarchical), and where every node holds
+    one rank (2 ranks here) the part across nodes (allreduce: ring; others: MPI's own),
+    correctly."""
     import json
 
     from mpi4py import MPI
@@ -412,7 +414,8 @@ def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
     table.write_text(json.dumps({"version": 1, "tables": {
         c: {"default": rules, str(size): rules} for c in ("allreduce", "reduce_scatter")}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
-    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+    alone = size == 2  # nodes of one rank; at 3 ranks and more, nodes of two
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1" if alone else "2")
     config.reload()  # read the environment again (and again after the test)
     n = 1 << 20  # 4 MiB of float32 per rank
     from collectives.api import auto_pick
@@ -424,6 +427,7 @@ def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
         block = coll.reduce_scatter(np.ones(size * (1 << 17), np.int64), comm=comm)
     finally:
         comm.Free()
-    ok = picked == "shm" and chose == ("hierarchical_shm", "hierarchical") and \
+    want = ("ring", "native") if alone else ("hierarchical_shm", "hierarchical")
+    ok = picked == "shm" and chose == want and \
         bool((got == size * (size + 1) / 2).all()) and bool((block == size).all())
     assert_all(ok, f"table {picked}, auto {chose}")
