@@ -40,8 +40,8 @@ A communicator size without rules of its own uses the nearest smaller size that 
 one it has just written, and reading freshly written memory from another process costs more, so
 the crossovers move. A single-node algorithm picked for a communicator that spans nodes becomes
 its hierarchical counterpart (``MULTI_NODE``), and where every node holds one rank (a network
-between all ranks), the part of that across nodes (``ONE_RANK_A_NODE``). Sizes are the per-rank input's bytes (for
-allgather, whose ranks may differ in length, the mean).
+between all ranks), the part of that across nodes (``ONE_RANK_A_NODE``). Sizes are the per-rank
+input's bytes (for allgather, whose ranks may differ in length, the mean).
 """
 from __future__ import annotations
 
@@ -54,9 +54,8 @@ from typing import Callable, Mapping
 from . import config
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
-           "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY", "PREFERENCES", "register", "get",
-           "algorithms", "auto",
-           "rule", "load_table",
+           "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY",
+           "PREFERENCES", "register", "get", "algorithms", "auto", "rule", "load_table",
            "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "ONE_RANK_A_NODE", "tuning_path",
            "describe"]
 

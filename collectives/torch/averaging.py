@@ -52,8 +52,9 @@ and, when the period says so, makes the copies one again:
    (``agreement.broadcast_coalesced``; a DDP has done both already).
 5. *Bytes.* ``payload_bytes`` is what this rank handed to collectives for synchronisation:
    the flat buffers of its averaging rounds, and with a DDP model the warm-up's gradient
-   buckets (what the DDP's comm state counted, ``wire_bytes``, since the averager began). ``bytes_sent`` is what a
-   bandwidth-optimal allreduce (ring, Rabenseifner) sends per rank for that payload:
+   buckets (what the DDP's comm state counted, ``wire_bytes``, since the averager began).
+   ``bytes_sent`` is what a bandwidth-optimal allreduce (ring, Rabenseifner) sends per rank
+   for that payload:
    payload x 2 (n-1) / n on each communicator of n ranks (0 on one rank), the volume behind
    nccl-tests' bus bandwidth. It is the figure to compare across methods; the algorithm that
    ``auto`` picks for a small payload may send more (recursive doubling sends payload x log2 n).

@@ -319,9 +319,10 @@ def scatter(tensor, scatter_list=None, src=0, comm=None, async_op=False, *, algo
     out = _flat(tensor, "tensor")
     flat = misfit = None
     if scatter_list is not None:
-        misfit = equal_blocks(out.numel(), scatter_list, _size(comm), "scatter_list")
+        size = _size(comm)
+        misfit = equal_blocks(out.numel(), scatter_list, size, "scatter_list")
         flat = _cat(scatter_list, "scatter_list") if misfit is None else \
-            out.new_zeros(_size(comm) * out.numel())
+            out.new_zeros(size * out.numel())
     req = coll.iscatter(flat, src, out=out, header=False, comm=comm, algorithm=algorithm)
     return _run(req, [tensor], async_op, misfit)
 

@@ -49,8 +49,8 @@ from __future__ import annotations
 from .. import config
 from . import monitor
 from .channel import Channel
-from .registry import (EXIT_CODE, INFLIGHT, LOCAL, SETUP, Entry, current_label, enabled, label, report,
-                       set_timeout, stall_warning, timeout, unwatch)
+from .registry import (EXIT_CODE, INFLIGHT, LOCAL, SETUP, Entry, current_label, enabled, label,
+                       report, set_timeout, stall_warning, timeout, unwatch)
 
 __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
            "enter", "watch", "watching", "watch_setup", "watch_local", "unwatch", "report"]
