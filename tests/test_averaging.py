@@ -61,6 +61,20 @@ def _mean(arrays) -> np.ndarray:
     return np.mean([a.astype(np.float64) for a in arrays], axis=0)
 
 
+def _stepped(net, opt, avg, comm, rank, step):
+    """Train ``step`` on ``rank``'s data, then ``avg.step()``: every rank's state (parameters
+    and buffers) before and after the averager's step."""
+    _train(net, opt, rank, step)
+    before = comm.allgather(_state(net))
+    avg.step()
+    return before, comm.allgather(_state(net))
+
+
+def _off_mean(mine, before) -> float:
+    """How far ``mine`` is from the mean of ``before`` (the states averaged by hand)."""
+    return float(np.abs(mine - _mean(before)).max())
+
+
 # -- in-process ----------------------------------------------------------------------------------
 def test_the_documented_import():
     assert (averaging.Periodic, averaging.Hierarchical, averaging.DiLoCo) == \
@@ -228,13 +242,10 @@ def test_period_k_averages_parameters_and_buffers_as_by_hand():
     avg = Periodic(net, period=3)
     assert_all(_same(comm.allgather(_state(net))), "not started from rank 0's values")
     for step in range(7):
-        _train(net, opt, r, step)
-        before = comm.allgather(_state(net))
-        avg.step()
-        after = comm.allgather(_state(net))
+        before, after = _stepped(net, opt, avg, comm, r, step)
         if (step + 1) % 3 == 0:
             assert_all(_same(after), f"step {step + 1}: ranks differ after averaging")
-            err = np.abs(after[r] - _mean(before)).max()
+            err = _off_mean(after[r], before)
             assert_all(err < 1e-6, f"step {step + 1}: {err} from the mean by hand")
         else:
             assert_all(np.array_equal(after[r], before[r]), f"step {step + 1} averaged")
@@ -286,12 +297,9 @@ def test_warmup_of_a_module_averages_every_step_then_periodically():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     avg = Periodic(net, period=2, warmup=3)
     for t in range(1, 9):
-        _train(net, opt, r, t)
-        before = comm.allgather(_state(net))
-        avg.step()
-        after = comm.allgather(_state(net))
+        before, after = _stepped(net, opt, avg, comm, r, t)
         if t <= 3 or (t - 3) % 2 == 0:
-            err = np.abs(after[r] - _mean(before)).max()
+            err = _off_mean(after[r], before)
             assert_all(_same(after) and err < 1e-6, f"step {t}: not averaged ({err})")
         else:
             assert_all(n == 1 or not _same(after), f"step {t}: averaged in local SGD")
@@ -318,7 +326,7 @@ def test_warmup_of_a_ddp_allreduces_gradients_then_stops():
             assert_all(_same(params) and both[r].tobytes() == before[r].tobytes(),
                        f"step {t}: warm-up")
         elif t == 5:
-            err = np.abs(both[r] - _mean(before)).max()
+            err = _off_mean(both[r], before)
             assert_all(_same(both) and err < 1e-6, f"step {t}: not averaged ({err})")
         else:
             assert_all(n == 1 or not _same(params), f"step {t}: ranks agree in local SGD")
@@ -344,12 +352,9 @@ def test_hierarchical_over_pairs_and_world_matches_hand_reference():
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         avg = Hierarchical(net, {2: pair, 4: None})
         for t in range(1, 9):
-            _train(net, opt, r, t)
-            before = comm.allgather(_state(net))
-            avg.step()
-            after = comm.allgather(_state(net))
+            before, after = _stepped(net, opt, avg, comm, r, t)
             group = range(n) if t % 4 == 0 else mates if t % 2 == 0 else [r]
-            err = np.abs(after[r] - _mean([before[q] for q in group])).max()
+            err = _off_mean(after[r], [before[q] for q in group])
             assert_all(_same([after[q] for q in group]) and err < 1e-6,
                        f"step {t}: over ranks {list(group)}: {err} from the mean by hand")
             if t % 2:

@@ -144,17 +144,22 @@ def test_layers_with_biases_under_sequence_parallelism(tp_size):
         if not torch.allclose(mine, want[:, r * t:(r + 1) * t], rtol=1e-5, atol=1e-6):
             msgs.append("output")
         # the loss of the whole sequence: this rank's tokens' share, summed over ranks
-        (mine ** 2).sum().backward()
-        (want ** 2).sum().backward()
-        for opt_model in (model, dense):
-            with torch.no_grad():
-                for p in opt_model.parameters():
-                    p -= 0.1 * p.grad
-        full = tp.full_state_dict(model, comm)
-        for k, v in dense.state_dict().items():
-            if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6):
-                msgs.append(f"{k}: {float((full[k] - v).abs().max())}")
+        msgs += _after_one_sgd_step(model, mine, dense, want, comm)
     _agree(not msgs, "; ".join(msgs), comm)
+
+
+def _after_one_sgd_step(model, mine, dense, want, comm) -> list[str]:
+    """One SGD step (lr 0.1) of the loss sum(output ** 2) on ``model`` and ``dense``; the
+    parameters of ``model``'s full state dict that then differ from ``dense``'s."""
+    mine.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    with torch.no_grad():
+        for net in (model, dense):
+            for p in net.parameters():
+                p -= 0.1 * p.grad
+    full = tp.full_state_dict(model, comm)
+    return [f"{k}: {float((full[k] - v).abs().max())}" for k, v in dense.state_dict().items()
+            if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6)]
 
 
 @pytest.mark.mpi
@@ -178,16 +183,7 @@ def test_layers_built_directly(tp_size):
         mine, want = model(ids), dense(ids)
         if not torch.allclose(mine, want, rtol=1e-5, atol=1e-6):
             msgs.append(f"output: {float((mine - want).abs().max())}")
-        mine.pow(2).sum().backward()
-        want.pow(2).sum().backward()
-        with torch.no_grad():
-            for net in (model, dense):
-                for p in net.parameters():
-                    p -= 0.1 * p.grad
-        full = tp.full_state_dict(model, comm)
-        for k, v in dense.state_dict().items():
-            if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6):
-                msgs.append(f"{k}: {float((full[k] - v).abs().max())}")
+        msgs += _after_one_sgd_step(model, mine, dense, want, comm)
     _agree(not msgs, "; ".join(msgs), comm)
 
 
