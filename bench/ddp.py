@@ -4,7 +4,9 @@
     mpiexec -n 2 python -m bench.ddp --rounds 8      # standalone
 
 One training step (``zero_grad``, forward, backward, ``optimizer.step``) of an MLP of about 25M
-parameters, batch 32 per rank, one torch thread per rank, for each variant:
+parameters, batch 32 per rank, one torch thread per rank, for each variant (``--model gpt``: the
+GPT of ``examples/train_gpt.py``, ``--layers`` blocks of width ``--dim``, its gradient bytes
+spread over many tensors, on random token windows of ``--seq`` tokens):
 
 - ``ours``: ``collectives.torch.DistributedDataParallel`` (buckets allreduced while backward
   runs; on one node its buckets are registered buffers, reduced one-pass);
@@ -73,8 +75,17 @@ def mlp(params_m: float = 25.0, width: int = 2048, io: int = 1024):
 
 def _parser():
     p = argparse.ArgumentParser(prog="python -m bench ddp", description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=float, default=25.0, help="model size, millions (25)")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank and step (32)")
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                   help="mlp (--params, --width) or the GPT of examples/train_gpt.py (--dim, "
+                        "--heads, --layers, --seq) (mlp)")
+    p.add_argument("--params", type=float, default=25.0, help="mlp: size, millions (25)")
+    p.add_argument("--width", type=int, default=2048, help="mlp: hidden width (2048)")
+    p.add_argument("--dim", type=int, default=256, help="gpt: model width (256)")
+    p.add_argument("--heads", type=int, default=4, help="gpt: attention heads (4)")
+    p.add_argument("--layers", type=int, default=8, help="gpt: blocks (8)")
+    p.add_argument("--seq", type=int, default=64, help="gpt: tokens per window (64)")
+    p.add_argument("--batch", type=int, default=32,
+                   help="samples (gpt: windows) per rank and step (32)")
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (6)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant and round (3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (2)")
@@ -148,9 +159,16 @@ def main(argv=None) -> int:
     check_outputs(comm, {"--json": args.json})
     rank, size = comm.Get_rank(), comm.Get_size()
 
+    vocab = 264   # examples/train_gpt.py's byte vocabulary
+    if args.model == "gpt":
+        from bench.tp import train_gpt_module
+        gpt = train_gpt_module().GPT
+
     def build():
         torch.manual_seed(0)
-        return mlp(args.params)
+        if args.model == "gpt":
+            return gpt(vocab, args.dim, args.heads, args.layers)
+        return mlp(args.params, args.width)
 
     models, store = {}, None
     for v in variants:
@@ -182,8 +200,16 @@ def main(argv=None) -> int:
     phases = {"backward": [], "allreduce": []}   # no_overlap's, while timing
     n_params = sum(p.numel() for p in build().parameters())
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, 1024, generator=gen)
-    y = torch.randn(args.batch, 1024, generator=gen)
+    if args.model == "gpt":
+        x = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+        y = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+
+        def loss_fn(out, target):
+            return nn.functional.cross_entropy(out.reshape(-1, vocab), target.reshape(-1))
+    else:
+        x = torch.randn(args.batch, 1024, generator=gen)
+        y = torch.randn(args.batch, 1024, generator=gen)
+        loss_fn = nn.functional.mse_loss
 
     def step(v):
         # The toolkit reads COLLECTIVES_PROGRESS_THREAD as each collective starts.
@@ -192,7 +218,7 @@ def main(argv=None) -> int:
         overlapped = v == "ours_overlap_forward"   # it steps and zeroes by itself
         if not overlapped:
             opts[v].zero_grad(set_to_none=args.zero_grad == "none")
-        loss = nn.functional.mse_loss(models[v](x), y)
+        loss = loss_fn(models[v](x), y)
         t0 = time.perf_counter()
         loss.backward()
         if v == "no_overlap":
@@ -259,7 +285,10 @@ def main(argv=None) -> int:
     config.set("COLLECTIVES_PROGRESS_THREAD", before)
     timeline.on = traced_before
 
-    result = {"ranks": size, "params": n_params, "batch": args.batch, "threads": args.threads,
+    shape = (f"GPT of {args.layers} blocks, width {args.dim}, {args.seq}-token windows"
+             if args.model == "gpt" else "MLP")
+    result = {"ranks": size, "params": n_params, "model": shape, "batch": args.batch,
+              "threads": args.threads,
               "bucket_cap_mb": args.bucket_cap_mb, "algorithm": args.algorithm,
               "zero_grad": args.zero_grad, "steps": args.steps,
               "median_ms": {v: 1e3 * statistics.median(t) for v, t in times.items()},
@@ -282,7 +311,8 @@ def main(argv=None) -> int:
 
 def _print(r) -> None:
     med = r["median_ms"]
-    print(f"# DDP step: {r['params'] / 1e6:.1f}M-parameter MLP, batch {r['batch']} per rank, "
+    print(f"# DDP step: {r['params'] / 1e6:.1f}M-parameter {r['model']}, batch {r['batch']} "
+          f"per rank, "
           f"{r['ranks']} ranks, {r['threads']} thread(s) per rank, bucket cap "
           f"{r['bucket_cap_mb']:g} MB, algorithm {r['algorithm']}, zero_grad to "
           f"{r['zero_grad']}")

@@ -31,12 +31,12 @@ import os
 import statistics
 import time
 
-__all__ = ["main", "VARIANTS"]
+__all__ = ["main", "VARIANTS", "train_gpt_module"]
 
 VARIANTS = ("ours", "dtensor-gloo", "dtensor-ours")
 
 
-def _train_gpt():
+def train_gpt_module():
     """examples/train_gpt.py as a module (its model, plan and corpus), loaded from its path:
     the examples are scripts beside the package, not an installed module."""
     import importlib.util
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from bench.stats import spread
     from collectives import Mesh
     from collectives.torch import tensor_parallel as tp
-    train_gpt = _train_gpt()
+    train_gpt = train_gpt_module()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
