@@ -24,6 +24,7 @@ from . import check as _check
 from . import config, select
 from . import timeline as _timeline
 from . import watchdog as _watchdog
+from .call import Call, make_call
 from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
 from .progress import Done, Request
@@ -31,44 +32,6 @@ from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
 __all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer", "RAGGED",
            "nothing_to_move"]
-
-
-class Call:
-    """One collective call, checked and wrapped: what an algorithm's ``launch`` receives.
-
-    ``x``/``out`` are ``Buffer``s (``out`` is x itself when in place, None on non-root ranks
-    of ``reduce``); ``counts`` are per-rank element counts (reduce_scatter, allgather).
-    """
-
-    __slots__ = ("collective", "ctx", "x", "out", "op", "root", "counts", "algorithm",
-                 "inplace", "seq", "blocking", "algo")
-
-    def __init__(self, collective, ctx, x, out, op=None, *, root=0, counts=None,
-                 inplace=False, blocking=True):
-        _fill(self, collective, ctx, x, out, op, root, counts, inplace, blocking)
-
-    @property
-    def count(self) -> int:
-        """Elements of the per-rank input."""
-        return self.x.count
-
-    def describe(self) -> str:
-        return (f"{self.collective} #{self.seq} ({self.algorithm}, {self.count} x "
-                f"{self.x.dtype.name}{'' if self.op is None else ', ' + self.op.name})")
-
-
-def _fill(call, collective, ctx, x, out, op, root, counts, inplace, blocking):
-    call.collective, call.ctx, call.x, call.out, call.op = collective, ctx, x, out, op
-    call.root, call.counts, call.inplace, call.blocking = root, counts, inplace, blocking
-    call.algorithm, call.seq, call.algo = None, -1, None
-    return call
-
-
-def make_call(collective, ctx, x, out, op=None, root=0, counts=None, inplace=False,
-              blocking=True) -> Call:
-    """A ``Call`` (``Call(...)`` without the keyword handling: this runs on every call)."""
-    return _fill(object.__new__(Call), collective, ctx, x, out, op, root, counts, inplace,
-                 blocking)
 
 
 _WORLD = []  # MPI.COMM_WORLD's Context, made on the first call (mpi4py is imported then)

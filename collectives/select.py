@@ -1,25 +1,9 @@
-"""The algorithm registry, and what ``algorithm="auto"`` picks.
+"""The built-in algorithms, and what ``algorithm="auto"`` picks.
 
-*The registry.* Every algorithm is one ``Algorithm`` record: its name, the collectives it
-implements, its kind and what it needs of the communicator. The kind says how the API runs it,
-in one place (``collectives.api``):
-
-- ``SCHEDULE``: ``build[collective]`` returns a ``Schedule`` that the executor runs (ring, the
-  trees, hierarchical);
-- ``DIRECT``: ``launch(call)`` starts the work itself (``shm``, ``hierarchical_shm``);
-- ``NATIVE``: the MPI library's own collective (``collectives.native.launch``).
-
-``needs`` is ``ANY``, ``ONE_NODE`` (every rank on one node: a ``ValueError`` on every rank
-elsewhere) or ``TOPOLOGY`` (the builder takes the communicator's ``nodes``/``numas``).
-``get`` fails loudly on an unknown name, listing the known ones.
-
-*Preferences.* A record with ``agree`` is also a buffer-dependent preference of ``auto`` for
-the collectives in ``prefers``: ``agree(call, nbytes)`` returns a *plan* when every rank's
-buffers suit it (collective when it may say yes; the same answer on every rank), or None, and
-``launch(call, plan)`` receives that plan (None when the algorithm is named). ``averages``: the
-algorithm divides an ``op="avg"`` result itself, so no division follows it. ``registered``: it
-runs on registered buffers only (``coll.empty``); named with others, it is a ``ValueError`` on
-every rank.
+*The built-in algorithms.* The records of ring, the trees, hierarchical, ``native``, ``shm``,
+``hierarchical_shm`` and ``onepass`` are registered in ``collectives.registry`` when this
+module is imported; the record type, the tables and ``get``/``algorithms`` live there and
+are re-exported here.
 
 *The tuning table.* ``auto`` is a lookup, never a measurement inside a user's call: for each
 collective, rules ``[max_bytes, algorithm]`` per communicator size, tried in order; the first
@@ -47,11 +31,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
-from . import config
+from . import config, hierarchical, hierarchical_alltoall, native, ring, tree
+from .node import composite, onepass, shm
+from .registry import (ANY, ANY_COUNTS, COLLECTIVES, DIRECT, EQUAL, MATRIX, NATIVE, ONE_NODE,
+                       PREFERENCES, REGISTRY, SCHEDULE, SHM_COLLECTIVES, TOPOLOGY, Algorithm,
+                       algorithms, get, register)
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
            "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY",
@@ -59,64 +45,8 @@ __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPO
            "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "ONE_RANK_A_NODE", "tuning_path",
            "describe"]
 
-COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
-               "gather", "scatter", "barrier")
-# The collectives the shared-memory window algorithm (``shm``) runs.
-SHM_COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
-SCHEDULE, DIRECT, NATIVE = "schedule", "direct", "native"
-ANY, ONE_NODE, TOPOLOGY = "any", "one node", "topology"
-# What an all-to-all algorithm takes: any counts, equal blocks only, or any counts as long as
-# every rank's are known (it plans with the whole matrix, so recv_counts cannot stand in).
-ANY_COUNTS, EQUAL, MATRIX = "any counts", "equal blocks", "every rank's counts"
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """One algorithm: how to run it (``kind``: ``build`` or ``launch``) and what it needs."""
-
-    name: str
-    kind: str
-    collectives: tuple[str, ...]
-    build: Mapping[str, Callable] = field(default_factory=dict)  # SCHEDULE: collective -> builder
-    launch: Callable | None = None  # DIRECT, NATIVE: launch(call), or launch(call, plan)
-    needs: str = ANY
-    agree: Callable | None = None   # agree(call, nbytes) -> plan or None (see the module doc)
-    prefers: tuple[str, ...] = ()   # the collectives whose ``auto`` tries ``agree`` first
-    averages: bool = False          # divides ``op="avg"`` itself
-    registered: bool = False        # runs on registered buffers only (``coll.empty``)
-    counts: str = ANY_COUNTS        # alltoall: the counts it takes (ANY_COUNTS, EQUAL, MATRIX)
-
-    def __post_init__(self):
-        if self.kind == SCHEDULE:
-            assert set(self.build) == set(self.collectives), self
-        else:
-            assert self.kind in (DIRECT, NATIVE) and self.launch is not None, self
-        assert (self.agree is None) == (not self.prefers), self
-
-
-# {collective: {name: Algorithm}}: written by ``register`` only; the API reads it on every call.
-REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
-# {collective: (Algorithm, ...)}: the records ``auto`` asks to ``agree`` before its table.
-PREFERENCES: dict[str, tuple[Algorithm, ...]] = {c: () for c in COLLECTIVES}
-
-
-def register(algorithm: Algorithm) -> None:
-    """Make ``algorithm`` available as ``algorithm=its name`` for its collectives (and a
-    preference of ``auto`` for those it ``prefers``); a record of the same name replaces
-    the earlier one."""
-    for collective in COLLECTIVES:
-        REGISTRY[collective].pop(algorithm.name, None)
-        PREFERENCES[collective] = tuple(a for a in PREFERENCES[collective]
-                                        if a.name != algorithm.name)
-    for collective in algorithm.collectives:
-        REGISTRY[collective][algorithm.name] = algorithm
-    for collective in algorithm.prefers:
-        PREFERENCES[collective] += (algorithm,)
-
 
 def _register_builtin() -> None:
-    from collectives import hierarchical, hierarchical_alltoall, native, ring, tree
-    from collectives.node import composite, onepass, shm
     for name, build, needs, counts in (
         ("ring", {"allreduce": ring.allreduce, "reduce_scatter": ring.reduce_scatter,
                   "allgather": ring.allgather, "broadcast": ring.broadcast}, ANY, ANY_COUNTS),
@@ -152,25 +82,6 @@ def _register_builtin() -> None:
 
 
 _register_builtin()
-
-
-def get(collective: str, name: str) -> Algorithm:
-    """The algorithm registered as ``name`` for ``collective``."""
-    table = REGISTRY.get(collective)
-    if table is None:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-    try:
-        return table[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown algorithm {name!r} for {collective}; expected 'auto' or one "
-                         f"of {', '.join(sorted(table))}") from None
-
-
-def algorithms(collective: str) -> tuple[str, ...]:
-    """The names ``algorithm=`` accepts for ``collective`` (besides ``"auto"``)."""
-    if collective not in REGISTRY:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-    return tuple(sorted(REGISTRY[collective]))
 
 
 # Measured on the CI machine kind (2 cores, MPICH from the package index, one node) at 2 and 3

@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# dispatch as a module: select registers this module's launch while dispatch imports select,
-# so dispatch may be half made when this module is imported (its names are read at a call)
-from .. import dispatch, hierarchical
+from .. import hierarchical
 from ..buffers import wrap
+from ..call import make_call
 from ..executor import context, launch_schedule, schedule_for
 from ..ops import resolve
 from ..ring import allreduce as ring_allreduce
@@ -86,7 +85,7 @@ def _across(work, cross, block, op) -> None:
     if op.is_avg:
         op = resolve("sum", block.dtype)
     buf = wrap(block)
-    call = dispatch.make_call("allreduce", ctx, buf, buf, op, inplace=True)
+    call = make_call("allreduce", ctx, buf, buf, op, inplace=True)
     call.algorithm, call.seq = "ring", ctx.next_seq()
     run = launch_schedule(call, schedule_for(call, ring_allreduce))
     # the ring's ranks are the cross communicator's: rank n is this local rank on node n

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..select import DIRECT, ONE_NODE, Algorithm
+from ..registry import DIRECT, ONE_NODE, Algorithm
 from . import composite, registered
 from .window import LATER, Info, ShmWork, window
 
