@@ -374,7 +374,7 @@ def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
     old = watchdog.set_timeout(0.3)
     with watchdog.label("bucket 0"):
         entry = watchdog.watch(self_ctx, what="allreduce #0 (ring, 8 x float32, sum)")
-    entry.work = _Work()
+    entry.attach(_Work())
     start = time.monotonic()
     try:
         while not aborted and time.monotonic() - start < 10:
@@ -409,26 +409,26 @@ def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, m
     stall = config.set("COLLECTIVES_STALL_WARNING", 0)
     try:
         done = watchdog.enter(self_ctx, Call())
-        done.active = False  # a call that returned at once
+        done.release()  # a call that returned at once
         time.sleep(0.3)
         assert not aborted and "nothing in flight" == watchdog.report(self_ctx)
         entry = watchdog.enter(self_ctx, Call())
         assert entry is done  # the communicator's one entry, reused
-        entry.work = _Work()
+        entry.attach(_Work())
         start = time.monotonic()
         while not aborted and time.monotonic() - start < 10:
             time.sleep(0.02)
     finally:
         watchdog.set_timeout(old)
         config.set("COLLECTIVES_STALL_WARNING", stall)
-        entry.active = False
+        entry.release()
     assert aborted, "the watchdog did not fire"
     assert 0.4 <= aborted[0] - start < 3
     err = capsys.readouterr().err
     assert "rank 0: allreduce #4 (native, 2 x float32, sum) did not complete" in err
     assert "waiting for: recv from rank 7 (op 3 of 9)" in err
     assert watchdog.enter(self_ctx, Call()) is entry
-    entry.active = False
+    entry.release()
     old = watchdog.set_timeout(0)
     stall = config.set("COLLECTIVES_STALL_WARNING", 0)
     try:
@@ -443,8 +443,13 @@ def test_summary_names_the_ranks_that_never_joined(self_ctx):
 
     class Ctx:  # a 5-rank communicator seen from rank 0
         rank, size, seq, stash, comm = 0, 5, 6, {}, None
-    entry = watchdog.Entry(Ctx, None, "allreduce #5 (ring, 8 x float32, sum)", "run")
-    entry.seq = 5
+
+    class Call:
+        seq = 5
+
+        def describe(self):
+            return "allreduce #5 (ring, 8 x float32, sum)"
+    entry = watchdog.Entry.collective(Ctx, Call())
     in_it = {"started": 6, "inflight": [(5, "allreduce #5 (...)", 3.1, "recv from rank 3")],
              "last_error": None}
     answers = {

@@ -307,7 +307,7 @@ class _Stall:
                                                       self.server.warnings)
         elif entry.what == what and entry.start == start:
             return
-        entry.what, entry.start, entry.warned = what, start, 0
+        entry.restart(what, start)
 
     def waiting_for(self) -> str:
         found = self.late()
@@ -319,7 +319,7 @@ class _Stall:
 
     def end(self) -> None:
         if self.entry is not None:
-            watchdog.unwatch(self.entry)
+            self.entry.end()
             self.entry = None
 
 

@@ -49,10 +49,10 @@ from __future__ import annotations
 from .. import config
 from . import monitor
 from .channel import Channel
-from .registry import (EXIT_CODE, INFLIGHT, LOCAL, SETUP, Entry, current_label, enabled, label,
-                       report, set_timeout, stall_warning, timeout, unwatch)
+from .registry import (EXIT_CODE, INFLIGHT, Entry, enabled, label, report, set_timeout,
+                       stall_warning, timeout, unwatch)
 
-__all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
+__all__ = ["EXIT_CODE", "Entry", "timeout", "stall_warning", "enabled", "set_timeout", "label",
            "enter", "watch", "watching", "watch_setup", "watch_local", "unwatch", "report"]
 
 
@@ -60,7 +60,7 @@ def watch(ctx, call=None, what: str = "", phase: str = "run") -> Entry:
     """Register a collective that starts now on ``ctx`` (``call``, or a description)."""
     monitor.launch()
     ctx.slot(Channel)
-    entry = Entry(ctx, call, what, phase)
+    entry = Entry.collective(ctx, call, what, phase)
     INFLIGHT.add(entry)
     return entry
 
@@ -89,8 +89,9 @@ class watching:
 
 def enter(ctx, call, phase: str = "run") -> Entry | None:
     """A blocking collective ``call`` starts on ``ctx``: its entry, or None when the watchdog
-    is off. The caller sets ``entry.work`` once the call runs and ``entry.active = False`` when
-    it returns (``unwatch(entry, error)`` when it fails).
+    is off. The caller moves it on with its methods: ``entry.checked()`` after a cross-rank
+    check, ``entry.attach(work)`` once the call runs, ``entry.release()`` when it returns
+    (``entry.end(error)`` when it fails).
 
     The cheap form of ``watch``, for the calls that matter most per call (small blocking ones):
     blocking calls on one communicator come one at a time, so each communicator has one entry,
@@ -104,14 +105,7 @@ def enter(ctx, call, phase: str = "run") -> Entry | None:
         monitor.launch()
         channel = ctx.slot(Channel)
     entry = channel.entry
-    entry.call = call
-    entry.seq = call.seq
-    entry.phase = phase
-    entry.work = None
-    entry.label = current_label()
-    entry.warned = 0
-    entry.start = 0.0  # not seen yet: stamped by the watchdog thread (``inflight``)
-    entry.active = True
+    entry.begin(call, phase)
     return entry
 
 
@@ -120,19 +114,18 @@ def watch_setup(comm, collective: str | None = None) -> Entry:
     called on it (a Dup every rank must join); ``unwatch`` it when done."""
     monitor.launch()
     name = f"{collective} #0" if collective else "the first collective"
-    entry = Entry(None, None, f"{name} (the first collective call on this communicator)",
-                   comm=comm, kind=SETUP)
+    entry = Entry.first_call(comm, f"{name} (the first collective call on this communicator)")
     INFLIGHT.add(entry)
     return entry
 
 
-def watch_local(comm, what: str, work, notes: list | None = None) -> Entry:
-    """Register a wait of this rank's own on ``comm`` (a server's queued request): bounded by
-    the watchdog's settings from ``entry.start``, reported on this rank only (``what`` and
-    ``work.waiting_for()``, also appended to ``notes``), the job aborted past the timeout.
-    Its owner keeps ``what`` and ``start`` up to date and ``unwatch``es it when it ends."""
+def watch_local(comm, what: str, work=None, notes: list | None = None) -> Entry:
+    """Register a wait of this rank's own on ``comm`` (a server's queued request, a
+    point-to-point receive): bounded by the watchdog's settings from ``entry.start``, reported
+    on this rank only (``what``, and ``work.waiting_for()`` where ``work`` is given; also
+    appended to ``notes``), the job aborted past the timeout. Its owner moves it on
+    (``entry.restart(what, start)``) and ends it (``entry.end()``)."""
     monitor.launch()
-    entry = Entry(None, None, what, comm=comm, kind=LOCAL)
-    entry.work, entry.notes = work, notes
+    entry = Entry.local(comm, what, work, notes)
     INFLIGHT.add(entry)
     return entry

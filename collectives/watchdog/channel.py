@@ -40,8 +40,7 @@ class Channel:
         self.sends: list = []
         self.told: set = set()       # (asker, seq) already printed
         self.closed = False
-        self.entry = registry.Entry(ctx)  # the blocking calls' (``enter``)
-        self.entry.active = False
+        self.entry = registry.Entry.blocking(ctx)  # the blocking calls' (``enter``)
         registry.CHANNELS.append(self)
 
     def close(self) -> None:

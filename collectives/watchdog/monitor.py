@@ -82,7 +82,7 @@ def _round() -> None:
     if late is not None:
         _fire(late)
     elif stalled is not None:
-        stalled.warned = int((now - stalled.start) // every)
+        stalled.warn(int((now - stalled.start) // every))
         _inquire(stalled, stalled.warned)
 
 

@@ -1,9 +1,11 @@
 """What the watchdog bounds: settings, labels, and the entries of what is in flight on this rank.
 
-One entry type (``Entry``), made by one constructor: a collective (``watch``; blocking calls
-reuse their communicator's entry, ``enter``), a step every rank must join (``watching``), or a
-communicator's first call (``watch_setup``). ``unwatch`` ends one. The thread that looks at
-them is ``collectives.watchdog.monitor``; the side channel ``collectives.watchdog.channel``.
+One entry type (``Entry``), one constructor per kind: a collective (``Entry.collective``;
+blocking calls reuse their communicator's ``Entry.blocking``), a communicator's first call
+(``Entry.first_call``), or a wait of this rank's own (``Entry.local``). Its methods are its
+transitions; no caller writes a field. ``unwatch`` (``Entry.end``) ends one. The thread that
+looks at them is ``collectives.watchdog.monitor``; the side channel
+``collectives.watchdog.channel``.
 """
 from __future__ import annotations
 
@@ -86,10 +88,17 @@ class Entry:
     """One thing in flight on this rank that the watchdog bounds (``kind``): a collective on a
     communicator's context (``ctx``); the first call on a communicator, while its private
     communicator is created (an ``MPI_Comm_dup`` of ``comm`` that every rank must join, with
-    no side channel yet); or a wait of this rank's own, which its owner keeps up to date
-    (``what``, ``start``, and ``work.waiting_for()``). ``active``: for a communicator's reused
-    entry of blocking calls, whether one runs now. ``told``: the ranks heard from waiting in
-    the same setup. ``notes``: a list that also receives what the watchdog says of it."""
+    no side channel yet); or a wait of this rank's own (a server's queued request, a
+    point-to-point receive), which its owner keeps up to date (``what``, ``start``, and
+    ``work.waiting_for()``). ``active``: for a communicator's reused entry of blocking calls,
+    whether one runs now. ``told``: the ranks heard from waiting in the same setup. ``notes``:
+    a list that also receives what the watchdog says of it.
+
+    The watchdog owns the fields: callers read them, make an entry with one constructor per
+    kind (``collective``, ``blocking``, ``first_call``, ``local``) and move it on with its
+    methods (``begin``, ``checked``, ``attach``, ``release``, ``restart``, ``finished``,
+    ``end``), so the monitor thread never sees a half-made transition.
+    """
 
     __slots__ = ("kind", "ctx", "comm", "rank", "size", "call", "what", "seq", "start", "work",
                  "phase", "label", "warned", "active", "told", "notes")
@@ -109,6 +118,78 @@ class Entry:
         self.warned = 0  # stall warnings printed
         self.active = True
         self.told: set = set()
+
+    # -- one constructor per kind (none registers: ``watch``, ``watch_setup``, ``watch_local``
+    # and ``enter`` do) --------------------------------------------------------------------------
+    @classmethod
+    def collective(cls, ctx, call=None, what: str = "", phase: str = "run") -> "Entry":
+        """A collective starting now on ``ctx`` (``call``, or ``what`` in words)."""
+        return cls(ctx, call, what, phase)
+
+    @classmethod
+    def blocking(cls, ctx) -> "Entry":
+        """A communicator's one reused entry of blocking calls, idle until ``begin``."""
+        entry = cls(ctx)
+        entry.active = False
+        return entry
+
+    @classmethod
+    def first_call(cls, comm, what: str) -> "Entry":
+        """The creation of ``comm``'s private communicator by its first collective call."""
+        return cls(None, None, what, comm=comm, kind=SETUP)
+
+    @classmethod
+    def local(cls, comm, what: str, work=None, notes: list | None = None) -> "Entry":
+        """A wait of this rank's own on ``comm``, said here only: ``what``, and where
+        ``work`` is given, ``work.waiting_for()``; ``notes`` also receives the reports."""
+        entry = cls(None, None, what, comm=comm, kind=LOCAL)
+        entry.work, entry.notes = work, notes
+        return entry
+
+    # -- transitions ------------------------------------------------------------------------------
+    def begin(self, call, phase: str = "run") -> None:
+        """A reused entry: the blocking ``call`` starts now (in ``phase``). Its start is
+        stamped by the watchdog thread when it first sees it (``inflight``), to within a
+        tick, so a small call reads no clock."""
+        self.call, self.seq, self.phase, self.work = call, call.seq, phase, None
+        self.label = _LABEL.get()
+        self.warned = 0
+        self.start = 0.0
+        self.active = True
+
+    def checked(self) -> None:
+        """The cross-rank argument check passed: the call runs now (phase ``check`` ->
+        ``run``)."""
+        self.phase = "run"
+
+    def attach(self, work) -> None:
+        """``work`` runs this entry's call: the watchdog asks it where this rank waits (a
+        schedule's outstanding ops, ``work.waiting_for()``) and, for a registered entry,
+        forgets the entry once ``work.done``."""
+        self.work = work
+
+    def release(self) -> None:
+        """A reused entry's blocking call returned: idle again, holding neither the call nor
+        its work (so none of the caller's buffers outlives the call)."""
+        self.active, self.call, self.work = False, None, None
+
+    def restart(self, what: str, start: float) -> None:
+        """A local wait now waits for ``what``, since ``start`` (``time.monotonic()``): its
+        stall warnings count afresh."""
+        self.what, self.start, self.warned = what, start, 0
+
+    def stamp(self, now: float) -> None:
+        """The watchdog thread: a reused entry's call is seen running for the first time."""
+        if not self.start:
+            self.start = now
+
+    def warn(self, count: int) -> None:
+        """The watchdog thread: ``count`` stall warnings have been printed for this entry."""
+        self.warned = count
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This entry's wait or call ended (with ``error``, if it failed): unregistered."""
+        unwatch(self, error)
 
     @property
     def setup(self) -> bool:
@@ -130,7 +211,7 @@ class Entry:
             return ("every rank of the communicator to make its first collective call on it "
                     "(MPI_Comm_dup of the communicator, for the toolkit's private one)")
         if self.kind is LOCAL:
-            return self.work.waiting_for()
+            return self.what if self.work is None else self.work.waiting_for()
         if self.phase == "check":
             return ("the cross-rank argument check (COLLECTIVES_CHECK): an MPI_Allreduce that "
                     "every rank of the communicator must join")
@@ -191,8 +272,7 @@ def inflight() -> list:
     for channel in list(CHANNELS):
         entry = channel.entry
         if entry.active:
-            if not entry.start:
-                entry.start = _monotonic()
+            entry.stamp(_monotonic())
             entries.append(entry)
     return entries
 
