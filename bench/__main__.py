@@ -7,8 +7,10 @@ long loop of calls), ``ddp`` (data-parallel training
 step), ``fsdp`` (torch's FSDP2 on the backend against gloo; it launches its own jobs, so it runs
 without mpiexec), ``tune`` (measure and write the table ``auto`` reads), ``calibrate`` and
 ``model`` (the alpha-beta-gamma cost model), ``plot`` (redraw JSON results), ``docs``
-(regenerate the documentation's sample outputs), ``net`` (run a command on a rate-limited
-network) and ``wall`` (the communication study on that network; it launches its jobs).
+(regenerate the documentation's sample outputs), ``topology`` (what a job sees of nodes and NUMA
+domains, and the bytes each algorithm sends per link class), ``net`` (run a command on a
+rate-limited network) and ``wall`` (the communication study on that network; it launches its
+jobs).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ COMMANDS = {
     "docs": "regenerate the sample outputs in README.md and docs/ from their commands",
     "ps": "parameter server: straggler study (BSP, SSP, ASP), bytes against allreduce",
     "pipeline": "pipeline schedules: step, bubble, activations beside pp.simulate and torch's",
+    "topology": "the nodes and NUMA domains a job sees; --traffic: bytes per link class",
     "net": "run any command over MPI's TCP transport on a rate-limited loopback (needs root)",
     "wall": "communication study on a rate-limited network: time to target per method",
 }

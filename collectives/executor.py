@@ -166,7 +166,7 @@ class MPITransport:
     def __init__(self, comm):
         from mpi4py import MPI
         self.comm = comm
-        self.counter = None  # collectives.topology.count_traffic installs a LinkTraffic here
+        self.counter = None  # collectives.traffic.count_traffic installs a LinkTraffic here
         self._mpi = MPI
         self._byte = MPI.BYTE
         # On a node with no core to spare, MPI's spinning Waitany keeps the core that the

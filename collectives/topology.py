@@ -33,16 +33,11 @@ every node: Horovod's and han's "cross" communicator; ranks whose local index ex
 node's size simply have fewer peers), ``numa`` and ``leaders`` (the lowest rank of every node,
 ``COMM_NULL`` elsewhere).
 
-Traffic accounting: ``count_traffic(comm)`` is a context manager that counts the bytes and
-messages this rank *sends* per link class while it is open, through the MPI executor (schedule
-algorithms: ``ring``, ``tree``, ``hierarchical``, ...). The MPI library's own collectives and
-``shm`` move their bytes inside the library or through memory and are not counted.
-
-Run ``mpiexec -n 4 python -m collectives.topology`` to print what a job sees.
+The bytes a rank sends per link class are counted by ``collectives.traffic``; run
+``mpiexec -n 4 python -m bench topology`` to print what a job sees.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 
@@ -51,8 +46,8 @@ import numpy as np
 from . import config
 
 __all__ = ["Topology", "topology", "simulated", "communicators", "Communicators", "node_comm",
-           "LinkTraffic", "count_traffic", "SAME_NUMA", "SAME_NODE", "OTHER_NODE",
-           "LINK_NAMES", "numa_of_cpus", "sim_traffic", "discover", "traffic_table"]
+           "SAME_NUMA", "SAME_NODE", "OTHER_NODE", "LINK_NAMES", "numa_of_cpus", "discover",
+           "context_of"]
 
 SAME_NUMA, SAME_NODE, OTHER_NODE = 0, 1, 2
 LINK_NAMES = ("same_numa", "same_node", "other_node")
@@ -348,14 +343,16 @@ class _Known:
 
 def topology(comm=None) -> Topology:
     """The (cached) ``Topology`` of ``comm`` (default ``COMM_WORLD``); collective on first use."""
-    ctx = _ctx(comm)
+    ctx = context_of(comm)
     known = ctx.slot(_Known)
     if known.topology is None:
         known.topology = discover(ctx.comm)
     return known.topology
 
 
-def _ctx(comm):
+def context_of(comm):
+    """The executor's ``Context`` of ``comm`` (``COMM_WORLD`` when None; a ``Context`` is
+    its own)."""
     from .executor import Context, context
     if isinstance(comm, Context):
         return comm
@@ -384,13 +381,14 @@ class Communicators:
                 c.Free()
 
 
-def communicators(comm=None) -> Communicators:
-    """This rank's node / cross / numa / leaders communicators (collective on first use)."""
+def communicators(comm=None, create: bool = True) -> Communicators | None:
+    """This rank's node / cross / numa / leaders communicators (collective on first use);
+    with ``create=False``, None where they have not been made yet (never collective)."""
     from mpi4py import MPI
-    ctx = _ctx(comm)
+    ctx = context_of(comm)
     known = ctx.slot(_Known)
     comms = known.comms
-    if comms is None:
+    if comms is None and create:
         topo = topology(ctx)
         r = ctx.rank
         local = topo.local_rank(r)
@@ -407,144 +405,3 @@ def node_comm(comm=None):
     share a node", simulated ones (``COLLECTIVES_RANKS_PER_NODE``) included. Cached with the
     other sub-communicators (collective on first use); the caller must not free it."""
     return communicators(comm).node
-
-
-# -- traffic accounting ---------------------------------------------------------------------
-class LinkTraffic:
-    """Bytes and messages one rank sent, per link class (``LINK_NAMES``).
-
-    The MPI executor calls ``add(peer, nbytes)`` once per message it posts while the counter is
-    installed (``count_traffic``): one tuple lookup and two list increments.
-    """
-
-    __slots__ = ("classes", "nbytes", "messages")
-
-    def __init__(self, classes):
-        self.classes = tuple(classes)
-        self.nbytes = [0, 0, 0]
-        self.messages = [0, 0, 0]
-
-    def add(self, peer: int, nbytes: int) -> None:
-        """Count one message of ``nbytes`` to ``peer``."""
-        k = self.classes[peer]
-        self.nbytes[k] += nbytes
-        self.messages[k] += 1
-
-    def as_dict(self) -> dict[str, int]:
-        """``{"same_numa": bytes, "same_node": bytes, "other_node": bytes}``."""
-        return dict(zip(LINK_NAMES, self.nbytes))
-
-    def __repr__(self):
-        parts = ", ".join(f"{n}={b} B/{m} msg" for n, b, m in
-                          zip(LINK_NAMES, self.nbytes, self.messages))
-        return f"LinkTraffic({parts})"
-
-
-@contextlib.contextmanager
-def count_traffic(comm=None, topo: Topology | None = None):
-    """Count the bytes this rank sends per link class inside the ``with`` block.
-
-    ``topo`` defaults to ``topology(comm)`` (collective on first use). Yields a ``LinkTraffic``.
-    Messages on the node and cross sub-communicators (``communicators``, which composites such
-    as ``hierarchical_shm`` run on) count too, if they exist when the block starts.
-    """
-    from .executor import context
-    ctx = _ctx(comm)
-    topo = topo or topology(ctx)
-    counter = LinkTraffic(topo.links(ctx.rank))
-    installed = [(ctx.transport, counter)]
-    comms = ctx.slot(_Known).comms
-    if comms is not None:
-        r = ctx.rank
-        local = topo.local_rank(r)
-        members = {"node": topo.nodes[topo.node[r]],
-                   "cross": tuple(g[local] for g in topo.nodes if len(g) > local)}
-        for name, peers in members.items():
-            sub = LinkTraffic(topo.link(r, p) for p in peers)
-            sub.nbytes, sub.messages = counter.nbytes, counter.messages  # one tally
-            installed.append((context(getattr(comms, name)).transport, sub))
-    previous = [(t, t.counter) for t, _ in installed]
-    for transport, c in installed:
-        transport.counter = c
-    try:
-        yield counter
-    finally:
-        for transport, old in previous:
-            transport.counter = old
-
-
-def sim_traffic(traffic, topo: Topology, rank: int) -> list[int]:
-    """Bytes ``rank`` sent per link class in a simulation's ``net.traffic`` (collectives.sim)."""
-    out = [0, 0, 0]
-    for (src, dst), nbytes in traffic.bytes.items():
-        if src == rank:
-            out[topo.link(src, dst)] += nbytes
-    return out
-
-
-def traffic_table(comm=None, nbytes: int = 1 << 22, algorithms=("ring", "hierarchical"),
-                  collective: str = "allreduce") -> list[tuple]:
-    """Bytes sent per link class by each algorithm for one float32 call (collective).
-
-    Returns, on every rank, rows ``(algorithm, link class name, max over ranks, total)``.
-    """
-    from mpi4py import MPI
-
-    import collectives as coll
-    ctx = _ctx(comm)
-    topo = topology(ctx)
-    x = np.ones(max(1, nbytes // 4), np.float32)
-    rows = []
-    for name in algorithms:
-        run = getattr(coll, collective)
-        run(x, comm=ctx.user_comm, algorithm=name)  # warm up (schedules, windows)
-        with count_traffic(ctx, topo) as t:
-            run(x, comm=ctx.user_comm, algorithm=name)
-        sent = np.array(t.nbytes, dtype=np.int64)
-        most = np.empty_like(sent)
-        total = np.empty_like(sent)
-        ctx.comm.Allreduce(sent, most, op=MPI.MAX)
-        ctx.comm.Allreduce(sent, total, op=MPI.SUM)
-        rows += [(name, LINK_NAMES[c], int(most[c]), int(total[c])) for c in range(3)]
-    return rows
-
-
-def _main(argv=None, comm=None) -> None:
-    import argparse
-
-    from mpi4py import MPI
-    parser = argparse.ArgumentParser(
-        prog="mpiexec -n N python -m collectives.topology",
-        description="Print the topology the toolkit sees (set COLLECTIVES_RANKS_PER_NODE / "
-                    "_NUMA to simulate one); with --traffic, the bytes each algorithm sends "
-                    "per link class in one allreduce, from the executor's counters.")
-    parser.add_argument("--traffic", type=float, metavar="MIB", default=None,
-                        help="also count one float32 allreduce of MIB per rank")
-    parser.add_argument("--algorithms", default="ring,hierarchical,hierarchical_shm")
-    args = parser.parse_args(argv)
-    comm = comm or MPI.COMM_WORLD
-    topo = topology(comm)
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = []
-    rows = comm.gather((comm.Get_rank(), MPI.Get_processor_name(), cpus), root=0)
-    if comm.Get_rank() == 0:
-        print(topo.describe())
-        for r, host, cpu in rows:
-            print(f"  rank {r}: host {host}, node {topo.node[r]}, local rank "
-                  f"{topo.local_rank(r)}/{topo.local_size(r)}, numa {topo.numa[r]}, cpus "
-                  f"{','.join(map(str, cpu))}")
-    if args.traffic is None:
-        return
-    table = traffic_table(comm, int(args.traffic * (1 << 20)), args.algorithms.split(","))
-    if comm.Get_rank() == 0:
-        print(f"\nbytes sent in one float32 allreduce of {args.traffic:g} MiB per rank "
-              f"(executor counters; bytes that 'native' and 'shm' move are not counted)")
-        print(f"  {'algorithm':>16} {'link':>11} {'max per rank':>14} {'all ranks':>14}")
-        for name, link, most, total in table:
-            print(f"  {name:>16} {link:>11} {most:14d} {total:14d}")
-
-
-if __name__ == "__main__":
-    _main()

@@ -7,7 +7,7 @@ the node boundary in a hierarchical allreduce are at most 1/k of the most a flat
 
 MPI tier: the same collectives through the public API with ``COLLECTIVES_RANKS_PER_NODE`` (and
 ``_NUMA``) simulating topologies on a fresh communicator, plus the real single node, and the
-traffic bound from the executor's counters (``collectives.topology.count_traffic``).
+traffic bound from the executor's counters (``collectives.traffic.count_traffic``).
 """
 import numpy as np
 import pytest
@@ -15,7 +15,8 @@ import pytest
 from collectives import hierarchical, ring
 from collectives.schedule import offsets
 from collectives.sim import simulate
-from collectives.topology import OTHER_NODE, sim_traffic, simulated
+from collectives.topology import OTHER_NODE, simulated
+from collectives.traffic import sim_traffic
 
 SHAPES = [(n, k, j) for n in range(1, 10) for k in sorted({1, 2, 3, n}) if k <= n
           for j in (None, 1, 2) if j is None or j < k]
@@ -261,7 +262,8 @@ def test_mpi_cross_node_bytes_from_executor_counters(monkeypatch, k):
     of its data, whatever the algorithm).
     """
     import collectives as coll
-    from collectives.topology import count_traffic, topology
+    from collectives.topology import topology
+    from collectives.traffic import count_traffic
     from tests.mpiutil import assert_all
     comm = _fresh_comm(monkeypatch, k)
     size = comm.Get_size()

@@ -1,8 +1,10 @@
-"""Topology: the table, simulation by rank blocks, NUMA from sysfs, discovery, traffic counters."""
+"""Topology: the table, simulation by rank blocks, NUMA from sysfs, discovery; the traffic
+counters over it (``collectives.traffic``) and ``python -m bench topology``."""
 import numpy as np
 import pytest
 
 from collectives import topology as T
+from collectives import traffic
 
 
 def test_simulated_even_and_uneven():
@@ -60,7 +62,7 @@ def test_cpulist_and_numa_of_cpus(tmp_path):
 
 
 def test_link_traffic_counter():
-    c = T.LinkTraffic((0, 2, 1))
+    c = traffic.LinkTraffic((0, 2, 1))
     c.add(1, 100)
     c.add(2, 7)
     c.add(1, 1)
@@ -73,7 +75,7 @@ def test_sim_traffic_split():
     from collectives.sim import simulate
     t = T.simulated(4, 2)
     _, net = simulate(ring.allreduce, [np.ones(8, np.int64)] * 4, count=8)
-    per = [T.sim_traffic(net.traffic, t, r) for r in range(4)]
+    per = [traffic.sim_traffic(net.traffic, t, r) for r in range(4)]
     # the ring 0->1->2->3->0 crosses nodes on 1->2 and 3->0: 2 * 3/4 * 64 bytes each
     assert [p[T.OTHER_NODE] for p in per] == [0, 96, 0, 96]
     assert [p[T.SAME_NUMA] for p in per] == [96, 0, 96, 0]
@@ -161,13 +163,15 @@ def test_mpi_env_must_agree(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_mpi_main_prints_topology(monkeypatch, capsys):
+def test_mpi_bench_topology_prints_topology_and_traffic(monkeypatch, capsys):
     from mpi4py import MPI
+
+    from bench import topology as cli
     _env(monkeypatch, 2)
     comm = MPI.COMM_WORLD.Dup()
     try:
-        T._main([], comm)
-        T._main(["--traffic", "0.01"], comm)
+        assert cli.main([], comm) == 0
+        assert cli.main(["--traffic", "0.01"], comm) == 0
     finally:
         comm.Free()
     out = capsys.readouterr().out
@@ -189,7 +193,7 @@ def test_mpi_count_traffic_only_inside_block(monkeypatch):
     try:
         x = np.ones(1000, np.int64)
         coll.allreduce(x, comm=comm, algorithm="ring")
-        with T.count_traffic(comm) as t:
+        with traffic.count_traffic(comm) as t:
             coll.allreduce(x, comm=comm, algorithm="ring")
         coll.allreduce(x, comm=comm, algorithm="ring")
         # a ring rank sends 2 (n - 1) / n of the buffer (balanced blocks: within one block)
