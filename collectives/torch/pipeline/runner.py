@@ -17,54 +17,43 @@ The runner walks ``sched.actions(rank)`` in order, the same list ``pp.verify`` p
 3. A send is an ``Isend`` of the tensor's bytes, completed at the end of the step (or earlier
    once done), so a rank never waits for a receiver; a receive takes its message by tag.
 
-Messages. The runner works on its own ``Dup`` of ``comm``; a message's tag names it (direction,
-micro-batch, receiving stage), so messages match by name whatever order they arrive in. A
-receive probes for any message from its peer (``Mprobe``) and files what it finds by tag until
-its own is there. Shapes are learned: the first message of a (direction, micro-batch, stage)
-is preceded by a small header (dtype and shape), and later ones only when the shape or dtype
-changes (a new sequence length); both sides remember the last shape per message name, so
-they agree on when a header comes, and MPI's non-overtaking rule (one sender, one receiver,
-one communicator, a probe that matches any tag) delivers the header first. A gradient whose
-shape is not the shape of the output it belongs to is an error naming both stages.
+Messages go through ``collectives.p2p``. The runner works on its own ``Dup`` of ``comm``; a
+message's tag names it (direction, micro-batch, receiving stage), so messages match by name
+whatever order they arrive in. A receive probes for any message from its peer (``Improbe``)
+and files what it finds by tag until its own is there. Shapes are learned: the first message
+of a (direction, micro-batch, stage) is preceded by p2p's typed header (dtype and shape), and
+later ones only when the shape or dtype changes (a new sequence length); both sides remember
+the last shape per message name, so they agree on when a header comes, and MPI's
+non-overtaking rule (one sender, one receiver, one communicator, a probe that matches any
+tag) delivers the header first. A message whose bytes are not its header's is a
+``MessageSizeError``; a gradient whose shape is not the shape of the output it belongs to is
+an error naming both stages.
 
 Failures. An exception in a stage is raised again as ``PipelineError`` naming the stage, the
 rank and the action; uncaught, the toolkit's hook (``collectives.abort``) ends the whole job.
-A receive polls and yields the core on a busy node (``COLLECTIVES_WAIT``, as the executor's
-waits do); one that waits longer than ``COLLECTIVES_TIMEOUT`` raises ``CollectiveTimeout`` naming
-what it waits for, so a rank whose neighbour died does not hang.
+Receives and the step's last sends wait in p2p's one wait: it polls and yields the core on a
+busy node (``COLLECTIVES_WAIT``, as the executor's waits do) and is watched, so a rank whose
+neighbour died or hangs is reported by the watchdog (the stage, and the activation or gradient
+it waits for and from which rank) and the job aborted at ``COLLECTIVES_TIMEOUT``.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 
-import numpy as np
 import torch
 
-from collectives import config
-from collectives.errors import CollectiveError, CollectiveTimeout
-from collectives.progress import polite_waits
+import collectives as coll
+from collectives import p2p
+from collectives.errors import CollectiveError
 
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule
 from .verify import verify
 
 __all__ = ["Pipeline", "PipelineError"]
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-           torch.complex128)
-_MAXDIM = 8
-_HEADER = 2 + _MAXDIM          # dtype code, ndim, dims
-
 
 class PipelineError(CollectiveError):
     """A stage raised, or neighbouring stages disagree about a tensor."""
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor, as numpy sees them (no copy)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 class Pipeline:
@@ -115,7 +104,7 @@ class Pipeline:
         self._mailbox: dict = {}         # tag -> tensor received before its turn
         self.headers_sent = 0            # how many shape headers this rank has sent
         self.peak = 0                    # most (micro-batch, stage) activations held, last step
-        self._polite = polite_waits()
+        self._status = MPI.Status()
 
     def parameters(self):
         """The parameters of this rank's stages."""
@@ -126,76 +115,65 @@ class Pipeline:
     def _tag(self, direction: str, mb: int, stage: int, header: bool = False) -> int:
         return ((mb * self.schedule.stages + stage) * 2 + (direction == B)) * 2 + header
 
-    def _send(self, t: torch.Tensor, direction: str, mb: int, stage: int, pending: list):
-        from mpi4py import MPI
+    def _send(self, t: torch.Tensor, direction: str, mb: int, stage: int, sends: p2p.Sends):
         dest = self.schedule.rank_of(stage)
         t = t.detach().contiguous()
         key = (direction, mb, stage)
         sig = (t.dtype, tuple(t.shape))
         if self._sent_shape.get(key) != sig:
-            if t.dim() > _MAXDIM or t.dtype not in _DTYPES:
-                raise PipelineError(f"stage {stage - 1 if direction == F else stage + 1} sends "
-                                    f"a {t.dtype} tensor of {t.dim()} dims; the pipeline "
-                                    f"carries {_MAXDIM} dims at most of {_DTYPES}")
-            hdr = np.zeros(_HEADER, np.int64)
-            hdr[0], hdr[1] = _DTYPES.index(t.dtype), t.dim()
-            hdr[2:2 + t.dim()] = t.shape
-            pending.append((self.comm.Isend(hdr, dest, self._tag(*key, header=True)), hdr))
+            try:
+                hdr = p2p.header(t.dtype, t.shape)
+            except (TypeError, ValueError) as exc:
+                raise PipelineError(f"stage {stage - 1 if direction == F else stage + 1} "
+                                    f"cannot send a {t.dtype} tensor of shape "
+                                    f"{tuple(t.shape)}: {exc}") from None
+            sends.add(self.comm.Isend(hdr, dest, self._tag(*key, header=True)), hdr)
             self._sent_shape[key] = sig
             self.headers_sent += 1
-        buf = _bytes(t)
-        pending.append((self.comm.Isend([buf, MPI.BYTE], dest, self._tag(*key)), t))
+        sends.add(p2p.isend(self.comm, t, dest, self._tag(*key)), t)
 
     def _recv(self, direction: str, mb: int, stage: int, source: int) -> torch.Tensor:
         """The tensor of message (direction, mb, stage), filing others from ``source``."""
-        from mpi4py import MPI
         want = self._tag(direction, mb, stage)
-        limit = config.get("COLLECTIVES_TIMEOUT")
-        start = time.monotonic()
-        status = MPI.Status()
+        if want not in self._mailbox:
+            sched = self.schedule
+            p2p.wait(lambda: self._file(source, want),
+                     lambda: f"pipeline stage {stage} (rank {self.rank} of {sched.ranks}, "
+                             f"{sched.name})",
+                     lambda: f"{'the activation' if direction == F else 'the gradient'} of "
+                             f"micro-batch {mb} from rank {source} (tag {want})", self.comm)
+        return self._mailbox.pop(want)
+
+    def _file(self, source: int, want: int) -> bool:
+        """Receive what has arrived from ``source``, filing it by tag: whether message ``want``
+        is in the mailbox now."""
+        from mpi4py import MPI
+        status = self._status
         while want not in self._mailbox:
             msg = self.comm.Improbe(source, MPI.ANY_TAG, status)
             if msg is None:
-                if self._polite:
-                    # as the executor's waits: on a node with no core to spare, a rank that
-                    # spins takes the core the stage it waits for is computing on
-                    os.sched_yield()
-                if limit and time.monotonic() - start > limit:
-                    raise CollectiveTimeout(
-                        f"pipeline stage {stage} (rank {self.rank}) waited {limit:.0f} s for "
-                        f"{'the activation' if direction == F else 'the gradient'} of micro-"
-                        f"batch {mb} from rank {source} (COLLECTIVES_TIMEOUT)")
-                continue
+                return False
             tag = status.Get_tag()
             d, s = (tag >> 1) & 1, tag >> 2
             key = (B if d else F, s // self.schedule.stages, s % self.schedule.stages)
             if tag & 1:
-                hdr = np.empty(_HEADER, np.int64)
-                msg.Recv(hdr)
-                self._known_shape[key] = (_DTYPES[hdr[0]], tuple(int(n) for n in
-                                                              hdr[2:2 + hdr[1]]))
+                self._known_shape[key] = p2p.recv_header(msg)
                 continue
             if key not in self._known_shape:
                 raise PipelineError(f"stage {key[2]} (rank {self.rank}) got data for {key} "
                                     f"from rank {source} before its header")
-            dtype, shape = self._known_shape[key]
-            t = torch.empty(shape, dtype=dtype)
-            got = status.Get_count(MPI.BYTE)
-            if got != t.numel() * t.element_size():
-                raise PipelineError(f"stage {key[2]} (rank {self.rank}) expected "
-                                    f"{t.numel() * t.element_size()} bytes for {key} from "
-                                    f"rank {source}, received {got}")
-            msg.Recv([_bytes(t), MPI.BYTE])
+            t = p2p.empty(*self._known_shape[key], kind="torch")
+            p2p.recv_probed(msg, status, t, f"pipeline stage {key[2]} (rank {self.rank}), "
+                                            f"message {key}")
             self._mailbox[tag] = t
-        return self._mailbox.pop(want)
+        return True
 
     # -- the step -------------------------------------------------------------------------
     def step(self, x=None, target=None) -> torch.Tensor:
         """One training step's forward and backward over every micro-batch; gradients are
         accumulated into this rank's stages' parameters (zero them between steps). Returns
         the batch's loss on every rank."""
-        from mpi4py import MPI
-        sched, r, m = self.schedule, self.rank, self.schedule.microbatches
+        sched, r = self.schedule, self.rank
         S = sched.stages
         xs = ts = shares = None
         if 0 in self.modules:
@@ -209,7 +187,7 @@ class Pipeline:
             total = sum(len(t) for t in ts)
             shares = [len(t) / total for t in ts]
         inputs, outputs, grads, in_grads = {}, {}, {}, {}
-        pending: list = []
+        sends = p2p.Sends()
         loss = torch.zeros((), dtype=torch.float64)
         self.peak = 0
         for i, (kind, mb, s) in enumerate(self._actions):
@@ -245,9 +223,9 @@ class Pipeline:
                             torch.autograd.backward(out, g, inputs=params)
                     inputs.pop((mb, s), None)
                 elif kind == SEND_F:
-                    self._send(outputs[(mb, s)], F, mb, s + 1, pending)
+                    self._send(outputs[(mb, s)], F, mb, s + 1, sends)
                 elif kind == SEND_B:
-                    self._send(in_grads.pop((mb, s)), B, mb, s - 1, pending)
+                    self._send(in_grads.pop((mb, s)), B, mb, s - 1, sends)
                 elif kind == RECV_F:
                     t = self._recv(F, mb, s, sched.rank_of(s - 1))
                     if t.is_floating_point():
@@ -262,16 +240,17 @@ class Pipeline:
                             f"{g.dtype} {tuple(g.shape)} for micro-batch {mb}, but stage {s} "
                             f"(rank {r}) produced an output of {out.dtype} {tuple(out.shape)}")
                     grads[(mb, s)] = g
-            except (PipelineError, CollectiveTimeout):
+            except PipelineError:
                 raise
             except Exception as exc:
                 raise PipelineError(f"pipeline stage {s} (rank {r} of {sched.ranks}) raised "
                                     f"{type(exc).__name__} in action {i} {kind}({mb}, {s}) of "
                                     f"{sched.name}: {exc}") from exc
-            if len(pending) > 64:        # release the buffers of sends already delivered
-                pending = [(q, b) for q, b in pending if not q.Test()]
-        MPI.Request.Waitall([q for q, _ in pending])
-        self.comm.Bcast(loss.numpy(), root=sched.rank_of(S - 1))
+            if len(sends) > 64:          # release the buffers of sends already delivered
+                sends.reap()
+        sends.wait(f"pipeline stage(s) {sorted(self.modules)} (rank {r} of {sched.ranks}, "
+                   f"{sched.name}): the step's last sends", self.comm)
+        coll.broadcast(loss.numpy(), root=sched.rank_of(S - 1), comm=self.comm)
         return loss.float()
 
     def _accumulating(self, s: int, i: int):
