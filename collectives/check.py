@@ -25,7 +25,7 @@ import numpy as np
 from . import config
 from .errors import MismatchError
 
-__all__ = ["enabled", "verify", "failed", "settle", "FIELDS"]
+__all__ = ["enabled", "verify", "failed", "settle", "same", "FIELDS"]
 
 FIELDS = ("collective", "elements", "dtype", "op", "root", "algorithm", "counts", "sequence")
 _VERB = {"collective": "called", "algorithm": "chose", "sequence": "are at"}
@@ -70,18 +70,24 @@ def _ranks(ranks) -> str:
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
+def same(comm, codes) -> bool:
+    """Whether every rank of ``comm`` passed the same integer ``codes`` (as many on every
+    rank): one ``MPI_Allreduce`` of the element-wise maximum of ``(codes, -codes)``."""
+    from mpi4py import MPI
+    codes = np.asarray(codes, dtype=np.int64)
+    both = np.concatenate([codes, -codes])
+    comm.Allreduce(MPI.IN_PLACE, [both, MPI.INT64_T], MPI.MAX)
+    return bool((both[:codes.size] == -both[codes.size:]).all())
+
+
 def verify(comm, *, error: BaseException | None = None, **fields) -> None:
     """Compare this call's ``fields`` across ``comm``; raise on every rank if any differ.
 
     ``error``: this rank's own argument checks failed with it (see ``failed``).
     """
-    from mpi4py import MPI
     codes = [_code(k, fields.get(k)) for k in FIELDS]
-    codes.append(0 if error is None else 1)
-    both = np.array(codes + [-c for c in codes], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, [both, MPI.INT64_T], MPI.MAX)
-    n = len(codes)
-    if both[n - 1] == 0 and (both[:n] == -both[n:]).all():
+    agreed = same(comm, codes + [0 if error is None else 1])  # every rank takes part
+    if agreed and error is None:
         return
     settle(comm, fields.get("collective", "collective"), error, fields)
 

@@ -1,9 +1,10 @@
-"""DDP's reducer in one process: ``choose_hook``, the one function that decides which hook
-reduces a backward's buckets, against every combination of its inputs; the reducer built by a
-DDP at one rank; and no algorithm name tested in DDP's modules.
+"""What DDP's reducer and ZeRO share, in one process: the launch order of ``backward.Launcher``,
+the ``FlatBuffer`` layout, the reducer built by a DDP at one rank, and no algorithm named in
+the torch layer (the one-pass choice is the core's dispatch's alone).
 """
 import ast
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -13,62 +14,71 @@ from torch import nn  # noqa: E402
 
 import collectives as coll  # noqa: E402
 from collectives.torch import DistributedDataParallel as DDP  # noqa: E402
+from collectives.torch.backward import Launcher  # noqa: E402
+from collectives.torch.flat import FlatBuffer  # noqa: E402
 from collectives.torch.hooks import (DefaultState, PowerSGDState, allreduce_hook,  # noqa: E402
-                                     fp16_compress_hook, powerSGD_hook)
-from collectives.torch.reducer import (HookChoice, choose_hook, onepass_avg_hook,  # noqa: E402
-                                       onepass_sum_hook, sum_hook)
-
-FLAGS = ("ddp_average", "one_pass", "averages", "everyone", "joined", "overlap")
+                                     powerSGD_hook)
 
 
-def _user_hook(state, bucket):
-    raise AssertionError("never called here")
+# -- launch order -------------------------------------------------------------------------------
+@pytest.mark.parametrize("sizes", [(1,), (2, 1, 3), (1, 1, 1, 1), (3, 2)])
+def test_groups_launch_in_order_whatever_order_members_are_ready(sizes):
+    members = [k for k, n in enumerate(sizes) for _ in range(n)]
+    for order in itertools.islice(itertools.permutations(members), 200):
+        launcher = Launcher(sizes)
+        launched, done = [], [0] * len(sizes)
+        for k in order:
+            done[k] += 1
+            now = list(launcher.ready(k))
+            launched += now
+            # a group starts only when it and every group before it are complete
+            for j in now:
+                assert all(done[i] == sizes[i] for i in range(j + 1)), (order, now)
+            assert launcher.complete(k) == (done[k] == sizes[k])
+        assert launched == list(range(len(sizes))), order
+        assert list(launcher.rest()) == []
 
 
-def _expected(hook, ddp_average, one_pass, averages, everyone, joined, overlap):
-    """The rules, spelled out case by case."""
-    if not ddp_average:                      # the registered hook averages by itself
-        return hook, False
-    if joined:                               # zeros: the training ranks' sum, no division
-        return sum_hook, False
-    if one_pass and everyone and averages and not overlap:
-        return onepass_avg_hook, False       # the one-pass allreduce averages in cache
-    if one_pass and everyone:
-        return onepass_sum_hook, True
-    return sum_hook, True                    # join() without every rank, or no route
+def test_the_end_launches_the_rest_and_drains_in_launch_order():
+    launcher = Launcher((2, 1, 1))
+    assert list(launcher.ready(1)) == []          # group 0 is not complete: nothing starts
+    assert list(launcher.rest()) == [0, 1, 2]
+    for k in (0, 1, 2):
+        launcher.started(k, f"work {k}")
+    seen = []
+    launcher.drain(lambda k, w: seen.append((k, w)), keep=1)
+    assert seen == [(0, "work 0"), (1, "work 1")]
+    launcher.drain(lambda k, w: seen.append((k, w)))
+    assert seen[-1] == (2, "work 2") and launcher.inflight == []
+    launcher.reset()
+    assert launcher.pending == [2, 1, 1] and launcher.next == 0
 
 
-@pytest.mark.parametrize("values", list(itertools.product([False, True], repeat=len(FLAGS))))
-def test_every_combination(values):
-    kw = dict(zip(FLAGS, values))
-    got = choose_hook(_user_hook, **kw)
-    assert isinstance(got, HookChoice)
-    assert (got.hook, got.divide) == _expected(_user_hook, *values), kw
+# -- the flat layout ----------------------------------------------------------------------------
+def test_a_flat_buffer_lays_tensors_end_to_end_with_padding():
+    tensors = [torch.arange(6.).view(2, 3), torch.arange(4.) + 10, torch.tensor([7.])]
+    fb = FlatBuffer.of(tensors, pad_to=4)
+    assert fb.numel == 11 and fb.padded == 12 and fb.offsets == [0, 6, 10]
+    assert fb.flat.shape == (12,) and fb.span(1) == (6, 10)
+    fb.copy_in(tensors)
+    assert torch.equal(fb.flat, torch.tensor([0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 7, 0.]))
+    assert all(v.shape == t.shape for v, t in zip(fb.views, tensors))
+    fb.flat.mul_(2)
+    out = [torch.empty_like(t) for t in tensors]
+    fb.copy_out(out)
+    assert all(torch.equal(o, 2 * t) for o, t in zip(out, tensors))
+    params = [nn.Parameter(t.clone()) for t in tensors]
+    fb.alias(params)
+    assert all(p.data_ptr() == v.data_ptr() for p, v in zip(params, fb.views))
+    fb.release()
+    assert fb.flat is None and fb.views == []
+    with pytest.raises(TypeError, match="one dtype and device"):
+        FlatBuffer.of([torch.zeros(2), torch.zeros(2, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="12 elements"):
+        fb.bind(torch.zeros(11))
 
 
-def test_the_named_cases():
-    # DDP's own average on the one-pass route, every rank training: one pass, no division
-    assert choose_hook(allreduce_hook, ddp_average=True, one_pass=True, averages=True) == \
-        HookChoice(onepass_avg_hook, False)
-    # float16 buckets on the route: DDP divides, the one-pass sums
-    assert choose_hook(allreduce_hook, ddp_average=True, one_pass=True, averages=False) == \
-        HookChoice(onepass_sum_hook, True)
-    # join(): a rank stands in, so the route (which needs every rank's bucket) is left
-    for joined in (False, True):
-        got = choose_hook(allreduce_hook, ddp_average=True, one_pass=True, averages=True,
-                          everyone=False, joined=joined)
-        assert got.hook is sum_hook and got.divide is not joined
-    # a user's hook is called as registered, whatever the route
-    for hook in (fp16_compress_hook, powerSGD_hook, _user_hook):
-        assert choose_hook(hook, ddp_average=False, one_pass=True, averages=True,
-                           joined=True) == HookChoice(hook, False)
-
-
-def test_a_choice_is_pure():
-    kw = dict(ddp_average=True, one_pass=False, averages=True, everyone=True)
-    assert choose_hook(allreduce_hook, **kw) == choose_hook(allreduce_hook, **kw)
-
-
+# -- the reducer at one rank ----------------------------------------------------------------------
 class _Net(nn.Module):
     def __init__(self, dtype=torch.float32):
         super().__init__()
@@ -87,25 +97,35 @@ def _self_comm():
 def test_the_reducer_of_one_rank_runs_the_hook_as_registered():
     ddp = DDP(_Net(), comm=_self_comm())
     r = ddp.reducer
-    assert not r.ddp_average and not r.one_pass      # one rank: nothing to divide
-    assert r.choice == HookChoice(allreduce_hook, False)
-    ddp.register_comm_hook(PowerSGDState(_self_comm(), matrix_approximation_rank=1), powerSGD_hook)
-    assert r.choice == HookChoice(powerSGD_hook, False)
-    ddp.register_comm_hook(None, allreduce_hook)
-    assert type(ddp.comm_state) is DefaultState and r.choice.hook is allreduce_hook
+    assert r.hook is allreduce_hook and type(r.state) is DefaultState
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting)
     x = torch.randn(3, 4)
     ddp(x).sum().backward()
+    assert calls == list(range(len(r.buckets)))
     assert all(p.grad is not None for p in ddp.parameters())
+    ddp.register_comm_hook(PowerSGDState(_self_comm(), matrix_approximation_rank=1), powerSGD_hook)
+    assert r.hook is powerSGD_hook
 
 
-def test_the_route_is_fixed_by_the_parameters():
-    assert DDP(_Net(), comm=_self_comm()).reducer.averages
-    assert not DDP(_Net(torch.float16), comm=_self_comm()).reducer.averages
+def test_the_gradients_are_the_buckets_views():
+    ddp = DDP(_Net(), comm=_self_comm(), bucket_cap_mb=1e-4)
+    ddp(torch.randn(3, 4)).sum().backward()
+    for b in ddp.reducer.buckets:
+        assert isinstance(b, FlatBuffer)
+        for i, view in zip(b.members, b.views):
+            assert ddp.reducer.params[i].grad.data_ptr() == view.data_ptr()
 
 
-# -- no algorithm name tested in shared code ------------------------------------------------------
+# -- no algorithm named in the torch layer --------------------------------------------------------
 ROOT = Path(__file__).resolve().parent.parent / "collectives" / "torch"
-SHARED = ["ddp.py", "reducer.py", "join.py", "sharded.py", "overlap.py", "agreement.py"]
+SHARED = ["ddp.py", "reducer.py", "join.py", "sharded.py", "agreement.py", "backward.py",
+          "buckets.py", "flat.py", "hooks.py", "averaging.py"]
 
 
 @pytest.mark.parametrize("name", SHARED)
@@ -118,3 +138,10 @@ def test_no_algorithm_name_is_compared(name):
                 if isinstance(side, ast.Constant) and side.value in names:
                     bad.append(f"line {node.lineno}: {side.value!r}")
     assert not bad, f"{name} tests an algorithm's name: {bad}"
+
+
+def test_the_torch_layer_never_names_the_one_pass_path():
+    hits = [f"{p.relative_to(ROOT)}:{k}" for p in sorted(ROOT.rglob("*.py"))
+            for k, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r'"onepass"|ONE_PASS', line)]
+    assert not hits, f"the one-pass path is dispatch's choice, named here: {hits}"

@@ -27,10 +27,10 @@ and, when the period says so, makes the copies one again:
    complex) buffer: BatchNorm's running statistics are averaged too, which torch's averagers
    leave apart. Integer buffers (BatchNorm's ``num_batches_tracked``) stay local: every rank
    counts its own forwards, and ranks that step together count alike.
-2. *One allreduce a round.* The averaged tensors are copied into one flat buffer per dtype
-   and device, allocated once (one buffer for a model of one dtype), averaged in place by one
-   allreduce (``op="avg"``; float16 and bfloat16 are divided first, then summed, so the sum of
-   n stays in range) and copied back. Results are bitwise identical on every rank.
+2. *One allreduce a round.* The averaged tensors are copied into one flat buffer per dtype and
+   device (``flat.FlatBuffer``), allocated once (one buffer for a model of one dtype), averaged
+   in place by one allreduce (``op="avg"``, which cannot overflow where the mean does not,
+   float16 and bfloat16 included) and copied back. Results are bitwise identical on every rank.
 3. *Warm-up* (post-local SGD: ``warmup`` steps of every-step synchronous training first).
    With a ``collectives.torch.DistributedDataParallel`` model the warm-up is the DDP as it is
    (its own average with its fast paths, or the comm hook registered on it); when it ends the
@@ -42,13 +42,14 @@ and, when the period says so, makes the copies one again:
    DDP. With a plain module there is no gradient exchange to use: the parameters and buffers
    are averaged after every warm-up step, which gives DDP's parameters for SGD with or without
    momentum (the update is linear in the gradient) but not for Adam.
-4. *Agreement.* At construction every rank checks its arguments, then one allgather on the
-   outermost communicator compares every setting the ranks must share (the kind of averager,
+4. *Agreement.* At construction every rank checks its arguments, then one agreement
+   (``agreement.agree``: a small allreduce of a digest) on the outermost communicator
+   compares every setting the ranks must share (the kind of averager,
    the periods, the warm-up, DiLoCo's outer optimizer and learning rate, whether the model is
    a DDP): a bad value on one rank or a setting that differs is a ``ValueError`` on every rank
    naming it and the ranks' values, never a hang. The averaged tensors' names, shapes and
    dtypes are compared as DDP compares its parameters
-   (``agreement.check_same_parameters``), and every rank starts from rank 0's values
+   (``agreement.same_parameters``), and every rank starts from rank 0's values
    (``agreement.broadcast_coalesced``; a DDP has done both already).
 5. *Bytes.* ``payload_bytes`` is what this rank handed to collectives for synchronisation:
    the flat buffers of its averaging rounds, and with a DDP model the warm-up's gradient
@@ -75,14 +76,14 @@ from torch import nn
 from collectives import timeline, watchdog
 
 from . import functional
-from .agreement import broadcast_coalesced, check_same_parameters
+from .agreement import agree, broadcast_coalesced, same_parameters
 from .ddp import DistributedDataParallel
+from .flat import FlatBuffer
 from .hooks import noop_hook
 
 __all__ = ["Periodic", "Hierarchical", "DiLoCo", "pick_level", "bandwidth_bytes", "OUTER"]
 
 OUTER = ("nesterov", "sgd")  # DiLoCo's outer optimizers by name
-_DIVIDE_FIRST = (torch.float16, torch.bfloat16)  # a sum of n could overflow where the mean does not
 _DRIVEN: weakref.WeakSet = weakref.WeakSet()  # the DDPs an averager drives (one each)
 
 
@@ -126,33 +127,14 @@ def _nesting_error(periods, comms) -> str | None:
     return None
 
 
-def _agree(comm, who: str, error: str | None, settings: dict) -> None:
-    """One allgather of every rank's local error and settings: a ValueError on every rank if
-    any rank found an error or any setting differs (its name and the ranks' values)."""
-    everyone = comm.allgather((error, settings))
-    errors = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
-    if errors:
-        r, e = errors[0]
-        more = f" (and on {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
-        raise ValueError(f"{who}: rank {r}: {e}{more}")
-    keys = list(dict.fromkeys(k for _, s in everyone for k in s))
-    for key in keys:
-        values = [s.get(key) for _, s in everyone]
-        if any(v != values[0] for v in values):
-            bad = [r for r, v in enumerate(values) if v != values[0]]
-            shown = "; ".join(f"rank {r} has {values[r]!r}" for r in [0] + bad[:3])
-            raise ValueError(f"{who}: {key} differs across ranks: {shown}; every rank must "
-                             f"pass the same settings")
-
-
 def _floating(t) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-class _Group:
-    """The averaged tensors of one dtype and device (parameters first) and their flat buffer."""
+class _Group(FlatBuffer):
+    """The averaged tensors of one dtype and device (parameters first) in one flat buffer."""
 
-    __slots__ = ("tensors", "names", "flat", "views", "nparams")
+    __slots__ = ("tensors", "names", "nparams")
 
     def __init__(self, named_params, named_buffers):
         named = named_params + named_buffers
@@ -160,18 +142,13 @@ class _Group:
         self.tensors = [t for _, t in named]
         self.nparams = sum(t.numel() for _, t in named_params)
         first = self.tensors[0]
-        self.flat = torch.empty(sum(t.numel() for t in self.tensors), dtype=first.dtype,
-                                device=first.device)
-        self.views, offset = [], 0
-        for t in self.tensors:
-            self.views.append(self.flat[offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()
+        super().__init__([t.shape for t in self.tensors], first.dtype, first.device)
 
     def pack(self) -> None:
-        torch._foreach_copy_(self.views, self.tensors)
+        self.copy_in(self.tensors)
 
     def unpack(self) -> None:
-        torch._foreach_copy_(self.tensors, self.views)
+        self.copy_out(self.tensors)
 
 
 # -- the averagers ------------------------------------------------------------------------------
@@ -218,8 +195,8 @@ class _Averager:
                     "periods" if len(levels) > 1 else "period":
                         self.periods if len(levels) > 1 else self.periods[0],
                     "warmup": warmup, **extra_settings}
-        _agree(self.comm, self.kind, error, settings)
-        check_same_parameters([(n, t) for n, t in params + buffers], self.comm, self.kind)
+        agree(self.comm, self.kind, settings, error)
+        same_parameters(params + buffers, self.comm, self.kind)
         if self.ddp is None:
             broadcast_coalesced([t for _, t in params + buffers], 0, self.comm)
 
@@ -311,11 +288,7 @@ class _Averager:
         comm, n = self.comms[k], self.sizes[k]
         with watchdog.label(f"{self.kind}: averaging {flat.numel()} elements over {n} ranks "
                             f"(period {self.periods[k]}, step {self.step_count})"):
-            if flat.dtype in _DIVIDE_FIRST:
-                flat.div_(n)
-                functional.all_reduce(flat, "sum", comm=comm)
-            else:
-                functional.all_reduce(flat, "avg", comm=comm)
+            functional.all_reduce(flat, "avg", comm=comm)
         self.payload[k] += flat.numel() * flat.element_size()
 
     # -- what it cost -----------------------------------------------------------------------

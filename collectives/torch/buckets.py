@@ -10,12 +10,15 @@ each kind has a small limit (``FIRST_BUCKET_BYTES``) so that the first allreduce
 as possible; the others close at ``cap_bytes``. Buckets are numbered by the position of their
 first parameter in the order, which is the order they become ready and are launched in.
 
-A ``Bucket`` owns one flat tensor; each of its parameters has a *view* into it (shaped like the
-parameter), which DDP installs as ``param.grad`` (``gradient_as_bucket_view``) so that autograd
-accumulates straight into the buffer that goes on the wire. ``GradBucket`` is what a comm hook
-sees (the method names of ``torch.distributed.GradBucket``).
+A ``Bucket`` is a ``FlatBuffer`` (``collectives.torch.flat``): one flat tensor, and for each of
+its parameters a *view* into it (shaped like the parameter), which DDP installs as
+``param.grad`` (``gradient_as_bucket_view``) so that autograd accumulates straight into the
+buffer that goes on the wire. ``GradBucket`` is what a comm hook sees (the method names of
+``torch.distributed.GradBucket``).
 """
 from __future__ import annotations
+
+from .flat import FlatBuffer
 
 __all__ = ["FIRST_BUCKET_BYTES", "assign", "Bucket", "GradBucket"]
 
@@ -56,33 +59,18 @@ def assign(nbytes, keys, cap_bytes: int, order=None,
     return buckets
 
 
-class Bucket:
+class Bucket(FlatBuffer):
     """One flat gradient buffer and the views of its parameters' gradients into it."""
 
-    __slots__ = ("index", "members", "flat", "views", "pending", "future", "grad_bucket")
+    __slots__ = ("index", "members")
 
     def __init__(self, index: int, members, params, alloc=None):
-        import torch
         self.index = index
         self.members = list(members)  # parameter indices, in bucket order
-        first = params[self.members[0]]
-        total = sum(params[i].numel() for i in self.members)
         # ``alloc(numel, dtype, device)``: a zeroed flat tensor (DDP's registered buffers)
-        self.flat = torch.zeros(total, dtype=first.dtype, device=first.device) if alloc is None \
-            else alloc(total, first.dtype, first.device)
-        self.views = []
-        offset = 0
-        for i in self.members:
-            p = params[i]
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.pending = len(self.members)
-        self.future = None
-        self.grad_bucket = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        first = params[self.members[0]]
+        super().__init__([params[i].shape for i in self.members], first.dtype, first.device,
+                         alloc=alloc)
 
 
 class GradBucket:

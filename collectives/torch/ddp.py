@@ -7,13 +7,13 @@
 A facade over its parts:
 
 1. *Construction.* The parameters' names, shapes and dtypes are compared across ranks
-   (``agreement.check_same_parameters``: a mismatch is a ``ValueError`` on every rank naming
+   (``agreement.same_parameters``: a mismatch is a ``ValueError`` on every rank naming
    the first differing parameter and the ranks), then rank 0's parameters and buffers are
    broadcast to all ranks (``agreement.broadcast_coalesced``).
 2. *Backward.* The reducer (``collectives.torch.reducer``, ``model.reducer``) owns the
-   buckets, each parameter's readiness, the launch of each bucket's comm hook (default:
-   divide, then non-blocking ``collectives.iallreduce``; on one node the buckets are
-   registered buffers, ``registered_buckets``, reduced by the one-pass allreduce), the end of
+   buckets, each parameter's readiness, the launch of each bucket's comm hook (default: a
+   non-blocking ``collectives.iallreduce`` with ``op="avg"``; on one node the buckets are
+   registered buffers, ``registered_buckets``, which the core reduces one-pass), the end of
    backward and the write-back.
 3. *Forward.* Buffers are broadcast from rank 0 (``broadcast_buffers``); under ``join()`` the
    ranks first agree which of them still train (``collectives.torch.join``).
@@ -27,7 +27,7 @@ parameter's gradient accumulates after the first iteration, so activation checkp
 (reentrant or not) and parameters used twice train correctly.
 ``find_unused_parameters=True`` lets parameters that got no gradient take part with zeros
 (a parameter unused on every rank keeps ``grad=None``, as in one process). Hooks hold weak
-references to the reducer, never strong ones (STYLE 10). ``state_dict()`` is the module's
+references to the reducer, never strong ones. ``state_dict()`` is the module's
 own (no ``module.`` prefix) and ``load_state_dict`` accepts both forms.
 
 ``overlap_forward=True`` carries the communication into the next forward
@@ -46,7 +46,7 @@ from torch import nn
 import collectives as coll
 from collectives import timeline
 
-from .agreement import broadcast_coalesced, check_same_parameters
+from .agreement import broadcast_coalesced, same_parameters
 from .hooks import allreduce_hook
 from .join import Join
 from .memory import register_on
@@ -154,7 +154,7 @@ class DistributedDataParallel(nn.Module):
         params = [p for _, p in named]
 
         # 1. Agree on the parameters, then start from rank 0's values.
-        check_same_parameters(named, comm, "DistributedDataParallel")
+        same_parameters(named, comm, "DistributedDataParallel")
         broadcast_coalesced(params + list(module.buffers()), 0, comm)
 
         # 2. The reducer: buckets, one hook per parameter (a weak reference back to it).
@@ -260,7 +260,7 @@ class DistributedDataParallel(nn.Module):
                 list(self.module.buffers()) if self.broadcast_buffers else []))
         finally:
             self._join = None
-            self.reducer.everyone, self.reducer.rescale = True, 1.0
+            self.reducer.rescale = 1.0
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -6,15 +6,15 @@ the bucket's size holding the *averaged* gradients; DDP copies it into the bucke
 the bucket's buffer already. Hooks are small and compose as wrappers, as in torch's
 ``default_hooks.py``:
 
-    allreduce_hook                          divide by the rank count, then sum-allreduce
+    allreduce_hook                          allreduce with op="avg" (non-blocking)
     fp16_compress_hook = fp16_compress_wrapper(allreduce_hook)
     bf16_compress_hook = bf16_compress_wrapper(allreduce_hook)
     powerSGD_hook                           rank-r approximation with error feedback
     fp16_compress_wrapper(powerSGD_hook)    ... and its factors sent in float16
 
-A wrapper casts the buffer to the low precision before the inner hook runs, and the inner hook
-divides by the rank count *before* the reduction, so a float16 sum of N gradients cannot
-overflow where their mean would not (STYLE 9). States are ``__slots__`` classes; every state
+A wrapper casts the buffer to the low precision before the inner hook runs; the mean is the
+core's ``op="avg"``, which scales the inputs before summing, so a float16 average of N
+gradients cannot overflow where their mean would not. States are ``__slots__`` classes; every state
 counts the bytes this rank hands to collectives (``wire_bytes``), so the savings of a
 compressing hook are measured: a ring allreduce then moves ``2 (n-1)/n`` times that per rank.
 """
@@ -68,10 +68,8 @@ def _value(fut):
 
 
 def allreduce_hook(state: DefaultState, bucket):
-    """Average the bucket: divide by the rank count, then sum over ranks (non-blocking)."""
-    buf = bucket.buffer()
-    buf.div_(state.size)
-    return state.all_reduce(buf).get_future().then(_value)
+    """Average the bucket over ranks: a non-blocking allreduce with ``op="avg"``."""
+    return state.all_reduce(bucket.buffer(), op="avg").get_future().then(_value)
 
 
 def noop_hook(state, bucket):
@@ -219,11 +217,12 @@ def powerSGD_hook(state: PowerSGDState, bucket):
         for q in qs:
             _orthonormalize(q)
 
-    # 3. Start the averaging of the vectors and of P = M Q (each divided first: P's scale is
-    #    lost to step 4's orthonormalization anyway, and a low-precision sum stays in range).
+    # 3. Start the averaging of the vectors (``op="avg"``) and the sum of P = M Q divided by
+    #    the rank count (P's scale is lost to step 4's orthonormalization anyway, and a
+    #    low-precision sum stays in range).
     if vectors:
-        flat_vectors = torch.cat([v.reshape(-1) for v in vectors]).div_(state.size)
-        vectors_work = state.all_reduce(flat_vectors)
+        flat_vectors = torch.cat([v.reshape(-1) for v in vectors])
+        vectors_work = state.all_reduce(flat_vectors, op="avg")
     for m, q, p in zip(matrices, qs, ps):
         torch.matmul(m, q, out=p)
     p_work = state.all_reduce(p_flat.div_(state.size)) if matrices else None

@@ -9,16 +9,15 @@ One ``Join`` lives for one context. The steps:
 1. *Agree.* Every forward inside the context starts with one small allreduce (``agree``: n + 1
    int32s) that tells every rank which ranks still train and whether a synchronized backward
    follows (``no_sync()`` and ``torch.no_grad()`` forwards say no). Its answer sets the
-   reducer's ``everyone`` (the one-pass route needs every rank) and ``rescale``: the hook
-   averages over every rank, the joined ones sending zeros, so the average over the ranks that
-   train is the hook's times ``n / active`` (none with ``divide_by_initial_world_size=True``,
-   torch's default).
+   reducer's ``rescale``: the hook averages over every rank, the joined ones sending zeros, so
+   the average over the ranks that train is the hook's times ``n / active`` (none with
+   ``divide_by_initial_world_size=True``, torch's default).
 2. *Stand in.* A rank whose loop has ended waits in the context's exit (``until_all_joined``)
    and answers each step with the same collectives carrying zeros: every bucket through the
-   hook ``choose_hook`` gives a joined rank (``GradBucket.joined()`` is True, so error feedback
-   keeps its residual out), the used-parameter flags of ``find_unused_parameters``, the buffer
-   broadcast (from the lowest rank still training, since rank 0 may have left) and the first
-   iteration's bucket rebuild.
+   registered hook, as the training ranks reduce it (``GradBucket.joined()`` is True, so error
+   feedback keeps its residual out), the used-parameter flags of ``find_unused_parameters``, the
+   buffer broadcast (from the lowest rank still training, since rank 0 may have left) and the
+   first iteration's bucket rebuild.
 3. *Leave.* When an agreement counts no rank training, every rank takes the parameters (and
    buffers) of the lowest rank that trained to the end: a joined rank ran no optimizer step
    since it left, so without this it would keep a stale model (torch's ``Join`` broadcasts its
@@ -69,7 +68,6 @@ class Join:
         """A training rank's agreement at a forward: sets ``reducer``'s step; the root of the
         buffer broadcast."""
         active, root, _ = self.agree(True, sync)
-        reducer.everyone = active == self.size
         reducer.rescale = self.rescale(active)
         return root
 
@@ -88,11 +86,10 @@ class Join:
         """A joined rank's part of one synchronized backward: the same collectives, zeros."""
         if self.zeros is None:
             self.zeros = [torch.zeros_like(b.flat) for b in reducer.buckets]
-        hook = reducer.choose(joined=True).hook
         futures = []
         for b, zero in zip(reducer.buckets, self.zeros):
             zero.zero_()  # a hook may have left something in it
-            futures.append(hook(reducer.state, reducer.grad_bucket(b, zero)))
+            futures.append(reducer.hook(reducer.state, reducer.grad_bucket(b, zero)))
         if reducer.find_unused_parameters:
             functional.all_reduce(torch.zeros(len(reducer.params), dtype=torch.int32), "max",
                                   comm=self.comm)

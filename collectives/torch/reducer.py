@@ -6,19 +6,18 @@ Reducer does, over the toolkit's collectives:
 1. *Buckets.* Parameters are packed into flat buffers (``collectives.torch.buckets``): in
    reverse order at first, a small first bucket, at most ``bucket_cap_mb`` each. Each
    parameter's ``.grad`` is a view into its bucket (``gradient_as_bucket_view``), so autograd
-   accumulates straight into the buffer that is reduced: no copies. Registered buckets
-   (``collectives.torch.memory``) on every rank of one node, on the host, with ``auto``, are
-   the *one-pass route*: each bucket's allreduce is the one-pass path (``collectives.node.onepass``)
-   by name, which skips ``auto``'s agreement at every launch.
+   accumulates straight into the buffer that is reduced: no copies. On one node the buckets
+   are registered buffers (``collectives.torch.memory``), which the core's dispatch reduces
+   one-pass; the reducer names no algorithm, it hands each bucket to the hook.
 2. *Readiness.* A ``register_post_accumulate_grad_hook`` per parameter (holding a weak
-   reference to the reducer, STYLE 10) marks it ready; a parameter that got no gradient takes
-   part at the end of backward with what it has, or zeros (``find_unused_parameters``).
-3. *Launch.* When a bucket's last gradient lands its hook starts on it while backward goes
-   on. Buckets start strictly in bucket order -- a bucket complete early waits for the ones
-   before it -- so every rank starts the same collectives in the same order. Which hook runs
-   is decided once per backward by ``choose_hook``: the user's, or DDP's own average split
-   into a division as each gradient lands and a sum (on the one-pass route the one-pass
-   average, which divides in cache, or sum).
+   reference to the reducer) marks it ready; a parameter that got no gradient takes part at
+   the end of backward with what it has, or zeros (``find_unused_parameters``). Readiness,
+   launch order and the end-of-backward callback are ZeRO's too (``collectives.torch.backward``).
+3. *Launch.* When a bucket's last gradient lands the comm hook starts on it while backward
+   goes on (default ``allreduce_hook``: a non-blocking allreduce with ``op="avg"``, the mean
+   computed once, in the core). Buckets start strictly in bucket order -- a bucket complete
+   early waits for the ones before it -- so every rank starts the same collectives in the same
+   order.
 4. *End of backward.* A callback queued on the autograd engine waits for every bucket in
    order, copies each hook's result into its bucket, and rescales where ``join()`` says so.
 5. *Write-back.* Gradients that are not bucket views are copied out; a parameter unused on
@@ -37,27 +36,19 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from typing import Callable, NamedTuple
 
 import torch
 
 from collectives import timeline, watchdog
-from collectives.topology import topology
 
 from . import functional
+from .backward import Launcher, hook_parameters, hooks_removed_with
 from .buckets import Bucket, GradBucket, assign
 from .hooks import DefaultState, allreduce_hook
 from .memory import flat_zeros
 from .overlap import ForwardOverlap
 
-__all__ = ["ONE_PASS", "CommStats", "HookChoice", "choose_hook", "sum_hook",
-           "onepass_sum_hook", "onepass_avg_hook", "BackwardStart", "through_backward_start",
-           "Reducer"]
-
-ONE_PASS = "onepass"  # the name of the allreduce the one-pass route asks for
-# dtypes whose sum cannot overflow where the mean would not: the one-pass allreduce averages
-# them itself (the division in cache, no pass of its own)
-_AVERAGED = (torch.float32, torch.float64, torch.bfloat16)
+__all__ = ["CommStats", "BackwardStart", "through_backward_start", "Reducer"]
 
 
 class CommStats:
@@ -103,84 +94,11 @@ class CommStats:
                 f"hidden={self.hidden_fraction():.2f})")
 
 
-# -- which hook reduces a bucket --------------------------------------------------------------
-def _first(fut):
-    return fut.value()[0]
-
-
-def sum_hook(state, bucket):
-    """``allreduce_hook`` when DDP has already divided every gradient by the rank count."""
-    return state.all_reduce(bucket.buffer()).get_future().then(_first)
-
-
-def onepass_sum_hook(state, bucket):
-    """``sum_hook`` on the one-pass route: the one-pass allreduce by name, which skips
-    ``auto``'s agreement (one blocking allreduce a bucket that would make each rank wait for
-    the others at every launch)."""
-    return state.all_reduce(bucket.buffer(), ONE_PASS).get_future().then(_first)
-
-
-def onepass_avg_hook(state, bucket):
-    """``allreduce_hook`` on the one-pass route with float buckets: the one-pass average,
-    which divides each chunk while it is in cache, so DDP leaves the gradients undivided."""
-    return state.all_reduce(bucket.buffer(), ONE_PASS, "avg").get_future().then(_first)
-
-
-class HookChoice(NamedTuple):
-    """What reduces this backward's buckets: ``hook(state, bucket)``, and whether DDP divides
-    each gradient by the rank count as it lands (``divide``)."""
-
-    hook: Callable
-    divide: bool
-
-
-def choose_hook(hook, *, ddp_average: bool, one_pass: bool, averages: bool,
-                everyone: bool = True, joined: bool = False,
-                overlap: bool = False) -> HookChoice:
-    """The hook a backward's buckets are reduced with (pure; decided once per backward).
-
-    ``hook`` is the registered one. ``ddp_average``: it is DDP's own average
-    (``allreduce_hook`` on a ``DefaultState``, more than one rank, no ``static_graph``), so DDP
-    may divide each gradient as it lands, while it is in cache, and sum (torch's Reducer
-    without a hook does the same: one pass over the gradients less). ``one_pass``: the buckets
-    are on the one-pass route; ``averages``: every bucket's dtype lets the one-pass allreduce
-    average. ``everyone``: every rank trains this step (under ``join()`` some may stand in);
-    ``joined``: this rank stands in with zeros, and must start the collectives the training
-    ranks start; ``overlap``: ``overlap_forward``'s pieces reduce, DDP divides.
-    """
-    if not ddp_average:
-        return HookChoice(hook, False)
-    if joined:  # zeros need no division; the training ranks sum, since not everyone trains
-        return HookChoice(sum_hook, False)
-    if one_pass and everyone:
-        if averages and not overlap:
-            return HookChoice(onepass_avg_hook, False)
-        return HookChoice(onepass_sum_hook, True)
-    return HookChoice(sum_hook, True)
-
-
 # -- autograd glue (weak references to the reducer only) ---------------------------------------
-def _on_grad_ready(ref, index, param):
-    reducer = ref()
-    if reducer is not None:
-        reducer.grad_ready(index)
-
-
-def _on_backward_end(ref):
-    reducer = ref()
-    if reducer is not None:
-        reducer.end_backward()
-
-
 def _on_forward_pre(ref, module, args):
     reducer = ref()
     if reducer is not None and reducer.overlap is not None:
         reducer.overlap.before(module)
-
-
-def _remove_handles(handles) -> None:
-    for h in handles:
-        h.remove()
 
 
 class BackwardStart(torch.autograd.Function):
@@ -246,14 +164,7 @@ class Reducer:
         self.static_graph = static_graph
         self.stats = CommStats()
         self.registered_on = registered_on   # the communicator buckets are registered on
-        # Every bucket registered on every rank of one node, on the host (fixed: the buckets
-        # always hold these parameters); the route also needs the hook's state on ``auto``.
-        # One node as the topology says (simulated nodes included), as dispatch asks.
-        self.on_node = registered_on is not None and self.size > 1 and \
-            topology(comm).single_node and all(p.device.type == "cpu" for p in params)
-        self.averages = all(p.dtype in _AVERAGED for p in params)
         self.require_sync = True     # False inside no_sync()
-        self.everyone = True         # every rank trains this step (join() says otherwise)
         self.rescale = 1.0           # join(): the hook's average times this is the wanted one
         self.rebuild_pending = True
         self.order: list[int] = []   # indices in the order gradients became ready
@@ -265,11 +176,12 @@ class Reducer:
         self.static_order: list[int] = []
         self.t_backward = 0.0
         self.overlap = None
+        # overlap_forward's pieces sum: DDP divides each gradient as it lands
+        self.divide = False
         self.build_buckets(None)
         self.ref = weakref.ref(self)
-        self.handles = [p.register_post_accumulate_grad_hook(
-            functools.partial(_on_grad_ready, self.ref, i)) for i, p in enumerate(params)]
-        weakref.finalize(self, _remove_handles, self.handles)
+        self.handles = hook_parameters(params, self.ref, "grad_ready")
+        hooks_removed_with(self, self.handles)
         self.set_hook(allreduce_hook, None)
         self.reset_iteration()
 
@@ -277,33 +189,17 @@ class Reducer:
         """``overlap_forward``: hand ready gradients to pieces that the next forward of
         ``module`` waits for, module by module (a forward pre-hook on each owner)."""
         self.overlap = ForwardOverlap(module, self.params, self.names, self.state, self.size)
-        self.overlap.plan(self.buckets, self.piece_algorithm())
+        self.overlap.plan(self.buckets, None)
         owners = {id(m): m for m in self.overlap.owner}.values()
         self.handles.extend(m.register_forward_pre_hook(
             functools.partial(_on_forward_pre, self.ref)) for m in owners)
-        self.choice = self.choose()
+        self.divide = self.size > 1
 
     # -- the hook -----------------------------------------------------------------------------
     def set_hook(self, hook, state) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` (state None: a ``DefaultState``)."""
         self.hook = hook
         self.state = DefaultState(self.comm, self.algorithm) if state is None else state
-        default = hook is allreduce_hook and type(self.state) is DefaultState
-        # With static_graph a gradient may land in two parts, so the hook divides the bucket.
-        self.ddp_average = default and self.size > 1 and not self.static_graph
-        self.one_pass = default and self.on_node and self.state.algorithm == "auto"
-        self.choice = self.choose()
-
-    def choose(self, joined: bool = False) -> HookChoice:
-        """This step's ``choose_hook`` (``joined``: this rank stands in with zeros)."""
-        return choose_hook(self.hook, ddp_average=self.ddp_average, one_pass=self.one_pass,
-                           averages=self.averages, everyone=self.everyone, joined=joined,
-                           overlap=self.overlap is not None)
-
-    def piece_algorithm(self):
-        """``overlap_forward``'s pieces: the one-pass allreduce by name on the one-pass route,
-        so a launch never waits for the others; else the state's algorithm."""
-        return ONE_PASS if self.one_pass else None
 
     # -- buckets ------------------------------------------------------------------------------
     def groups(self, order) -> list[list[int]]:
@@ -319,6 +215,7 @@ class Reducer:
             if self.registered_on is not None else None
         buckets = [Bucket(k, members, params, alloc)
                    for k, members in enumerate(self.groups(order))]
+        self.launcher = Launcher(len(b.members) for b in buckets)
         slots = [None] * len(params)
         for b in buckets:
             for pos, i in enumerate(b.members):
@@ -346,40 +243,39 @@ class Reducer:
         if self.groups(order) != [b.members for b in self.buckets]:
             self.build_buckets(order)
         if self.overlap is not None:
-            self.overlap.plan(self.buckets, self.piece_algorithm())
+            self.overlap.plan(self.buckets, None)
             self.overlap.prioritize(self.comm)
 
     # -- readiness ----------------------------------------------------------------------------
     def reset_iteration(self) -> None:
         """Forget this backward's progress (a new one, or one that raised)."""
-        self.in_backward = False
+        self.launcher.end()
+        self.launcher.reset()
+        self.launcher.discard()
         self.ready = bytearray(len(self.params))
         self.calls = [0] * len(self.params)
         self.static_order = []
-        self.next = 0
         self.t_first = None
-        for b in self.buckets:
-            b.pending = len(b.members)
-            b.future = None
-            b.grad_bucket = None
         if self.overlap is not None:
             self.overlap.reset()
 
     def start_backward(self) -> None:
-        """Queue the end-of-backward callback on the backward that runs now; choose the hook."""
-        if self.in_backward:
+        """Queue the end-of-backward callback on the backward that runs now."""
+        if self.launcher.active:
             return
         if self.overlap is not None and self.overlap.pending():
             # Its gradients would land in buckets still on the wire.
             raise RuntimeError("overlap_forward: this backward started while the last "
                                "synchronized backward's updates are pending (no forward "
                                "since); run a forward or model.synchronize() in between")
-        self.in_backward = True
-        self.choice = self.choose()
         if timeline.on:
             self.t_backward = timeline.now()
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(_on_backward_end, self.ref))
+        self.launcher.begin(self.ref, "end_backward")
+
+    @property
+    def in_backward(self) -> bool:
+        """Inside a backward whose end-of-backward callback has not run."""
+        return self.launcher.active
 
     def grad_ready(self, index: int) -> None:
         """The post-accumulate-grad hook of parameter ``index``."""
@@ -413,7 +309,7 @@ class Reducer:
             if p.grad is not view:  # set_to_none zero_grad, or a grad the user replaced
                 self.into_bucket(p.grad, view, sync)
                 p.grad = view
-            elif sync and self.choice.divide:
+            elif sync and self.divide:
                 view.div_(self.size)  # while this gradient is still in cache
         elif sync:
             self.into_bucket(p.grad, view, True)
@@ -422,8 +318,9 @@ class Reducer:
             functional.progress()  # without a progress thread, this is when bytes move
 
     def into_bucket(self, grad, view, sync: bool) -> None:
-        """Copy ``grad`` into its bucket slot, divided by the rank count if DDP divides."""
-        if sync and self.choice.divide:
+        """Copy ``grad`` into its bucket slot (divided by the rank count for
+        ``overlap_forward``'s summing pieces)."""
+        if sync and self.divide:
             torch.div(grad, self.size, out=view)  # the copy and the division in one pass
         else:
             view.copy_(grad)
@@ -432,17 +329,14 @@ class Reducer:
         self.ready[index] = 1
         if self.rebuild_pending:
             self.order.append(index)
-        b.pending -= 1
         if self.overlap is not None:
             self.overlap.ready(index)
             return
-        if b.pending == 0:
-            if timeline.on:
-                timeline.instant(f"bucket {b.index} ready", "bucket", {"bucket": b.index})
-            buckets = self.buckets
-            while self.next < len(buckets) and buckets[self.next].pending == 0:
-                self.launch(buckets[self.next])
-                self.next += 1
+        now = self.launcher.ready(b.index)
+        if timeline.on and self.launcher.complete(b.index):
+            timeline.instant(f"bucket {b.index} ready", "bucket", {"bucket": b.index})
+        for k in now:
+            self.launch(self.buckets[k])
 
     def mark_unused(self, index: int) -> None:
         """A parameter without a gradient this backward takes part with what it has (or 0)."""
@@ -457,7 +351,7 @@ class Reducer:
             self.into_bucket(g, view, True)
             if self.gradient_as_bucket_view:
                 p.grad = view
-        elif self.choice.divide:
+        elif self.divide:
             view.div_(self.size)
         self.mark_ready(index, b)
 
@@ -471,12 +365,11 @@ class Reducer:
     def launch(self, b: Bucket) -> None:
         if self.t_first is None:
             self.t_first = time.perf_counter()
-        b.grad_bucket = self.grad_bucket(b)
         names = [self.names[i] for i in b.members]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         # A collective that hangs is reported by the watchdog with its bucket and parameters.
         with watchdog.label(f"DDP bucket {b.index} of {len(self.buckets)}: {shown}"):
-            fut = self.choice.hook(self.state, b.grad_bucket)
+            fut = self.hook(self.state, self.grad_bucket(b))
         if not isinstance(fut, torch._C.Future):  # torch.futures.Future and then()'s
             raise TypeError(f"comm hook {getattr(self.hook, '__name__', self.hook)!r} "
                             f"returned {type(fut).__name__}, expected a torch.futures.Future")
@@ -486,12 +379,12 @@ class Reducer:
                              {"bucket": b.index, "bytes": b.nbytes,
                               "parameters": len(b.members)})
             fut = fut.then(functools.partial(_bucket_done, b.index, t0))
-        b.future = fut
+        self.launcher.started(b.index, fut)
 
     # -- end of backward ----------------------------------------------------------------------
     def end_backward(self) -> None:
         """The end-of-backward callback: finish every bucket, in order, then tidy up."""
-        self.in_backward = False
+        self.launcher.end()
         if timeline.on:
             timeline.span_event("backward", "phase", self.t_backward, timeline.now(),
                                 {"sync": self.require_sync})
@@ -526,15 +419,7 @@ class Reducer:
                 # Every rank takes part: which parameters were used anywhere since the last sync.
                 used = torch.frombuffer(self.used, dtype=torch.uint8).to(torch.int32)
                 functional.all_reduce(used, "max", comm=self.comm)
-            for b in self.buckets:
-                value = functional.wait_future(b.future)
-                if value is not b.flat:
-                    if not isinstance(value, torch.Tensor) or value.numel() != b.flat.numel():
-                        raise TypeError(f"comm hook result for bucket {b.index}: expected a "
-                                        f"tensor of {b.flat.numel()} elements, got "
-                                        f"{getattr(value, 'shape', type(value).__name__)}")
-                    if value.data_ptr() != b.flat.data_ptr():
-                        b.flat.copy_(value.view(-1))
+            self.launcher.drain(self.into_place)
             t_done = time.perf_counter()
             if self.rescale != 1.0:  # join(): the hook averaged over ranks sending zeros
                 for b in self.buckets:
@@ -547,6 +432,18 @@ class Reducer:
             self.used = bytearray(len(self.params))
             self.none_before = []
             self.reset_iteration()
+
+    def into_place(self, k: int, fut) -> None:
+        """Wait for bucket ``k``'s hook and copy its result into the bucket if elsewhere."""
+        b = self.buckets[k]
+        value = functional.wait_future(fut)
+        if value is not b.flat:
+            if not isinstance(value, torch.Tensor) or value.numel() != b.flat.numel():
+                raise TypeError(f"comm hook result for bucket {b.index}: expected a "
+                                f"tensor of {b.flat.numel()} elements, got "
+                                f"{getattr(value, 'shape', type(value).__name__)}")
+            if value.data_ptr() != b.flat.data_ptr():
+                b.flat.copy_(value.view(-1))
 
     def write_back(self, used) -> None:
         """Gradients out of the buckets where they are not views; ``None`` back where a

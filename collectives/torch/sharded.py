@@ -1,6 +1,7 @@
 """Sharded data parallelism (ZeRO stages 1, 2 and 3) on the toolkit's collectives.
 
-Vocabulary. A *unit* is a group of parameters that share one flat buffer: for stages 1 and 2 a
+Vocabulary. A *unit* is a group of parameters that share one flat buffer
+(``flat.FlatBuffer``, DDP's buckets' layout): for stages 1 and 2 a
 gradient bucket (``buckets.assign``, reverse parameter order, ``bucket_cap_mb``), for stage 3 one
 submodule's own parameters (a layer). A unit's flat buffer holds its parameters end to end,
 padded to a multiple of N ranks; rank r owns the *shard* ``[r*s, (r+1)*s)`` with ``s = padded/N``,
@@ -13,20 +14,24 @@ unit), which is all an optimizer sees.
    forward pre-hook on each layer all-gathers its flat buffer (and starts the next layer's
    all-gather), a forward hook frees it again (each parameter's ``.data`` is rebound to an empty
    tensor; autograd saved the parameter objects, which the re-gather rebinds to a new buffer).
-2. *Backward.* A ``register_post_accumulate_grad_hook`` per parameter counts it ready; a ready
-   unit is launched in unit order (the same on every rank, so non-blocking collectives match).
-   Stage 1 averages the unit's flat gradient buffer (``param.grad`` are views into it, as DDP's
-   ``gradient_as_bucket_view``) with an all-reduce; stages 2 and 3 pack the gradients into one
-   transient flat buffer, reduce-scatter it into the shard's gradient and drop the full ones.
+2. *Backward.* Readiness, launch order and the end of backward are DDP's
+   (``collectives.torch.backward``): a ``register_post_accumulate_grad_hook`` per parameter
+   counts it ready; a ready unit is launched in unit order (the same on every rank, so
+   non-blocking collectives match); the end-of-backward callback waits for every launch in that
+   order. Stage 1 averages the unit's flat gradient buffer (``param.grad`` are views into it, as
+   DDP's ``gradient_as_bucket_view``) with an all-reduce; stages 2 and 3 pack the gradients into
+   one transient flat buffer, reduce-scatter it into the shard's gradient and drop the full
+   ones.
    Stage 3 re-gathers a layer before its backward (a hook on the layer's outputs) and frees it
    once its gradients are launched. At the end of backward, units with unused parameters are
-   launched with zeros for them, and every launch is waited.
+   launched with zeros for them, and every launch is waited. Every average is the core's
+   ``op="avg"``, which cannot overflow where the mean does not (float16, bfloat16).
 3. *State.* ``full_state_dict`` gathers full tensors (names of ``module.state_dict()``);
    ``load_full_state_dict`` slices them into this rank's shards, so a checkpoint written at N
    ranks loads at M. ``full_optim_state_dict`` / ``load_full_optim_state_dict`` do the same for
    the optimizer's per-shard tensors.
 
-Flat buffers come from ``flat_buffer`` alone. On one node (``registered_buffers``, default
+Flat buffers are allocated by ``flat_buffer`` alone. On one node (``registered_buffers``, default
 ``"auto"``: the ranks share one node and ``algorithm="auto"``) the host buffers that
 collectives read -- the flat parameters and gradients, the shards of stage 3, the packed
 gradients of stages 2 and 3 -- are registered buffers (``collectives.node.registered``), so their
@@ -34,8 +39,8 @@ broadcasts, allreduces, reduce-scatters and all-gathers take the one-pass path
 (``collectives.node.onepass``); stage 3's gathered layers stay ordinary memory, freed after use.
 
 Construction checks that every rank wraps the same parameters with DDP's check
-(``agreement.check_same_parameters``). The hooks on the module's parameters, layers and
-outputs reach the wrapper through a weak reference (STYLE 10), so the module does not keep a
+(``agreement.same_parameters``). The hooks on the module's parameters, layers and
+outputs reach the wrapper through a weak reference, so the module does not keep a
 dropped wrapper alive, and the wrapper's death removes them.
 """
 from __future__ import annotations
@@ -47,8 +52,10 @@ import weakref
 import torch
 
 from . import functional
-from .agreement import check_same_parameters
+from .agreement import same_parameters
+from .backward import Launcher, hook_parameters, hooks_removed_with
 from .buckets import assign
+from .flat import FlatBuffer
 from .memory import flat_zeros, register_on
 
 __all__ = ["ShardedDataParallel", "flat_buffer"]
@@ -61,35 +68,32 @@ def flat_buffer(numel: int, dtype, device, comm=None) -> torch.Tensor:
 
 
 class _Unit:
-    """One flat buffer's layout: its parameters, their offsets, the padded size and shard."""
+    """One flat buffer's parameters: their layout (``full``, padded to a multiple of the rank
+    count), this rank's shard of it and, for stage 1, the flat gradients (``grads``)."""
 
-    __slots__ = ("index", "names", "params", "offsets", "numel", "padded", "shard_numel",
-                 "flat", "grad_flat", "shard", "ready", "launched", "gathered_version",
-                 "gathered", "pending", "module", "shapes", "reducing")
+    __slots__ = ("index", "names", "params", "nranks", "full", "grads", "shard",
+                 "shard_numel", "gathered_version", "gathered", "pending", "module")
 
     def __init__(self, index, names, params, nranks, module=None):
         self.index = index
         self.names = names
         self.params = params
-        self.offsets = []
-        self.shapes = [p.shape for p in params]
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel = total
-        self.shard_numel = -(-total // nranks) if total else 0
-        self.padded = self.shard_numel * nranks
-        self.flat = None
-        self.grad_flat = None
+        self.nranks = nranks
+        p0 = params[0]
+        self.full = FlatBuffer([p.shape for p in params], p0.dtype, p0.device, pad_to=nranks,
+                               allocate=False)
+        self.shard_numel = self.full.padded // nranks  # rank r owns [r*s, (r+1)*s)
+        self.grads = None
         self.shard = None
-        self.ready = 0
-        self.launched = False
         self.gathered_version = None
         self.gathered = False
-        self.pending = None    # an all-gather in flight (stage 3's prefetch), or stage 1's
-        self.reducing = None   # stages 2-3: (reduce-scatter Work, its output, packed input)
+        self.pending = None    # stage 3: an all-gather in flight (the prefetch)
         self.module = module
+
+    def like(self, dtype, device) -> FlatBuffer:
+        """A new zeroed flat buffer of this unit's layout in ``dtype`` on ``device`` (a
+        checkpoint's full tensors, an optimizer state's)."""
+        return FlatBuffer(self.full.shapes, dtype, device, pad_to=self.nranks)
 
 
 class ShardedDataParallel(torch.nn.Module):
@@ -109,7 +113,7 @@ class ShardedDataParallel(torch.nn.Module):
         self.algorithm = algorithm
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        check_same_parameters(named, comm, "ShardedDataParallel")
+        same_parameters(named, comm, "ShardedDataParallel")
         if any(p.dtype != named[0][1].dtype or p.device != named[0][1].device for _, p in named):
             raise TypeError("ShardedDataParallel needs one dtype and device for all parameters")
         self._units = self._make_units(named, bucket_cap_mb)
@@ -117,31 +121,28 @@ class ShardedDataParallel(torch.nn.Module):
         self._reg = register_on(registered_buffers, comm, algorithm, "registered_buffers")
         # backward produces gradients last layer first: stage 3's units are in forward order
         self._launch_order = self._units[::-1] if stage == 3 else list(self._units)
+        self._launcher = Launcher(len(u.params) for u in self._launch_order)
         self._sync = True
         self._synced_backward = False
-        self._callback_queued = False
-        self._next_launch = 0
         self._scratch = None
         self._forward_seen: list = []
-        self._inflight: list = []
         self._next_in_forward: dict = {}
         self._shards = torch.nn.ParameterList()
         self._init_buffers()
-        # Hooks reach this object through a weak reference only (STYLE 10): the module's
-        # parameters and layers do not keep it alive, and its death removes them.
+        # Hooks reach this object through a weak reference only: the module's parameters and
+        # layers do not keep it alive, and its death removes them.
         self._ref = ref = weakref.ref(self)
-        self._hooks = []
-        for unit in self._units:
-            for p in unit.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    functools.partial(_on_grad, ref, unit)))
+        # parameter k of the hooked list belongs to the unit launched at _position[k]
+        self._position = [k for k, u in enumerate(self._launch_order) for _ in u.params]
+        self._hooks = hook_parameters([p for u in self._launch_order for p in u.params], ref,
+                                      "_on_grad")
         if stage == 3:
             for unit in self._units:
                 self._hooks.append(unit.module.register_forward_pre_hook(
                     functools.partial(_before_forward, ref, unit)))
                 self._hooks.append(unit.module.register_forward_hook(
                     functools.partial(_after_forward, ref, unit)))
-        weakref.finalize(self, _remove_handles, self._hooks)
+        hooks_removed_with(self, self._hooks)
 
     # -- construction ---------------------------------------------------------------------------
     def _make_units(self, named, bucket_cap_mb):
@@ -165,38 +166,32 @@ class ShardedDataParallel(torch.nn.Module):
 
     def _init_buffers(self) -> None:
         """Rank 0's parameters into every rank's flat buffers; shards as views or copies."""
+        alloc = functools.partial(flat_buffer, comm=self._reg)
         with torch.no_grad():
             for unit in self._units:
-                p0 = unit.params[0]
-                flat = flat_buffer(unit.padded, p0.dtype, p0.device, self._reg)
-                for p, off in zip(unit.params, unit.offsets):
-                    flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                full = unit.full
+                flat = full.allocate(alloc)
+                full.copy_in(unit.params)
                 functional.broadcast(flat, 0, comm=self.comm, algorithm=self.algorithm)
                 lo = self.rank * unit.shard_numel
                 if self.stage == 3:
-                    shard = flat_buffer(unit.shard_numel, p0.dtype, p0.device, self._reg)
+                    shard = flat_buffer(unit.shard_numel, full.dtype, full.device, self._reg)
                     unit.shard = torch.nn.Parameter(shard.copy_(flat[lo:lo + unit.shard_numel]))
-                    unit.flat = flat
                     self._free(unit)
                 else:
-                    unit.flat = flat
                     unit.shard = torch.nn.Parameter(flat[lo:lo + unit.shard_numel])
-                    self._point_params(unit)
+                    full.alias(unit.params)
                     unit.gathered_version = unit.shard._version
                 if self.stage == 1:
-                    unit.grad_flat = flat_buffer(unit.padded, p0.dtype, p0.device, self._reg)
-                    for p, off in zip(unit.params, unit.offsets):
-                        p.grad = unit.grad_flat[off:off + p.numel()].view_as(p)
+                    unit.grads = FlatBuffer(full.shapes, full.dtype, full.device,
+                                            pad_to=self.nranks, alloc=alloc)
+                    for p, view in zip(unit.params, unit.grads.views):
+                        p.grad = view
                 self._shards.append(unit.shard)
             biggest = max((u.shard_numel for u in self._units), default=0)
             if self.stage != 3 and self.nranks > 1 and self._units:
-                self._scratch = flat_buffer(biggest, self._units[0].flat.dtype,
-                                            self._units[0].flat.device, self._reg)
-
-    @staticmethod
-    def _point_params(unit) -> None:
-        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
-            p.data = unit.flat[off:off + shape.numel()].view(shape)
+                full = self._units[0].full
+                self._scratch = flat_buffer(biggest, full.dtype, full.device, self._reg)
 
     # -- the optimizer's view -------------------------------------------------------------------
     def parameters(self, recurse: bool = True):
@@ -215,17 +210,20 @@ class ShardedDataParallel(torch.nn.Module):
     def _gather(self, unit, async_op=False):
         """All-gather ``unit``'s shards into its flat buffer (stage 3: reallocating it)."""
         if self.stage == 3:
-            unit.flat = flat_buffer(unit.padded, unit.shard.dtype, unit.shard.device)
-            self._point_params(unit)
+            unit.full.allocate(flat_buffer)
+            unit.full.alias(unit.params)
             src = unit.shard.detach()
         else:
             src = self._scratch[:unit.shard_numel]
             src.copy_(unit.shard.detach())
-        return functional.all_gather_into_tensor(unit.flat, src, comm=self.comm,
+        return functional.all_gather_into_tensor(unit.full.flat, src, comm=self.comm,
                                                  async_op=async_op, algorithm=self.algorithm)
 
     def forward(self, *args, **kwargs):
         """Refresh the full parameters from the shards if they moved, then run the module."""
+        if self._launcher.active:  # the last backward raised before its end callback ran
+            self._launcher.end()
+            self._launcher.discard()
         if self.stage == 3:
             seen = self._forward_seen
             if seen:
@@ -233,7 +231,7 @@ class ShardedDataParallel(torch.nn.Module):
             self._forward_seen = []
         if self._synced_backward and self.stage == 1:
             for unit in self._units:
-                unit.grad_flat.zero_()
+                unit.grads.flat.zero_()
         self._synced_backward = False
         if self.stage != 3 and self.nranks > 1:
             with torch.no_grad():
@@ -264,7 +262,7 @@ class ShardedDataParallel(torch.nn.Module):
             unit.pending = None
         # Autograd saved the parameter objects, not their data: rebinding .data frees the
         # full buffer and the re-gather before backward binds a new one.
-        unit.flat = None
+        unit.full.release()
         for p in unit.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         unit.gathered = False
@@ -298,95 +296,75 @@ class ShardedDataParallel(torch.nn.Module):
         finally:
             self._sync = old
 
-    def _on_grad(self, unit) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self._next_launch = 0
-            for u in self._units:
-                u.ready, u.launched = 0, False
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(_finish_backward, self._ref))
-        unit.ready += 1
+    def _on_grad(self, index: int) -> None:
+        """The post-accumulate-grad hook of the ``index``-th hooked parameter."""
+        if self._launcher.begin(self._ref, "_finish_backward"):
+            self._launcher.reset()
         if self._sync:
-            self._launch_ready()
+            for k in self._launcher.ready(self._position[index]):
+                self._launch(k)
 
-    def _launch_ready(self, force=False) -> None:
-        while self._next_launch < len(self._launch_order):
-            unit = self._launch_order[self._next_launch]
-            if not force and unit.ready < len(unit.params):
-                return
-            self._launch(unit)
-            self._next_launch += 1
-
-    def _launch(self, unit) -> None:
-        unit.launched = True
+    def _launch(self, k: int) -> None:
+        """Start the reduction of the unit launched ``k``-th."""
+        unit = self._launch_order[k]
         if self.stage == 1:
-            for k, p in enumerate(unit.params):
-                base = unit.grad_flat.data_ptr() + unit.offsets[k] * p.element_size()
-                if p.grad is None or p.grad.data_ptr() != base:
-                    self._rebind_grad(unit, p)
-            unit.pending = functional.all_reduce(unit.grad_flat, "avg", comm=self.comm,
-                                                 async_op=True, algorithm=self.algorithm)
+            grads = unit.grads
+            for p, view in zip(unit.params, grads.views):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    self._rebind_grad(p, view)
+            work = functional.all_reduce(grads.flat, "avg", comm=self.comm, async_op=True,
+                                         algorithm=self.algorithm)
+            self._launcher.started(k, (work, None, None))
             return
-        p0 = unit.params[0]
-        packed = flat_buffer(unit.padded, p0.dtype, p0.device, self._reg)
-        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
+        full = unit.full
+        packed = FlatBuffer(full.shapes, full.dtype, full.device, pad_to=self.nranks,
+                            alloc=functools.partial(flat_buffer, comm=self._reg))
+        for p, view in zip(unit.params, packed.views):
             if p.grad is not None:
-                packed[off:off + shape.numel()].copy_(p.grad.reshape(-1))
+                view.copy_(p.grad)
             p.grad = None
         if self.stage == 3:
             self._free(unit)
-        out = torch.empty(unit.shard_numel, dtype=p0.dtype, device=p0.device)
-        work = functional.reduce_scatter_tensor(out, packed, "avg", comm=self.comm,
+        out = torch.empty(unit.shard_numel, dtype=full.dtype, device=full.device)
+        work = functional.reduce_scatter_tensor(out, packed.flat, "avg", comm=self.comm,
                                                 async_op=True, algorithm=self.algorithm)
-        unit.reducing = (work, out, packed)
+        self._launcher.started(k, (work, out, packed))
         # Bound the transient packed buffers: at most two units in flight.
-        self._inflight.append(unit)
-        while len(self._inflight) > 2:
-            self._complete(self._inflight.pop(0))
+        self._launcher.drain(self._complete, keep=2)
 
     @staticmethod
-    def _rebind_grad(unit, p) -> None:
-        """Put ``p``'s gradient back into the bucket view (after a user set it to None)."""
-        k = unit.params.index(p)
-        view = unit.grad_flat[unit.offsets[k]:unit.offsets[k] + p.numel()].view_as(p)
+    def _rebind_grad(p, view) -> None:
+        """Put ``p``'s gradient back into its view of the flat gradients (after a user set it
+        to None or replaced it)."""
         if p.grad is not None:
             view.copy_(p.grad)
         else:
             view.zero_()
         p.grad = view
 
-    def _complete(self, unit) -> None:
-        """Wait for ``unit``'s launched collective and hand its result to the shard's grad."""
-        if self.stage == 1:
-            pending, unit.pending = unit.pending, None
-            if pending is None:
-                return
-            pending.wait()
-            s, lo = unit.shard_numel, self.rank
-            unit.shard.grad = unit.grad_flat[lo * s:(lo + 1) * s]
-            return
-        if unit.reducing is None:
-            return
-        work, out, _packed = unit.reducing
-        unit.reducing = None
+    def _complete(self, k: int, launched) -> None:
+        """Wait for the ``k``-th launch and hand its result to the shard's gradient."""
+        unit = self._launch_order[k]
+        work, out, _packed = launched
         work.wait()
-        if unit.shard.grad is None:
+        if self.stage == 1:
+            s, lo = unit.shard_numel, self.rank
+            unit.shard.grad = unit.grads.flat[lo * s:(lo + 1) * s]
+        elif unit.shard.grad is None:
             unit.shard.grad = out
         else:
             unit.shard.grad.add_(out)
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
+        self._launcher.end()
         if not self._sync:
             if self.stage == 3:
                 for unit in self._units:
                     self._free(unit)
             return
-        self._launch_ready(force=True)
-        for unit in self._launch_order:
-            self._complete(unit)
-        self._inflight = []
+        for k in self._launcher.rest():
+            self._launch(k)
+        self._launcher.drain(self._complete)
         if self.stage == 3:
             for unit in self._units:
                 self._free(unit)
@@ -419,7 +397,7 @@ class ShardedDataParallel(torch.nn.Module):
         """Load full tensors (from a checkpoint at any number of ranks) into this rank's shards."""
         expected = dict(self.module.state_dict())
         for unit in self._units:  # stage 3's parameters are empty between uses
-            for n, shape in zip(unit.names, unit.shapes):
+            for n, shape in zip(unit.names, unit.full.shapes):
                 expected[n] = torch.empty(shape)
         missing = sorted(set(expected) - set(state))
         extra = sorted(set(state) - set(expected))
@@ -436,11 +414,10 @@ class ShardedDataParallel(torch.nn.Module):
                 if k not in names:
                     v.copy_(state[k])
             for unit in self._units:
-                flat = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-                for n, shape, off in zip(unit.names, unit.shapes, unit.offsets):
-                    flat[off:off + shape.numel()].copy_(state[n].reshape(-1))
+                full = unit.like(unit.shard.dtype, unit.shard.device)
+                full.copy_in([state[n] for n in unit.names])
                 lo = self.rank * unit.shard_numel
-                unit.shard.copy_(flat[lo:lo + unit.shard_numel])
+                unit.shard.copy_(full.flat[lo:lo + unit.shard_numel])
 
     def _check_optimizer(self, optimizer) -> None:
         mine = {id(s) for s in self._shards}
@@ -460,11 +437,11 @@ class ShardedDataParallel(torch.nn.Module):
             for key in keys:
                 val = st[key]
                 if torch.is_tensor(val) and val.numel() == unit.shard_numel and val.dim() == 1:
-                    full = torch.empty(unit.padded, dtype=val.dtype, device=val.device)
-                    functional.all_gather_into_tensor(full, val.contiguous(), comm=self.comm,
-                                                      algorithm=self.algorithm)
-                    for n, shape, off in zip(unit.names, unit.shapes, unit.offsets):
-                        out[n][key] = full[off:off + shape.numel()].view(shape).clone()
+                    full = unit.like(val.dtype, val.device)
+                    functional.all_gather_into_tensor(full.flat, val.contiguous(),
+                                                      comm=self.comm, algorithm=self.algorithm)
+                    for n, view in zip(unit.names, full.views):
+                        out[n][key] = view.clone()
                 else:
                     for n in unit.names:
                         out[n][key] = val.clone() if torch.is_tensor(val) else val
@@ -480,13 +457,12 @@ class ShardedDataParallel(torch.nn.Module):
             per = state[unit.names[0]]
             new = {}
             for key, val in per.items():
-                if torch.is_tensor(val) and tuple(val.shape) == tuple(unit.shapes[0]) \
+                if torch.is_tensor(val) and tuple(val.shape) == tuple(unit.full.shapes[0]) \
                         and val.dim() > 0:
-                    full = torch.zeros(unit.padded, dtype=val.dtype)
-                    for n, shape, off in zip(unit.names, unit.shapes, unit.offsets):
-                        full[off:off + shape.numel()].copy_(state[n][key].reshape(-1))
+                    full = unit.like(val.dtype, "cpu")
+                    full.copy_in([state[n][key] for n in unit.names])
                     lo = self.rank * unit.shard_numel
-                    new[key] = full[lo:lo + unit.shard_numel].clone()
+                    new[key] = full.flat[lo:lo + unit.shard_numel].clone()
                 else:
                     new[key] = val.clone() if torch.is_tensor(val) else val
             optimizer.state[unit.shard] = new
@@ -515,19 +491,13 @@ class ShardedDataParallel(torch.nn.Module):
         if optimizer is not None:
             self._check_optimizer(optimizer)
             opt = size([v for st in optimizer.state.values() for v in st.values()])
-        numel = sum(u.numel for u in self._units)
+        numel = sum(u.full.numel for u in self._units)
         return {"parameters": params, "gradients": grads, "optimizer": opt,
                 "total": params + grads + opt, "numel": numel,
                 "bytes_per_parameter": (params + grads + opt) / max(numel, 1)}
 
 
 # -- autograd and module hooks: weak references to the wrapper -----------------------------------
-def _on_grad(ref, unit, param):
-    sdp = ref()
-    if sdp is not None:
-        sdp._on_grad(unit)
-
-
 def _before_forward(ref, unit, module, args):
     sdp = ref()
     if sdp is not None:
@@ -546,17 +516,6 @@ def _regather(ref, unit, fired, grad):
         fired[0] = True
         sdp._regather(unit)
     return grad
-
-
-def _finish_backward(ref):
-    sdp = ref()
-    if sdp is not None:
-        sdp._finish_backward()
-
-
-def _remove_handles(handles) -> None:
-    for h in handles:
-        h.remove()
 
 
 def _tensors(out):

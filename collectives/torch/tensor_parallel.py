@@ -42,21 +42,22 @@ same full weights: the same seed, or a loaded checkpoint). Styles: ``colwise[:un
 ``rowwise[:unit]``, ``vocab``, ``sequence`` (a norm under sequence parallelism; any
 ``sequence`` entry turns sequence parallelism on for every layer of the plan). A weight shared by
 two layers (an output head tied to the embedding) stays shared when both split it the same way.
-Before any other collective, one allgather of a digest of every planned layer's name, style and
-shape proves that all ranks agree; a disagreement, a pattern that names no module, a size that
-``tp`` does not divide: a ``ValueError`` on every rank naming the layer and the sizes.
+Before any other collective, the ranks agree (``agreement.agree``: one small allreduce of a
+digest) on every planned layer's name, style and shape; a disagreement, a pattern that names no
+module, a size that ``tp`` does not divide: a ``ValueError`` on every rank naming the layer and
+the sizes.
 """
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import collectives as coll
+
+from .agreement import agree
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "parallelize", "full_state_dict",
@@ -461,35 +462,13 @@ def _resolve(module: nn.Module, plan: dict) -> list[tuple[str, nn.Module, str, i
     return found
 
 
-def _signature(found) -> list[tuple[str, str, int, tuple]]:
+def _layers(found) -> list[tuple[str, str]]:
+    """The plan's layers as ``agree``'s rows: (name, "name style weight shape")."""
     out = []
     for name, m, style, unit in found:
         shape = tuple(m.weight.shape) if hasattr(m, "weight") and m.weight is not None else ()
-        out.append((name, style, unit, shape))
+        out.append((name, f"{name} {style}{':' + str(unit) if unit > 1 else ''} weight {shape}"))
     return out
-
-
-def _agree(found, comm, problem: str | None = None) -> None:
-    """One allgather of a digest of the plan's layers (and of a local ``problem``, an error
-    found before it); on a mismatch every rank raises, naming the layer and its sizes on each
-    rank, so no rank is left in a collective that the others never enter."""
-    if comm.Get_size() == 1:
-        return
-    sig = _signature(found) + ([(f"error: {problem}", "", 0, ())] if problem else [])
-    digest = np.frombuffer(hashlib.sha256(repr(sig).encode()).digest(), dtype=np.int64).copy()
-    every = coll.allgather(digest, comm=comm).reshape(comm.Get_size(), -1)
-    if (every == every[0]).all():
-        return
-    sigs = comm.allgather(sig)  # the error path only: say which layer and which sizes
-    ranks = comm.Get_size()
-    for i in range(max(len(s) for s in sigs)):
-        rows = [s[i] if i < len(s) else None for s in sigs]
-        if any(r != rows[0] for r in rows):
-            seen = ", ".join(f"rank {r}: {row[0]} {row[1]} weight {row[3]}" if row else
-                             f"rank {r}: no layer" for r, row in enumerate(rows))
-            raise ValueError(f"parallelize: the planned layers differ across the {ranks} "
-                             f"tensor-parallel ranks at layer {i}: {seen}")
-    raise ValueError("parallelize: the planned layers differ across ranks")
 
 
 def _set(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -503,12 +482,13 @@ def _shard(full: torch.Tensor, dim: int, comm) -> torch.Tensor:
 
 def parallelize(module: nn.Module, comm, plan: dict, *, seq_dim: int = 1) -> nn.Module:
     """Convert ``module`` in place by ``plan`` ({pattern: style}) over the tp group ``comm``;
-    returns ``module``. Collective over ``comm`` (one allgather)."""
+    returns ``module``. Collective over ``comm`` (one small allreduce)."""
     try:
         found, problem = _resolve(module, plan), None
     except ValueError as e:  # raised after the agreement, so every rank raises alike
         found, problem = [], str(e)
-    _agree(found, comm, problem)
+    agree(comm, "parallelize", {"layer": _layers(found)}, problem,
+          hint=f"the {comm.Get_size()} tensor-parallel ranks must plan the same layers")
     if problem:
         raise ValueError(problem)
     tp = comm.Get_size()
