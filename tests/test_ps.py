@@ -333,7 +333,8 @@ def test_bad_requests_leave_the_tables_unchanged_and_the_servers_serving():
              r"table 'w': push refused by server rank \d: key 8 is outside the table"),
             (lambda: ps.SparseTable(job, dict(emb.spec, dtype="float64"),
                                     emb.server_ids).push([2], np.ones((1, 4))),
-             r"table 'emb': push refused by server rank \d: dtype code 2, the table holds"),
+             r"table 'emb': push refused by server rank \d: the table holds float32, this "
+             r"handle float64"),
             (lambda: ps.SparseTable(job, dict(emb.spec, dim=5),
                                     emb.server_ids).push([2], np.ones((1, 5), np.float32)),
              r"table 'emb': push refused by server rank \d: 20 bytes do not match"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import p2p
 from . import protocol as P
 from .store import dense_bounds, shard_of
 
@@ -40,6 +41,12 @@ class Request:
         self._done = False
         self._result = None
 
+    def waiting_for(self) -> str:
+        """The servers whose replies this request still waits for."""
+        servers = sorted({server for server, _ in self._heads})
+        return f"the replies of server rank{'s' if len(servers) > 1 else ''} " \
+               f"{', '.join(map(str, servers))}"
+
     def test(self) -> bool:
         """Whether the request has completed (errors are raised by ``wait``)."""
         if not self._done and self._reqs:
@@ -53,8 +60,10 @@ class Request:
         if self._done:
             return self._result
         if self._reqs:
-            from mpi4py import MPI
-            MPI.Request.Waitall(self._reqs)
+            job = self.table.job
+            p2p.wait_all(self._reqs, lambda: f"parameter server: worker rank {job.rank}'s "
+                                             f"{self.what} of table {self.table.name!r}",
+                         job.comm, lambda: self.waiting_for())
         self._done = True
         self._keep = ()
         for server, head in self._heads:
@@ -75,6 +84,7 @@ class Table:
         self.dim = spec["dim"]
         self.dtype = np.dtype(spec["dtype"])
         self.staleness = spec["staleness"]
+        self.code = P.dtype_code(self.dtype)
         self.server_ids = ids   # the id each server gave the table
 
     def __repr__(self):
@@ -112,7 +122,8 @@ class Table:
         if status == P.Status.OUT_OF_RANGE:
             return TableError(f"{where}: key {detail} is outside the table")
         if status == P.Status.BAD_DTYPE:
-            return TableError(f"{where}: dtype code {detail}, the table holds {self.dtype}")
+            return TableError(f"{where}: the table holds {p2p.dtype_of(detail).name}, this "
+                              f"handle {self.dtype}")
         return TableError(f"{where}: {detail} bytes do not match the rows requested "
                           f"(dim {self.dim}, {self.dtype})")
 
@@ -165,7 +176,7 @@ class Table:
             job.received += view.size
         n = 0 if keys is None else len(keys)
         hdr = np.array([op, self.server_ids[server], rid, n, job.clock_value, flags,
-                        P.DTYPE_CODES[self.dtype], 0], dtype=np.int64)
+                        self.code, 0], dtype=np.int64)
         reqs.append(job.comm.Isend([hdr, MPI.INT64_T], rank, P.TAG_REQUEST))
         sent = hdr.nbytes
         if keys is not None:

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 
+from .. import p2p
 from . import optim
 from . import protocol as P
 from .client import DenseTable, Request, SparseTable, TableError
@@ -19,6 +20,8 @@ from .server import Server
 __all__ = ["Job", "init"]
 
 _INITS = ("zeros", "uniform")
+_OPS = {P.Op.CREATE: "create", P.Op.LOOKUP: "lookup", P.Op.CLOCK: "clock",
+        P.Op.FINISH: "finish"}   # the control requests, in words
 
 
 def init(comm=None, servers: int = 1) -> "Job":
@@ -228,15 +231,19 @@ class Job:
             reqs += [self.comm.Irecv([head, MPI.INT64_T], rank, h_tag),
                      self.comm.Irecv([data, len(data), MPI.BYTE], rank, d_tag)]
             hdr = np.array([op, -1, rid, len(body), self.clock_value, 0, 0, 0], np.int64)
-            self.comm.Send([hdr, MPI.INT64_T], rank, P.TAG_REQUEST)
-            self.comm.Send([body, len(body), MPI.BYTE], rank, P.TAG_VALUES)
-            out.append((head, data))
-        MPI.Request.Waitall(reqs)
-        return [(int(h[0]), int(h[2]), bytes(d[:int(h[3])])) for h, d in out]
+            reqs += [self.comm.Isend([hdr, MPI.INT64_T], rank, P.TAG_REQUEST),
+                     self.comm.Isend([body, len(body), MPI.BYTE], rank, P.TAG_VALUES)]
+            out.append((head, data, hdr))
+        p2p.wait_all(reqs, lambda: f"parameter server: worker rank {self.rank}'s "
+                                   f"{_OPS[op]} request", self.comm,
+                     lambda: f"the replies of the {self.servers} server rank(s)")
+        return [(int(h[0]), int(h[2]), bytes(d[:int(h[3])])) for h, d, _ in out]
 
     def _notify(self, op: int) -> None:
         from mpi4py import MPI
         hdr = np.array([op, -1, 0, 0, self.clock_value, 0, 0, 0], np.int64)
         reqs = [self.comm.Isend([hdr, MPI.INT64_T], self.server_rank(s), P.TAG_REQUEST)
                 for s in range(self.servers)]
-        MPI.Request.Waitall(reqs)
+        p2p.wait_all(reqs, lambda: f"parameter server: worker rank {self.rank}'s "
+                               f"{_OPS[op]} message", self.comm,
+                     lambda: f"the {self.servers} server rank(s) to take it")

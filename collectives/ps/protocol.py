@@ -1,6 +1,8 @@
 """The parameter server's wire format: op codes, tags, header layouts and status codes.
 
-A request from a worker to a server is one fixed-size int64 header on ``TAG_REQUEST``,
+Messages are ``collectives.p2p``'s: buffer-based, a dtype is its wire code (``p2p.code_of``),
+and every wait is p2p's watched one. A request from a worker to a server is one fixed-size
+int64 header on ``TAG_REQUEST``,
 followed, when the op carries data, by its keys (int64) on ``TAG_KEYS`` and its values on
 ``TAG_VALUES``. MPI's non-overtaking rule (messages from one sender on one tag match in the
 order they were sent) pairs a header with its payload, since a server receives a request's
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..p2p import code_of
+
 __all__ = ["HEADER", "REPLY", "TAG_REQUEST", "TAG_KEYS", "TAG_VALUES", "reply_tags",
-           "WINDOW", "FLAG_WHOLE", "Op", "Status", "DTYPE_CODES", "dtype_code", "dtype_of"]
+           "WINDOW", "FLAG_WHOLE", "Op", "Status", "TABLE_DTYPES", "dtype_code"]
 
 HEADER = 8   # int64 words: op, table, request id, count, clock, flags, dtype code, spare
 REPLY = 4    # int64 words: status, request id, detail, count
@@ -51,22 +55,17 @@ class Status:
     BAD_SIZE = 2        # detail: the number of bytes received
     OUT_OF_RANGE = 3    # detail: the first key outside the table
     MISMATCH = 4        # a table of that name exists with another spec
-    BAD_DTYPE = 5       # detail: the dtype code received
+    BAD_DTYPE = 5       # detail: the table's dtype code (the request's differs)
 
 
-DTYPE_CODES = {np.dtype(n): i for i, n in enumerate(
-    ("float32", "float64", "float16", "int32", "int64"), start=1)}
-_DTYPES = {i: d for d, i in DTYPE_CODES.items()}
+# The dtypes a table holds (its optimizers' arithmetic); on the wire a dtype is p2p's code.
+TABLE_DTYPES = tuple(np.dtype(n) for n in ("float32", "float64", "float16", "int32", "int64"))
 
 
 def dtype_code(dtype) -> int:
-    """The wire code of a table dtype (``ValueError`` for one the tables do not hold)."""
+    """The wire code (``p2p.code_of``) of a table dtype; ``ValueError`` for one the tables do
+    not hold."""
     dt = np.dtype(dtype)
-    if dt not in DTYPE_CODES:
-        raise ValueError(f"tables hold {', '.join(str(d) for d in DTYPE_CODES)}; got {dt}")
-    return DTYPE_CODES[dt]
-
-
-def dtype_of(code: int) -> np.dtype:
-    """The dtype of a wire code."""
-    return _DTYPES[int(code)]
+    if dt not in TABLE_DTYPES:
+        raise ValueError(f"tables hold {', '.join(str(d) for d in TABLE_DTYPES)}; got {dt}")
+    return code_of(dt)

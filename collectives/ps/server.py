@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from .. import watchdog
+from .. import p2p, watchdog
 from . import protocol as P
 from .clock import Clocks, PushBuffer, ready
 from .store import make_shard
@@ -48,6 +48,7 @@ class TableState:
         self.name = spec["name"]
         self.staleness = spec["staleness"]
         self.dtype = np.dtype(spec["dtype"])
+        self.code = P.dtype_code(self.dtype)
         self.dim = spec["dim"]
         self.shard = make_shard(spec, server, servers)
         whole = (np.arange(self.shard.lo, self.shard.hi, dtype=np.int64)
@@ -71,7 +72,7 @@ class Server:
         self.names: dict[str, int] = {}
         self.clocks = Clocks(workers)
         self.queue: list = []     # (worker, request id, table, keys, clock, since)
-        self.sends: list = []     # (MPI request, buffers kept alive until it completes)
+        self.sends = p2p.Sends()  # replies in flight, with the buffers they read
         self.warnings: list[str] = []
         self.requests = 0
 
@@ -94,8 +95,8 @@ class Server:
                 if len(self.sends) >= 64:
                     self.reap()
             self.progress()
-            MPI.Request.Waitall([r for r, _ in self.sends])
-            self.sends.clear()
+            self.sends.wait(f"parameter server: server rank {self.comm.Get_rank()}'s last "
+                            f"replies", self.comm)
         finally:
             stall.end()
 
@@ -124,23 +125,23 @@ class Server:
     # -- payloads ---------------------------------------------------------------------------
     def recv_bytes(self, worker: int, n: int, tag: int = P.TAG_VALUES) -> bytes:
         """A payload of bytes (spec or name)."""
-        buf = bytearray(n)
-        self.comm.Recv([buf, len(buf), _mpi().BYTE], source=worker, tag=tag)
-        return bytes(buf)
+        buf = np.empty(n, np.uint8)
+        p2p.recv(self.comm, buf, worker, tag, self._what(worker))
+        return buf.tobytes()
+
+    def _what(self, worker: int) -> str:
+        return f"parameter server: server rank {self.comm.Get_rank()} receiving a request's " \
+               f"payload from worker rank {worker}"
 
     def recv_array(self, worker: int, tag: int, dtype, count: int):
         """The next payload on ``tag`` as ``count`` items of ``dtype``, or (None, bytes) when
         its size differs (it is received all the same, so the stream stays in step)."""
-        MPI = _mpi()
-        status = MPI.Status()
-        msg = self.comm.Mprobe(worker, tag, status)
-        nbytes = status.Get_count(MPI.BYTE)
+        msg, status = p2p.probe(self.comm, worker, tag, self._what(worker))
+        nbytes = status.Get_count(_mpi().BYTE)
         if nbytes != count * np.dtype(dtype).itemsize:
-            msg.Recv([bytearray(nbytes), nbytes, MPI.BYTE])
+            msg.Recv([bytearray(nbytes), nbytes, _mpi().BYTE])
             return None, nbytes
-        out = np.empty(count, dtype=dtype)
-        msg.Recv([out.view(np.uint8), nbytes, MPI.BYTE])
-        return out, nbytes
+        return p2p.recv_probed(msg, status, np.empty(count, dtype=dtype)), nbytes
 
     # -- replies ----------------------------------------------------------------------------
     def reply(self, worker: int, rid: int, status: int, detail: int = 0, data=None,
@@ -149,20 +150,14 @@ class Server:
         MPI = _mpi()
         h_tag, d_tag = P.reply_tags(rid)
         head = np.array([status, rid, detail, 0 if data is None else len(data)], dtype=np.int64)
-        reqs = [(self.comm.Isend([head, MPI.INT64_T], worker, h_tag), head)]
+        self.sends.add(self.comm.Isend([head, MPI.INT64_T], worker, h_tag), head)
         if with_data:
             body = np.empty(0, np.uint8) if data is None else np.ascontiguousarray(data)
-            view = body.reshape(-1).view(np.uint8)
-            reqs.append((self.comm.Isend([view, view.size, MPI.BYTE], worker, d_tag), body))
-        self.sends.extend(reqs)
+            self.sends.add(p2p.isend(self.comm, body, worker, d_tag), body)
 
     def reap(self) -> None:
         """Drop the replies that have completed."""
-        MPI = _mpi()
-        done = MPI.Request.Testsome([r for r, _ in self.sends]) or []
-        if done:
-            keep = set(range(len(self.sends))) - set(done)
-            self.sends = [self.sends[i] for i in sorted(keep)]
+        self.sends.reap()
 
     # -- ops --------------------------------------------------------------------------------
     def create(self, worker: int, rid: int, spec: dict) -> None:
@@ -233,8 +228,8 @@ class Server:
         values, nbytes = self.recv_array(worker, P.TAG_VALUES, dtype, rows * dim)
         if table is None:
             return self.reply(worker, rid, P.Status.UNKNOWN_TABLE, tid)
-        if code != P.DTYPE_CODES[table.dtype]:
-            return self.reply(worker, rid, P.Status.BAD_DTYPE, code)
+        if code != table.code:
+            return self.reply(worker, rid, P.Status.BAD_DTYPE, table.code)
         if not keys_ok or values is None:
             return self.reply(worker, rid, P.Status.BAD_SIZE, nbytes)
         bad = table.shard.check(keys)
