@@ -6,18 +6,19 @@ Nothing is copied: a reduction written into ``Buffer.flat`` lands in the caller'
 executor only ever sees ``flat`` (numpy or cupy: both accept numpy's ufuncs with ``out=``) and
 ``Buffer.new`` to make a result of the caller's kind.
 
-Adaptors are tried in order; ``register`` adds one. Cupy arrays and CUDA tensors are wrapped by
-``collectives.cuda``, imported the first time one shows up. Accepted dtypes: bool, int8-64,
-uint8-64, float16, bfloat16 (ml_dtypes), float32, float64, complex64, complex128. Buffers must be
-C-contiguous: a strided view would need a hidden copy, so it is refused with a ``ValueError``
-instead.
+Adaptors are tried in order; ``register`` adds one. Cupy arrays and CUDA tensors are seen
+through cupy, imported the first time one shows up (``import_cupy``). Accepted dtypes: bool,
+int8-64, uint8-64, float16, bfloat16 (ml_dtypes), float32, float64, complex64, complex128.
+Buffers must be C-contiguous: a strided view would need a hidden copy, so it is refused with a
+``ValueError`` instead.
 """
 from __future__ import annotations
 
 import numpy as np
 
 __all__ = ["Buffer", "wrap", "register", "check_dtype", "require_contiguous",
-           "torch_dtype_to_numpy", "DTYPES", "bfloat16"]
+           "torch_dtype_to_numpy", "DTYPES", "bfloat16", "import_cupy", "bf16_supported",
+           "wrap_cupy", "wrap_torch_cuda"]
 
 try:
     from ml_dtypes import bfloat16
@@ -132,7 +133,7 @@ def _numpy(x):
 register(_numpy)
 
 
-# -- torch (CPU here; CUDA tensors are viewed through cupy by collectives.cuda) ----------------
+# -- torch (CPU here; CUDA tensors are viewed through cupy, below) -------------------------------
 def _torch_module():
     import sys
     return sys.modules.get("torch")  # never import torch just to look at a buffer
@@ -151,8 +152,7 @@ def _torch(x):
     if torch is None or not isinstance(x, torch.Tensor):
         return None
     if x.device.type == "cuda":
-        from . import cuda  # a cupy view of the tensor's memory; TypeError without cupy
-        return cuda.wrap_torch(x)
+        return wrap_torch_cuda(x)  # a cupy view of the tensor's memory; TypeError without cupy
     if x.device.type != "cpu":
         raise TypeError(f"{x.device.type} tensors are not supported (CPU and CUDA tensors are); "
                         f"got a tensor on {x.device}")
@@ -173,13 +173,109 @@ def _torch(x):
 register(_torch)
 
 
-# -- cupy arrays: collectives.cuda, imported only when one shows up -----------------------------
+# -- device memory: cupy arrays and CUDA tensors, cupy imported only when one shows up ----------
+# ``Buffer.flat`` is a zero-copy 1-D *cupy* view (a CUDA tensor is seen through DLPack), so the
+# executor's reductions, ``numpy.add(a, b, out=dst)``, dispatch to cupy through
+# ``__array_ufunc__`` and run on the GPU. bfloat16 needs a cupy that knows ml_dtypes' bfloat16
+# (cupy >= 14); a tensor is viewed as int16 and then as bfloat16, because DLPack export of
+# bfloat16 is newer still. An older cupy gets a TypeError rather than a silent round trip
+# through the host.
+_CUPY = None
+_BF16: dict = {}  # "ok": whether this cupy computes on bfloat16
+
+
+def import_cupy():
+    """The cupy module, or a TypeError that says what to install."""
+    global _CUPY
+    if _CUPY is None:
+        try:
+            import cupy
+        except Exception as exc:  # noqa: BLE001 - ImportError, or CUDA libraries missing
+            raise TypeError(f"CUDA buffers need cupy (pip install cupy-cuda12x, or the cupy "
+                            f"matching your CUDA): importing it failed: {exc}") from exc
+        _CUPY = cupy
+    return _CUPY
+
+
+def bf16_supported(cp) -> bool:
+    """Whether this cupy computes on ml_dtypes' bfloat16 (cupy >= 14 with ml_dtypes)."""
+    ok = _BF16.get("ok")
+    if ok is None:
+        try:
+            a = cp.ones(2, dtype=bfloat16)
+            cp.add(a, a, out=a)
+            ok = bool((a.view(cp.uint16) == 0x4000).all())  # 2.0 in bfloat16
+        except Exception:  # noqa: BLE001 - unsupported dtype, old cupy
+            ok = False
+        _BF16["ok"] = ok
+    return ok
+
+
+def _no_bf16(cp):
+    return TypeError(f"bfloat16 device buffers need cupy >= 14 with ml_dtypes (cupy "
+                     f"{cp.__version__} cannot compute on bfloat16); use float16/float32 or "
+                     f"upgrade cupy")
+
+
+def wrap_cupy(x) -> Buffer | None:
+    """The ``Buffer`` of a cupy array (None for other cupy objects)."""
+    cp = import_cupy()
+    if not isinstance(x, cp.ndarray):
+        return None
+    require_contiguous(x.flags.c_contiguous, x, "cupy array")
+    dtype = check_dtype(x.dtype)
+    if dtype == np.dtype(bfloat16) and not bf16_supported(cp):
+        raise _no_bf16(cp)
+    index = x.device.id
+
+    def new(shape):
+        with cp.cuda.Device(index):
+            return wrap_cupy(cp.empty(shape, dtype))
+
+    return Buffer(x, x.reshape(-1), x.shape, "cupy", device=f"cuda:{index}", new=new)
+
+
+_TORCH_DIRECT = ("float16", "float32", "float64", "complex64", "complex128", "int8", "int16",
+                 "int32", "int64", "uint8")
+
+
+def _from_torch(cp, t, dtype):
+    """A zero-copy 1-D cupy view of contiguous CUDA tensor ``t`` as ``dtype``."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:  # nothing to alias; DLPack of empty tensors varies between versions
+        with cp.cuda.Device(t.device.index):
+            return cp.empty(0, dtype)
+    with cp.cuda.Device(t.device.index):
+        return cp.from_dlpack(flat)
+
+
+def wrap_torch_cuda(t) -> Buffer:
+    """The ``Buffer`` of a CUDA tensor: a cupy view of its memory (DLPack, zero-copy)."""
+    import torch
+    cp = import_cupy()
+    require_contiguous(t.is_contiguous(), t, "torch tensor")
+    d = t.detach()
+    tdtype = d.dtype
+    if tdtype == torch.bfloat16:
+        if not bf16_supported(cp):
+            raise _no_bf16(cp)
+        flat = _from_torch(cp, d.view(torch.int16), np.int16).view(bfloat16)
+    elif tdtype == torch.bool:  # DLPack's bool code is recent; the bytes are the same
+        flat = _from_torch(cp, d.view(torch.uint8), np.uint8).view(np.bool_)
+    elif str(tdtype).replace("torch.", "") in _TORCH_DIRECT:
+        flat = _from_torch(cp, d, torch_dtype_to_numpy(tdtype))
+    else:
+        raise TypeError(f"unsupported torch dtype {tdtype}")
+    dev = d.device
+    return Buffer(t, flat, t.shape, "torch", device=f"cuda:{dev.index}",
+                  new=lambda shape: wrap_torch_cuda(torch.empty(shape, dtype=tdtype, device=dev)))
+
+
 def _cupy(x):
     module = type(x).__module__
     if module != "cupy" and not module.startswith("cupy."):
         return None
-    from . import cuda
-    return cuda.wrap_cupy(x)
+    return wrap_cupy(x)
 
 
 register(_cupy)

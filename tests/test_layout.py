@@ -1,7 +1,8 @@
 """The package's layout, checked on its source with ``ast``: no import cycles among the
-``collectives`` modules, no module reaching into another's private names, algorithm modules
-below the public API (no import of it, not even inside a function), the node's shared-memory
-family in ``collectives/node/``, and ``api.py`` kept small."""
+``collectives`` modules (imports inside functions included), no module reaching into another's
+private names, algorithm modules below the public API (no import of it, not even inside a
+function), the node's shared-memory family in ``collectives/node/``, and ``api.py`` kept
+small."""
 from __future__ import annotations
 
 import ast
@@ -73,8 +74,9 @@ def _imports(module: str, path: Path, is_init: bool, deep: bool = False) -> set[
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    return {m: _imports(m, path, init) for m, (path, init) in MODULES.items()}
+def _graph(deep: bool = False) -> dict[str, set[str]]:
+    """{module: the modules it imports} (``deep``: at any depth, inside functions too)."""
+    return {m: _imports(m, path, init, deep) for m, (path, init) in MODULES.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -110,7 +112,7 @@ def test_the_module_list_is_complete():
 
 
 # The node's shared-memory family, one package: the window and its handshake, the registered
-# buffers, CMA reads, and the algorithms on them (DESIGN.md, "Where things live").
+# buffers, CMA reads, and the algorithms on them.
 NODE = ("window", "registered", "cma", "shm", "onepass", "composite")
 
 
@@ -137,10 +139,28 @@ def test_relative_imports_resolve():
 
 
 def test_no_import_cycles():
-    """No cycle among the modules' module-level imports (imports inside functions, deferred
-    to a call, are how a module uses one that imports it)."""
-    cycle = _cycle(_graph())
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    """No cycle among the modules' imports, those inside functions included: an import deferred
+    to a call hides a cycle from Python's loader but not from the reader, and a module that
+    needs one that imports it means a record or a function lives a layer too high."""
+    for deep in (False, True):
+        cycle = _cycle(_graph(deep))
+        where = " (imports inside functions included)" if deep else ""
+        assert cycle is None, f"import cycle{where}: " + " -> ".join(cycle)
+
+
+def test_function_level_imports_are_edges():
+    tmp = ROOT / "tests" / "__layout_probe__.py"  # never written: parsed from a string
+    code = ("from . import config\n"
+            "def f():\n    from .node import onepass\n"
+            "class C:\n    def g(self):\n        import collectives.dispatch\n")
+
+    class FakePath(type(tmp)):
+        def read_text(self, *args, **kwargs):
+            return code
+
+    assert _imports("collectives.select", FakePath(tmp), False) == {"collectives.config"}
+    assert _imports("collectives.select", FakePath(tmp), False, deep=True) == \
+        {"collectives.config", "collectives.node.onepass", "collectives.dispatch"}
 
 
 def _private_uses(module: str, path: Path, is_init: bool, known: dict) -> list[str]:
@@ -252,7 +272,7 @@ def test_api_is_under_600_lines():
 
 
 if __name__ == "__main__":  # print what the checks find
-    print(_cycle(_graph()))
+    print(_cycle(_graph()), _cycle(_graph(deep=True)))
     known = _modules(PRIVATE_TREES)
     for m, (p, i) in known.items():
         for f in _private_uses(m, p, i, known):

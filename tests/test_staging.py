@@ -390,7 +390,7 @@ def test_torch_cuda_tensor_without_cupy_is_a_clear_type_error(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_cupy)
-    monkeypatch.setattr(cuda, "_CUPY", None)
+    monkeypatch.setattr(buffers, "_CUPY", None)  # cupy is imported by the buffer adaptors
     with pytest.raises(TypeError, match="need cupy"):
         cuda.import_cupy()
 
