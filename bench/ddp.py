@@ -18,17 +18,10 @@ spread over many tensors, on random token windows of ``--seq`` tokens):
 - ``gloo``: ``torch.nn.parallel.DistributedDataParallel`` over torch's gloo backend (file
   store, ranks from MPI);
 - ``no_overlap``: the same model with its gradients in one flat buffer, averaged by one
-  ``collectives.torch.all_reduce`` after backward (what overlap buys);
+  ``collectives.torch.all_reduce`` after backward (what overlap buys); its backward and
+  allreduce times are printed too (whether the communication takes at least the backward's
+  time);
 - ``single``: every rank steps its own model, no communication (the floor);
-- ``ours_overlap_forward`` (not run by default): ``DistributedDataParallel(...,
-  overlap_forward=True)`` with the optimizer attached: backward returns at once, each piece
-  of gradient is stepped when its allreduce is waited, the next forward waits layer by layer.
-  With it in the run, every variant is timed per round (``--steps`` steps back to back after
-  one barrier, ``synchronize()`` included, divided by ``--steps``), since its communication
-  crosses the step boundary; the table adds its ratio to ``ours`` (median of the per-round
-  ratios, and their range), the fraction of the communication left at the end of backward
-  that the next forward hid, and ``no_overlap``'s backward and allreduce times (whether the
-  communication takes at least the backward's time);
 - ``ours_timeline`` (not run by default): ``ours`` with the timeline recording
   (``COLLECTIVES_TIMELINE``'s events, kept in memory; the file is written at exit): its cost;
 - ``torch_ours`` (not run by default): torch's own DDP over the ``collectives`` backend
@@ -55,7 +48,7 @@ import time
 __all__ = ["main", "mlp", "VARIANTS"]
 
 VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "gloo", "no_overlap", "single",
-            "torch_ours", "ours_timeline", "ours_overlap_forward")
+            "torch_ours", "ours_timeline")
 DEFAULT_VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "gloo", "no_overlap", "single")
 _OURS = ("ours", "ours_ordinary", "ours_nothread", "ours_timeline")
 
@@ -173,10 +166,7 @@ def main(argv=None) -> int:
     models, store = {}, None
     for v in variants:
         m = build()
-        if v == "ours_overlap_forward":
-            m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
-                                        algorithm=args.algorithm, overlap_forward=True)
-        elif v in _OURS:
+        if v in _OURS:
             traced = timeline.on
             timeline.on = traced or v == "ours_timeline"  # registers the optimizer spans
             m = DistributedDataParallel(m, bucket_cap_mb=args.bucket_cap_mb,
@@ -195,8 +185,6 @@ def main(argv=None) -> int:
     flat = _Flat(models["no_overlap"], comm, args.algorithm) if "no_overlap" in models \
         else None
     opts = {v: torch.optim.SGD(m.parameters(), lr=1e-4) for v, m in models.items()}
-    if "ours_overlap_forward" in models:
-        models["ours_overlap_forward"].attach_optimizer(opts["ours_overlap_forward"])
     phases = {"backward": [], "allreduce": []}   # no_overlap's, while timing
     n_params = sum(p.numel() for p in build().parameters())
     gen = torch.Generator().manual_seed(rank)
@@ -215,9 +203,7 @@ def main(argv=None) -> int:
         # The toolkit reads COLLECTIVES_PROGRESS_THREAD as each collective starts.
         config.set("COLLECTIVES_PROGRESS_THREAD", False if v == "ours_nothread" else thread)
         timeline.on = traced_before or v == "ours_timeline"
-        overlapped = v == "ours_overlap_forward"   # it steps and zeroes by itself
-        if not overlapped:
-            opts[v].zero_grad(set_to_none=args.zero_grad == "none")
+        opts[v].zero_grad(set_to_none=args.zero_grad == "none")
         loss = loss_fn(models[v](x), y)
         t0 = time.perf_counter()
         loss.backward()
@@ -227,8 +213,7 @@ def main(argv=None) -> int:
             if timing:
                 phases["backward"].append(t1 - t0)
                 phases["allreduce"].append(time.perf_counter() - t1)
-        if not overlapped:
-            opts[v].step()
+        opts[v].step()
 
     # ``ours`` runs with the thread unless the setting says otherwise (auto: on).
     before = config.get("COLLECTIVES_PROGRESS_THREAD")
@@ -244,32 +229,18 @@ def main(argv=None) -> int:
     for v in _OURS:
         if v in models:
             models[v].stats.reset()
-    # overlap_forward's communication runs into the next step: time whole rounds then.
-    per_round = "ours_overlap_forward" in models
-    if per_round:
-        models["ours_overlap_forward"].synchronize()
-        models["ours_overlap_forward"].stats.reset()
-    batch = args.steps if per_round else 1
     timing = True
     for _ in range(args.rounds):
         for v in variants:
-            for _ in range(args.steps // batch):
+            for _ in range(args.steps):
                 comm.Barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
-                for _ in range(batch):
-                    step(v)
-                if v == "ours_overlap_forward":
-                    models[v].synchronize()
-                dt = (time.perf_counter() - t0) / batch
-                dc = (time.process_time() - c0) / batch
+                step(v)
+                dt = time.perf_counter() - t0
+                dc = time.process_time() - c0
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
                 cpu[v].append(comm.allreduce(dc, op=MPI.MAX))
     timing = False
-    fwd_hidden = {}
-    if per_round:
-        stats = models["ours_overlap_forward"].stats
-        fwd_hidden["ours_overlap_forward"] = comm.allreduce(stats.forward_hidden_fraction(),
-                                                            op=MPI.MIN)
     hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
               for v in _OURS if v in models}
     # Every variant ran the same steps on the same data from the same start: the DDP ones
@@ -294,8 +265,7 @@ def main(argv=None) -> int:
               "median_ms": {v: 1e3 * statistics.median(t) for v, t in times.items()},
               "median_cpu_ms": {v: 1e3 * statistics.median(t) for v, t in cpu.items()},
               "all_ms": {v: [round(1e3 * s, 2) for s in t] for v, t in times.items()},
-              "hidden_fraction": hidden, "forward_hidden_fraction": fwd_hidden,
-              "per_round": per_round,
+              "hidden_fraction": hidden,
               "phases_ms": {k: 1e3 * statistics.median(t) for k, t in phases.items() if t},
               "max_param_diff_to_ours": same}
     if rank == 0:
@@ -316,9 +286,6 @@ def _print(r) -> None:
           f"{r['ranks']} ranks, {r['threads']} thread(s) per rank, bucket cap "
           f"{r['bucket_cap_mb']:g} MB, algorithm {r['algorithm']}, zero_grad to "
           f"{r['zero_grad']}")
-    if r["per_round"]:
-        print(f"# timed per round: {r['steps']} steps back to back, pending updates "
-              f"included, divided by {r['steps']}; steps (ms) lists each round's mean")
     print(f"# {'variant':<20} {'median ms':>10} {'vs gloo':>8} {'vs single':>10} "
           f"{'cpu ms':>8}  steps (ms)")
     for v, m in med.items():
@@ -339,15 +306,6 @@ def _print(r) -> None:
     if "no_overlap" in med and "ours" in med:
         print(f"# overlap gain: no_overlap - ours = {med['no_overlap'] - med['ours']:.1f} ms "
               f"per step")
-    if "ours_overlap_forward" in med and "ours" in med:
-        ratios = sorted(a / b for a, b in zip(r["all_ms"]["ours_overlap_forward"],
-                                              r["all_ms"]["ours"]))
-        print(f"# overlap_forward: ours_overlap_forward / ours = "
-              f"{statistics.median(ratios):.2f} (median of {len(ratios)} interleaved "
-              f"rounds; range {ratios[0]:.2f}-{ratios[-1]:.2f})")
-        print(f"# ours_overlap_forward: "
-              f"{100 * r['forward_hidden_fraction']['ours_overlap_forward']:.0f}% of the "
-              f"communication left when backward ended hidden behind the next forward")
     if r["phases_ms"]:
         ph = r["phases_ms"]
         print(f"# no_overlap: backward {ph['backward']:.1f} ms, allreduce of every gradient "

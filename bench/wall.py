@@ -25,12 +25,11 @@ doubles the compute.
 Within a round every method starts from the same model and sees the same batches; round r
 seeds both (the initial parameters and the batch order) with r, so that the spread over rounds
 holds the training's own variation as well as the machine's (on this model a change of
-rounding alone, as between ``ddp`` and ``ddp+overlap_forward``, moves the step at which a run
-first reaches the target by an evaluation or two). The methods:
+rounding alone moves the step at which a run first reaches the target by an evaluation or
+two). The methods:
 
 - ``ddp``: ``collectives.torch.DistributedDataParallel`` (buckets of ``--bucket-cap-mb``),
   SGD with momentum;
-- ``ddp+overlap_forward``: the same with ``overlap_forward=True`` and the optimizer attached;
 - ``topk``: DDP with ``compression.topk_hook`` (``--ratio`` 0.01), error feedback on, the
   momentum applied by the hook before compressing and SGD without it;
 - ``sign``: DDP with ``compression.sign_hook``, error feedback on, at ``--sign-momentum`` 0
@@ -51,7 +50,7 @@ The parameter server's hybrid is not among them: it serves sparse embedding rows
 ranks, and this model has no sparse part.
 
 *Time* is training time: the slowest rank's sum of its steps (forward, backward, optimizer,
-averaging; with ``overlap_forward`` the ``synchronize()`` before an evaluation too), with the
+averaging), with the
 clock stopped while the model is evaluated. *Evaluation*: every ``--eval-every`` steps at which
 the ranks hold the same model (every step for the DDP methods; for the averaging methods only
 after an averaging round of every rank: every 8 steps, DiLoCo's every 32), on a fixed test set
@@ -73,7 +72,7 @@ the fastest and slowest round), its ratio to ``ddp``'s median, the median final 
 the median ms per step (training time over steps) and the bytes. ``--json`` writes every run with
 its accuracy curve; ``--plot`` draws accuracy against training time (each method's median run).
 The last lines check the issue's acceptance lines (periodic-8 <= 0.5x ddp within 1 point,
-diloco-32 <= 0.4x within 2, topk <= 0.6x, ddp+overlap_forward <= 0.9x).
+diloco-32 <= 0.4x within 2, topk <= 0.6x).
 """
 from __future__ import annotations
 
@@ -92,11 +91,9 @@ from bench.launch import mpiexec
 
 __all__ = ["main", "METHODS", "ACCEPTANCE", "summarise", "plot"]
 
-METHODS = ("ddp", "ddp+overlap_forward", "topk", "sign", "powersgd", "periodic-8",
-           "hierarchical", "diloco-32")
+METHODS = ("ddp", "topk", "sign", "powersgd", "periodic-8", "hierarchical", "diloco-32")
 # (method, at most this times ddp's time to target, final accuracy within this many points)
-ACCEPTANCE = (("periodic-8", 0.5, 1.0), ("diloco-32", 0.4, 2.0), ("topk", 0.6, None),
-              ("ddp+overlap_forward", 0.9, None))
+ACCEPTANCE = (("periodic-8", 0.5, 1.0), ("diloco-32", 0.4, 2.0), ("topk", 0.6, None))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLE = os.path.join(_ROOT, "examples", "train_ddp.py")
 # The options a job takes from the parent (besides --methods, --out, --netns).
@@ -220,10 +217,6 @@ class _Method:
         if self.avg is not None:
             self.avg.step()
 
-    def before_eval(self) -> None:
-        if self.ddp is not None and self.ddp.overlap_forward:
-            self.ddp.synchronize()
-
     def payload_bytes(self) -> int:
         if self.avg is not None:
             return self.avg.payload_bytes
@@ -246,10 +239,6 @@ def _build(name, args, comm, example):
     if name == "ddp":
         model = ddp()
         return _Method(name, model, module, sgd(model.parameters()), ddp=model)
-    if name == "ddp+overlap_forward":
-        model = ddp(overlap_forward=True)
-        model.attach_optimizer(sgd(model.parameters()))
-        return _Method(name, model, module, None, ddp=model)
     if name in ("topk", "sign"):
         # The hook applies the momentum before compressing; SGD runs without it.
         state = compression.TopKState(comm, ratio=args.ratio, momentum=args.momentum) \
@@ -307,8 +296,6 @@ def _train(name, args, comm, example, data, test) -> dict:
         m.step()
         step += 1
         evaluate = m.evaluates(step, args.eval_every, args.steps)
-        if evaluate:
-            m.before_eval()
         train_s += time.perf_counter() - t0
         if not evaluate:
             continue
@@ -334,13 +321,8 @@ def _train(name, args, comm, example, data, test) -> dict:
             break
     payload = comm.allreduce(m.payload_bytes(), op=MPI.MAX)
     wire = (_loopback_bytes() - lo0) if args.netns else None
-    # rank 0's share of the communication that backward (and, overlap_forward, the next
-    # forward) hid
-    hidden = forward_hidden = None
-    if m.ddp is not None:
-        hidden = m.ddp.stats.hidden_fraction()
-        if m.ddp.overlap_forward:
-            forward_hidden = m.ddp.stats.forward_hidden_fraction()
+    # rank 0's share of the communication that backward hid
+    hidden = m.ddp.stats.hidden_fraction() if m.ddp is not None else None
     del m
     return {"method": name, "steps": step, "train_s": curve[-1][1],
             "reached": reached is not None,
@@ -349,7 +331,7 @@ def _train(name, args, comm, example, data, test) -> dict:
             "final_accuracy": curve[-1][2], "ms_per_step": 1e3 * curve[-1][1] / step,
             "payload_bytes_per_step": payload / step,
             "loopback_bytes_per_step": None if wire is None else wire / step,
-            "hidden": hidden, "forward_hidden": forward_hidden,
+            "hidden": hidden,
             "curve": curve}
 
 

@@ -112,7 +112,6 @@ def test_bandwidth_bytes_is_two_n_minus_one_over_n():
     (lambda net: DiLoCo(net, torch.optim.SGD(_net().parameters(), lr=0.1)),
      "inner_optimizer steps parameters that are not the model's"),
     (lambda net: DiLoCo(net, "sgd"), "inner_optimizer must be a torch.optim.Optimizer, got str"),
-    (lambda net: Periodic(DDP(net, overlap_forward=True)), "overlap_forward=True takes no comm"),
 ])
 def test_bad_arguments_are_value_errors_naming_them(make, message):
     with pytest.raises(ValueError) as info:

@@ -223,10 +223,6 @@ class _Averager:
         from mpi4py import MPI
         error = _nesting_error(self.periods, self.comms)
         if error is None and self.ddp is not None:
-            if self.ddp.overlap_forward:
-                return ("a DistributedDataParallel with overlap_forward=True takes no comm "
-                        "hook; the averager needs one to stop the gradient allreduce after "
-                        "the warm-up")
             if self.ddp in _DRIVEN:
                 return "this DistributedDataParallel is driven by another averager already"
             if MPI.Comm.Compare(self.ddp.comm, self.comm) not in (MPI.IDENT, MPI.CONGRUENT):

@@ -29,12 +29,6 @@ parameter's gradient accumulates after the first iteration, so activation checkp
 (a parameter unused on every rank keeps ``grad=None``, as in one process). Hooks hold weak
 references to the reducer, never strong ones. ``state_dict()`` is the module's
 own (no ``module.`` prefix) and ``load_state_dict`` accepts both forms.
-
-``overlap_forward=True`` carries the communication into the next forward
-(``collectives.torch.overlap``): backward returns without waiting, each piece of gradient is
-stepped by the attached optimizer (``attach_optimizer``) when its allreduce completes, and
-the next forward waits, module by module, only for its own parameters' pieces;
-``synchronize()`` applies every pending update (before evaluation or a checkpoint).
 """
 from __future__ import annotations
 
@@ -47,7 +41,6 @@ import collectives as coll
 from collectives import timeline
 
 from .agreement import broadcast_coalesced, same_parameters
-from .hooks import allreduce_hook
 from .join import Join
 from .memory import register_on
 from .reducer import CommStats, Reducer, through_backward_start
@@ -109,7 +102,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module, comm=None, bucket_cap_mb=25, algorithm="auto",
                  find_unused_parameters=False, gradient_as_bucket_view=True,
                  broadcast_buffers=True, comm_hook=None, static_graph=False,
-                 registered_buckets="auto", overlap_forward=False):
+                 registered_buckets="auto"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -132,16 +125,6 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.static_graph = bool(static_graph)
-        self.overlap_forward = bool(overlap_forward)
-        if self.overlap_forward:
-            clash = [what for what, on in (
-                ("comm_hook", comm_hook is not None),
-                ("find_unused_parameters=True", self.find_unused_parameters),
-                ("static_graph=True", self.static_graph),
-                ("gradient_as_bucket_view=False", not self.gradient_as_bucket_view)) if on]
-            if clash:
-                raise ValueError(f"overlap_forward=True does not combine with "
-                                 f"{', '.join(clash)}")
         # Buckets in shared windows (collectives.node.registered): every step's allreduce takes
         # the one-pass path.
         registered_on = register_on(registered_buckets, comm, algorithm, "registered_buckets")
@@ -171,8 +154,6 @@ class DistributedDataParallel(nn.Module):
                 self.register_comm_hook(*comm_hook)
             else:
                 self.register_comm_hook(None, comm_hook)
-        if self.overlap_forward:
-            self.reducer.start_overlap(module)
 
     # -- what tests and tools look at -----------------------------------------------------------
     @property
@@ -182,10 +163,6 @@ class DistributedDataParallel(nn.Module):
     @property
     def _params(self):
         return self.reducer.params
-
-    @property
-    def _overlap(self):
-        return self.reducer.overlap
 
     def bucket_layout(self) -> list[list[str]]:
         """The parameter names of each bucket, in launch order."""
@@ -208,17 +185,7 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             root = self._join.train(r, r.require_sync and torch.is_grad_enabled())
         self._sync_buffers(root)
-        overlap = r.overlap
-        if overlap is not None:
-            if overlap.optimizer is None and torch.is_grad_enabled():
-                raise RuntimeError("DistributedDataParallel(overlap_forward=True) steps the "
-                                   "optimizer itself: call model.attach_optimizer(optimizer) "
-                                   "before the first forward")
-            overlap.forward_starts()
         out = self.module(*args, **kwargs)
-        if overlap is not None:
-            overlap.forward_ends()
-            r.account_overlap()
         if self.static_graph and r.require_sync and torch.is_grad_enabled():
             out = through_backward_start(r.ref, out)
         if timeline.on:
@@ -245,8 +212,6 @@ class DistributedDataParallel(nn.Module):
         takes the parameters (and buffers, with ``broadcast_buffers``) of the lowest rank
         that trained to the end, so all hold one model (torch's last joiner).
         """
-        if self.reducer.overlap is not None:
-            raise RuntimeError("join() does not combine with overlap_forward=True")
         if not enable or self.size == 1:
             yield
             return
@@ -276,30 +241,9 @@ class DistributedDataParallel(nn.Module):
         """Reduce each bucket with ``hook(state, bucket) -> Future`` (state None: DDP's comm)."""
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
-        if self.overlap_forward and hook is not allreduce_hook:
-            raise ValueError("overlap_forward=True reduces pieces of buckets with the default "
-                             "allreduce; it takes no comm hook")
         self.reducer.set_hook(hook, state)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The wrapped module's state dict: the same keys as without DDP."""
-        self.synchronize()
         return self.module.state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
-
-    def attach_optimizer(self, optimizer) -> None:
-        """``overlap_forward``: the optimizer the model steps, piece by piece, as gradients
-        arrive (its ``step()`` then raises; ``zero_grad()`` is not needed)."""
-        overlap = self.reducer.overlap
-        if overlap is None:
-            raise RuntimeError("attach_optimizer() needs DistributedDataParallel("
-                               "overlap_forward=True); otherwise call optimizer.step() "
-                               "after backward")
-        if overlap.optimizer is not None:
-            raise RuntimeError("an optimizer is already attached")
-        overlap.attach(optimizer)
-
-    def synchronize(self) -> None:
-        """``overlap_forward``: wait for every pending piece and apply its update (before
-        evaluation, a checkpoint or reading the parameters); a no-op otherwise."""
-        self.reducer.synchronize()

@@ -28,8 +28,7 @@ Reducer does, over the toolkit's collectives:
 ``static_graph=True`` fixes the buckets and how many times each parameter's gradient
 accumulates after the first iteration, so activation checkpointing (reentrant or not) and
 parameters used twice train correctly; ``BackwardStart`` puts the end-of-backward callback on
-the outer backward. ``overlap_forward`` hands ready gradients to ``ForwardOverlap``'s pieces
-instead of launching buckets (``collectives.torch.overlap``).
+the outer backward.
 """
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ from .backward import Launcher, hook_parameters, hooks_removed_with
 from .buckets import Bucket, GradBucket, assign
 from .hooks import DefaultState, allreduce_hook
 from .memory import flat_zeros
-from .overlap import ForwardOverlap
 
 __all__ = ["CommStats", "BackwardStart", "through_backward_start", "Reducer"]
 
@@ -57,14 +55,10 @@ class CommStats:
     Per synchronized backward, the *span* runs from the first bucket's launch to the moment
     every bucket is reduced; the *exposed* part is what remains after backward's computation
     ended (the end-of-backward callback's wait). ``hidden_fraction()`` = 1 - exposed / span.
-    With ``overlap_forward`` the span runs to the last piece finished and the exposed part is
-    the time spent waiting for pieces; the *forward* span starts when backward ends, and
-    ``forward_hidden_fraction()`` is the share of it hidden behind the next forward (and
-    whatever else ran before the waits).
     """
 
     __slots__ = ("steps", "wire_bytes", "span_s", "exposed_s", "last_span_s",
-                 "last_exposed_s", "forward_span_s", "forward_exposed_s")
+                 "last_exposed_s")
 
     def __init__(self):
         self.reset()
@@ -75,18 +69,10 @@ class CommStats:
         self.wire_bytes = 0
         self.span_s = self.exposed_s = 0.0
         self.last_span_s = self.last_exposed_s = 0.0
-        self.forward_span_s = self.forward_exposed_s = 0.0
 
     def hidden_fraction(self) -> float:
         """The fraction of the communication span that overlapped backward (1.0 if none)."""
         return 1.0 - self.exposed_s / self.span_s if self.span_s > 0 else 1.0
-
-    def forward_hidden_fraction(self) -> float:
-        """``overlap_forward``: the fraction of the communication left when backward ended
-        that did not block (1.0 if none)."""
-        if self.forward_span_s <= 0:
-            return 1.0
-        return 1.0 - self.forward_exposed_s / self.forward_span_s
 
     def __repr__(self):
         return (f"CommStats(steps={self.steps}, wire_bytes={self.wire_bytes}, "
@@ -95,12 +81,6 @@ class CommStats:
 
 
 # -- autograd glue (weak references to the reducer only) ---------------------------------------
-def _on_forward_pre(ref, module, args):
-    reducer = ref()
-    if reducer is not None and reducer.overlap is not None:
-        reducer.overlap.before(module)
-
-
 class BackwardStart(torch.autograd.Function):
     """Identity on the forward's outputs whose backward runs first in the *outer* backward.
 
@@ -175,25 +155,12 @@ class Reducer:
         self.expected = None
         self.static_order: list[int] = []
         self.t_backward = 0.0
-        self.overlap = None
-        # overlap_forward's pieces sum: DDP divides each gradient as it lands
-        self.divide = False
         self.build_buckets(None)
         self.ref = weakref.ref(self)
         self.handles = hook_parameters(params, self.ref, "grad_ready")
         hooks_removed_with(self, self.handles)
         self.set_hook(allreduce_hook, None)
         self.reset_iteration()
-
-    def start_overlap(self, module) -> None:
-        """``overlap_forward``: hand ready gradients to pieces that the next forward of
-        ``module`` waits for, module by module (a forward pre-hook on each owner)."""
-        self.overlap = ForwardOverlap(module, self.params, self.names, self.state, self.size)
-        self.overlap.plan(self.buckets, None)
-        owners = {id(m): m for m in self.overlap.owner}.values()
-        self.handles.extend(m.register_forward_pre_hook(
-            functools.partial(_on_forward_pre, self.ref)) for m in owners)
-        self.divide = self.size > 1
 
     # -- the hook -----------------------------------------------------------------------------
     def set_hook(self, hook, state) -> None:
@@ -242,9 +209,6 @@ class Reducer:
         order = order.tolist()
         if self.groups(order) != [b.members for b in self.buckets]:
             self.build_buckets(order)
-        if self.overlap is not None:
-            self.overlap.plan(self.buckets, None)
-            self.overlap.prioritize(self.comm)
 
     # -- readiness ----------------------------------------------------------------------------
     def reset_iteration(self) -> None:
@@ -256,18 +220,11 @@ class Reducer:
         self.calls = [0] * len(self.params)
         self.static_order = []
         self.t_first = None
-        if self.overlap is not None:
-            self.overlap.reset()
 
     def start_backward(self) -> None:
         """Queue the end-of-backward callback on the backward that runs now."""
         if self.launcher.active:
             return
-        if self.overlap is not None and self.overlap.pending():
-            # Its gradients would land in buckets still on the wire.
-            raise RuntimeError("overlap_forward: this backward started while the last "
-                               "synchronized backward's updates are pending (no forward "
-                               "since); run a forward or model.synchronize() in between")
         if timeline.on:
             self.t_backward = timeline.now()
         self.launcher.begin(self.ref, "end_backward")
@@ -307,31 +264,18 @@ class Reducer:
         self.used[index] = 1
         if self.gradient_as_bucket_view:
             if p.grad is not view:  # set_to_none zero_grad, or a grad the user replaced
-                self.into_bucket(p.grad, view, sync)
+                view.copy_(p.grad)
                 p.grad = view
-            elif sync and self.divide:
-                view.div_(self.size)  # while this gradient is still in cache
         elif sync:
-            self.into_bucket(p.grad, view, True)
+            view.copy_(p.grad)
         if sync and complete:
             self.mark_ready(index, b)
             functional.progress()  # without a progress thread, this is when bytes move
-
-    def into_bucket(self, grad, view, sync: bool) -> None:
-        """Copy ``grad`` into its bucket slot (divided by the rank count for
-        ``overlap_forward``'s summing pieces)."""
-        if sync and self.divide:
-            torch.div(grad, self.size, out=view)  # the copy and the division in one pass
-        else:
-            view.copy_(grad)
 
     def mark_ready(self, index: int, b: Bucket) -> None:
         self.ready[index] = 1
         if self.rebuild_pending:
             self.order.append(index)
-        if self.overlap is not None:
-            self.overlap.ready(index)
-            return
         now = self.launcher.ready(b.index)
         if timeline.on and self.launcher.complete(b.index):
             timeline.instant(f"bucket {b.index} ready", "bucket", {"bucket": b.index})
@@ -348,11 +292,9 @@ class Reducer:
             view.zero_()
             self.none_before.append(index)
         elif g is not view:
-            self.into_bucket(g, view, True)
+            view.copy_(g)
             if self.gradient_as_bucket_view:
                 p.grad = view
-        elif self.divide:
-            view.div_(self.size)
         self.mark_ready(index, b)
 
     # -- launch -------------------------------------------------------------------------------
@@ -406,14 +348,6 @@ class Reducer:
                     f"the loss, or static_graph=True with reentrant activation checkpointing")
             for i in missing:
                 self.mark_unused(i)
-            if self.overlap is not None:
-                self.overlap.end_backward(t_end)
-                self.stats.steps += 1
-                self.stats.wire_bytes = self.state.wire_bytes
-                if self.rebuild_pending:  # the buckets change: nothing may be in flight
-                    self.synchronize()
-                    self.rebuild()
-                return
             used = None
             if self.find_unused_parameters:
                 # Every rank takes part: which parameters were used anywhere since the last sync.
@@ -475,20 +409,3 @@ class Reducer:
             s.last_exposed_s = t_done - t_end
             s.span_s += s.last_span_s
             s.exposed_s += s.last_exposed_s
-
-    def synchronize(self) -> None:
-        """``overlap_forward``: wait for every pending piece and apply its update."""
-        if self.overlap is not None and self.overlap.finish_all():
-            self.account_overlap()
-
-    def account_overlap(self) -> None:
-        times = self.overlap.done()
-        if times is None:
-            return
-        span, after, blocked = times
-        s = self.stats
-        s.last_span_s, s.last_exposed_s = span, blocked
-        s.span_s += span
-        s.exposed_s += blocked
-        s.forward_span_s += after
-        s.forward_exposed_s += blocked
