@@ -227,10 +227,11 @@ def recv_header(msg) -> tuple[np.dtype, tuple[int, ...]]:
 def send_typed(comm, x, dest: int, tag: int, sends: Sends | None = None) -> Sends:
     """Post ``x``'s typed header, then its bytes, both on ``tag`` (MPI's non-overtaking rule
     delivers them in that order); into ``sends`` (a new ``Sends`` if None), returned."""
-    sends = Sends() if sends is None else sends
+    view = as_bytes(x, "send buffer")  # refused before anything is posted
     hdr = header(*signature(x))
+    sends = Sends() if sends is None else sends
     sends.add(comm.Isend([hdr, _mpi().INT64_T], dest, tag), hdr)
-    sends.add(isend(comm, x, dest, tag), x)
+    sends.add(comm.Isend([view, _mpi().BYTE], dest, tag), x)
     return sends
 
 

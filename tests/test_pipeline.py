@@ -149,13 +149,13 @@ FAULT = Path(__file__).resolve().parent / "faults" / "pipeline.py"
 UNDER_MPI = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
 
 
-def _job(mode):
+def _job(mode, timeout=10):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     mpiexec = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
     if mpiexec is None or UNDER_MPI:
         pytest.skip("launches its own mpiexec -n 2 job: run without mpiexec")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
-    env.update(COLLECTIVES_TIMEOUT="10", PYTHONPATH=str(FAULT.parents[2]))
+    env.update(COLLECTIVES_TIMEOUT=str(timeout), PYTHONPATH=str(FAULT.parents[2]))
     return subprocess.run([mpiexec, "-n", "2", sys.executable, str(FAULT), mode],
                           capture_output=True, text=True, timeout=60, env=env)
 
@@ -176,6 +176,18 @@ def test_a_gradient_of_the_wrong_shape_names_both_stages():
     assert job.returncode != 0, text
     assert "stage 1 (rank 1) sent a gradient of torch.float32 (2, 5)" in text, text
     assert "but stage 0 (rank 0) produced an output of torch.float32 (2, 6)" in text, text
+
+
+@pytest.mark.timeout(90)
+def test_a_stage_that_never_answers_is_named_by_the_watchdog():
+    """Stage 1 never starts its step: stage 0's receive is p2p's watched wait, so the watchdog
+    names the stage, the gradient it waits for and the rank, and ends the job (exit 124)."""
+    job = _job("stall", timeout=3)
+    text = job.stdout + job.stderr
+    assert job.returncode == 124, text
+    assert "pipeline stage 0 (rank 0 of 2, 1f1b) did not complete in" in text, text
+    assert "waiting for: the gradient of micro-batch 0 from rank 1" in text, text
+    assert "aborting the job: MPI_Abort(COMM_WORLD, 124)" in text, text
 
 
 # -- pipeline x data (x tensor): the GPT of examples/train_gpt.py ----------------------------

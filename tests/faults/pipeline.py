@@ -1,7 +1,9 @@
 """A 2-stage pipeline job that fails on purpose (tests/test_pipeline.py): ``raise`` makes stage
-1's forward raise; ``mismatch`` makes stage 1 send back a gradient of the wrong shape. Either
-must end the job, naming the stages."""
+1's forward raise; ``mismatch`` makes stage 1 send back a gradient of the wrong shape; ``stall``
+makes stage 1 never start its step. Each must end the job, naming the stages (a stall: the
+watchdog, naming what stage 0 waits for)."""
 import sys
+import time
 
 import torch
 from torch import nn
@@ -40,6 +42,8 @@ def main(mode):
     runner = pp.Pipeline(first if r == 0 else second, comm=comm, schedule=sched,
                          loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(4, 6), torch.randn(4, 6)
+    if mode == "stall" and r == 1:
+        time.sleep(120)  # ended by the watchdog of rank 0, which waits for a gradient
     runner.step(x, y)
 
 
