@@ -1,0 +1,45 @@
+"""Bounds on float32 rounding, for tests that compare two computations of one quantity.
+
+``U`` is float32's unit roundoff, 2^-24: every operation's result is within ``U`` of the exact
+one, relatively. A sum or a dot product of ``n`` terms, added in any order (any blocking, any
+SIMD width, any number of ranks), is within ``gamma(n) * sum |terms|`` of the exact value
+(``gamma(n) = n U / (1 - n U)``; Higham, *Accuracy and Stability of Numerical Algorithms*, 3.1).
+A value computed through a chain of reductions of lengths ``n1, n2, ...`` (a network's layers,
+forward then backward) is, to first order, within ``gamma(n1 + n2 + ...)`` of its scale. Two
+computations of it (one process, and the ranks with their own orders and kernels) differ by at
+most twice that: ``agree(n, scale)``.
+
+SGD turns such a bound on gradients into one on parameters, since its step is proportional to
+the gradient: ``sgd_parameters(lr, n, gradient_scales, parameter_scale)``. Adam's is not: its
+step is about ``lr`` whatever the gradient's size, so a last-bit difference in a gradient near
+zero moves a weight by up to ``2 lr``, and no bound tighter than ``2 lr`` per step holds; tests
+that compare parameters after Adam steps with tolerances far below that pass or fail by the
+CPU's kernels, not by the code's correctness.
+"""
+from __future__ import annotations
+
+__all__ = ["U", "gamma", "agree", "sgd_parameters"]
+
+U = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    """``n U / (1 - n U)``: the relative error of a sum of ``n`` terms in float32."""
+    assert n * U < 1, n
+    return n * U / (1 - n * U)
+
+
+def agree(n: int, scale: float) -> float:
+    """How far two float32 computations of a value through reductions of ``n`` terms in all
+    may differ, where ``scale`` bounds the terms' magnitude."""
+    return 2 * gamma(n) * scale
+
+
+def sgd_parameters(lr: float, n: int, gradient_scales, parameter_scale: float) -> float:
+    """How far one parameter tensor may differ between two runs of plain SGD (``p -= lr * g``)
+    from the same start, given the largest gradient of each step (``gradient_scales``), the
+    largest parameter (``parameter_scale``) and the gradients' reduction length ``n``: each
+    step adds ``lr`` times the gradients' disagreement, and each run rounds every update once
+    (``lr * g``, then ``p - lr * g``: ``U (p + 2 lr g)`` in each run)."""
+    return sum(lr * agree(n, g) + 2 * U * (parameter_scale + 2 * lr * g)
+               for g in gradient_scales)
