@@ -5,7 +5,7 @@
     coll.allreduce(grad, out=grad, algorithm="ring")         # in place
     req = coll.iallreduce(grad, out=grad); ...; req.wait()   # non-blocking
 
-See DESIGN.md for the architecture; ``collectives.algorithms(name)`` lists the algorithms.
+README.md and docs/ describe the layers; ``collectives.algorithms(name)`` lists the algorithms.
 """
 from collectives.api import (
     algorithms,
