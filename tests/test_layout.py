@@ -1,11 +1,12 @@
 """The package's layout, checked on its source with ``ast``: no import cycles among the
 ``collectives`` modules (imports inside functions included), no module reaching into another's
 private names, algorithm modules below the public API (no import of it, not even inside a
-function), the node's shared-memory family in ``collectives/node/``, and ``api.py`` kept
-small."""
+function), the node's shared-memory family in ``collectives/node/``, ``api.py`` kept small;
+and the README's algorithm table lists every name the registry takes."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,36 @@ def test_public_import_finder():
 
         probe = {"collectives.node.probe": (FakePath(tmp), False)}
         assert len(_public_imports(probe)) == expected, code
+
+
+def _readme_algorithms(collectives: tuple) -> dict[str, set[str]]:
+    """{collective: the names README.md's algorithm table gives for it}: a row's names are the
+    backquoted ones of its first cell, its collectives those named in its second cell before
+    any remark (``(``, ``:``), ``all`` for every one."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("| name | collectives | cost |")
+    found: dict[str, set[str]] = {c: set() for c in collectives}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        first, second = line.split("|")[1:3]
+        names = set(re.findall(r"`([a-z_]+)`", first))
+        head = re.split(r"[(:]", second)[0]
+        words = set(re.findall(r"[a-z_]+", head))
+        for c in collectives if "all" in words else words & set(collectives):
+            found[c] |= names
+    return found
+
+
+def test_readme_lists_every_algorithm_for_every_collective():
+    from collectives import registry
+    import collectives as coll
+    listed = _readme_algorithms(registry.COLLECTIVES)
+    wrong = {c: (sorted(set(coll.algorithms(c)) - listed[c]),
+                 sorted(listed[c] - set(coll.algorithms(c))))
+             for c in registry.COLLECTIVES if listed[c] != set(coll.algorithms(c))}
+    assert not wrong, "README's algorithm table, {collective: (missing, not registered)}: " + \
+        str(wrong)
 
 
 def test_api_is_under_600_lines():
