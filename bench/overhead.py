@@ -13,11 +13,12 @@ For an allreduce of float32 with op sum, out of place and in place, at 8 B, 64 B
   what the always-on watchdog costs per call.
 
 ``--collectives all`` (or a comma-separated list) measures instead every collective at 8 bytes
-per rank (or at each of ``--sizes``: bytes per rank and block), two rows each: the bare mpi4py call (``Allreduce``, ``Reduce``, ``Bcast``,
-``Reduce_scatter_block``, ``Allgather``, ``Alltoall``, ``Gather``, ``Scatter``, ``Barrier``) and
-the API's call as a training loop makes it (``algorithm="auto"``, ``out`` given, ``counts``
-given to ``allgather`` and ``gather``, ``header=False`` to ``scatter``), on preallocated
-buffers.
+per rank (or at each of ``--sizes``: bytes per rank and block), each kind of call (``KINDS``)
+against its bare mpi4py twin (``Allreduce``, ``Reduce``, ``Bcast``, ``Reduce_scatter_block``,
+``Allgather``, ``Alltoall``, ``Gather``, ``Scatter``, ``Barrier``) doing the same: the same
+buffers every call, a fresh input every call, no ``out`` (the bare call allocates its output),
+counts given as a list, counts learned (the bare call adds one ``MPI_Allgather`` of the counts)
+and persistent requests (``coll.allreduce_init`` against ``MPI_Allreduce_init``).
 
 The rows run in interleaved rounds (their order shuffled each round); a round times one
 block of ``--calls`` back-to-back calls of each, after one untimed call; a block's time is the
@@ -38,7 +39,7 @@ from bench.harness import abort_on_error, max_over_ranks, per_call
 from bench.stats import median, spread
 from bench.units import format_size, parse_size
 
-__all__ = ["SIZES", "ROWS", "COLLECTIVES", "measure", "measure_collectives", "format_table",
+__all__ = ["SIZES", "ROWS", "COLLECTIVES", "KINDS", "measure", "measure_collectives", "format_table",
            "format_collectives", "main"]
 
 SIZES = (8, 64, 512, 4 << 10, 32 << 10, 64 << 10)
@@ -82,82 +83,201 @@ def _calls(comm, nbytes: int, mode: str):
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
                "gather", "scatter", "barrier")
+# How the API is called in each row of --collectives, and what its bare call does alike.
+KINDS = {
+    "same": "the same x and out every call",
+    "fresh": "a fresh x every call (the bare call too)",
+    "no out": "no out: the API allocates the result (the bare call allocates its out)",
+    "list": "counts given as a list",
+    "learned": "no counts: learned with one exchange (the bare row adds one MPI_Allgather of "
+               "the counts)",
+    "persistent": "coll.<name>_init once, then start() and wait() (bare: MPI_<Name>_init, "
+                  "Start, Wait)",
+}
 
 
-def _collective_calls(comm, collective: str, nbytes: int = 8):
-    """(bare call, API call, the bare call's name) of ``collective`` at ``nbytes`` per rank
-    (per block where a rank sends one to each)."""
+def _collective_calls(comm, collective: str, nbytes: int = 8) -> tuple[dict, list]:
+    """{row kind: (bare call, API call, the bare call's name)} of ``collective`` at ``nbytes``
+    per rank (per block where a rank sends one to each), the kinds of ``KINDS`` that apply,
+    and the persistent requests made for them (``Free``/``free`` them when done)."""
+    from mpi4py import MPI
+
     import collectives as coll
     n, rank = comm.Get_size(), comm.Get_rank()
     count = max(1, nbytes // 4)
     x, out = np.ones(count, np.float32), np.zeros(count, np.float32)
     big, every = np.ones(count * n, np.float32), np.zeros(count * n, np.float32)
-    rows = (count,) * n
+    rows, rows_list = (count,) * n, [count] * n
+    counts_of = np.empty(2 * n, np.int64)
+    mine = np.array([count, 1], np.int64)
     root_out = every if rank == 0 else None
+
+    def fresh(k=count):
+        return np.ones(k, np.float32)
+
+    def learn():  # what the API's exchange of row counts costs bare
+        comm.Allgather(mine, counts_of)
+
+    def both(bare, api):  # a row whose bare call learns the counts first, as the API does
+        return (lambda: (learn(), bare())), api
+
+    made = []  # the persistent requests, freed by the caller once measured
+
+    def persistent(bare_init, api_init):
+        b, a = bare_init(), api_init()
+        made.extend((b, a))
+        return (lambda: (b.Start(), b.Wait())), (lambda: (a.start(), a.wait()))
+
     calls = {
-        "allreduce": (lambda: comm.Allreduce(x, out), lambda: coll.allreduce(x, out=out),
-                      "Allreduce"),
-        "reduce": (lambda: comm.Reduce(x, out, root=0), lambda: coll.reduce(x, out=out),
-                   "Reduce"),
-        "broadcast": (lambda: comm.Bcast(out, 0), lambda: coll.broadcast(out), "Bcast"),
-        "reduce_scatter": (lambda: comm.Reduce_scatter_block(big, out),
-                           lambda: coll.reduce_scatter(big, out=out), "Reduce_scatter_block"),
-        "allgather": (lambda: comm.Allgather(x, every),
-                      lambda: coll.allgather(x, out=every, counts=rows), "Allgather"),
-        "alltoall": (lambda: comm.Alltoall(big, every), lambda: coll.alltoall(big, out=every),
-                     "Alltoall"),
-        "gather": (lambda: comm.Gather(x, root_out, root=0),
-                   lambda: coll.gather(x, out=root_out, counts=rows), "Gather"),
-        "scatter": (lambda: comm.Scatter(big, out, root=0),
-                    lambda: coll.scatter(big, out=out, header=False), "Scatter"),
-        "barrier": (comm.Barrier, coll.barrier, "Barrier"),
+        "allreduce": ("Allreduce", {
+            "same": (lambda: comm.Allreduce(x, out), lambda: coll.allreduce(x, out=out)),
+            "fresh": (lambda: comm.Allreduce(fresh(), out),
+                      lambda: coll.allreduce(fresh(), out=out)),
+            "no out": (lambda: comm.Allreduce(x, np.empty_like(x)), lambda: coll.allreduce(x)),
+            "persistent": persistent(lambda: comm.Allreduce_init(x, out),
+                                     lambda: coll.allreduce_init(x, out=out)),
+        }),
+        "reduce": ("Reduce", {
+            "same": (lambda: comm.Reduce(x, out, root=0), lambda: coll.reduce(x, out=out)),
+            "fresh": (lambda: comm.Reduce(fresh(), out, root=0),
+                      lambda: coll.reduce(fresh(), out=out)),
+            "no out": (lambda: comm.Reduce(x, np.empty_like(x) if rank == 0 else None, root=0),
+                       lambda: coll.reduce(x)),
+            "persistent": persistent(lambda: comm.Reduce_init(x, out, root=0),
+                                     lambda: coll.reduce_init(x, out=out)),
+        }),
+        "broadcast": ("Bcast", {
+            "same": (lambda: comm.Bcast(out, 0), lambda: coll.broadcast(out)),
+            "fresh": (lambda: comm.Bcast(fresh(), 0), lambda: coll.broadcast(fresh())),
+            "persistent": persistent(lambda: comm.Bcast_init(out, 0),
+                                     lambda: coll.broadcast_init(out)),
+        }),
+        "reduce_scatter": ("Reduce_scatter_block", {
+            "same": (lambda: comm.Reduce_scatter_block(big, out),
+                     lambda: coll.reduce_scatter(big, out=out)),
+            "fresh": (lambda: comm.Reduce_scatter_block(fresh(count * n), out),
+                      lambda: coll.reduce_scatter(fresh(count * n), out=out)),
+            "no out": (lambda: comm.Reduce_scatter_block(big, np.empty_like(out)),
+                       lambda: coll.reduce_scatter(big)),
+            "list": (lambda: comm.Reduce_scatter_block(big, out),
+                     lambda: coll.reduce_scatter(big, counts=rows_list, out=out)),
+            "persistent": persistent(lambda: comm.Reduce_scatter_block_init(big, out),
+                                     lambda: coll.reduce_scatter_init(big, out=out)),
+        }),
+        "allgather": ("Allgather", {
+            "same": (lambda: comm.Allgather(x, every),
+                     lambda: coll.allgather(x, out=every, counts=rows)),
+            "fresh": (lambda: comm.Allgather(fresh(), every),
+                      lambda: coll.allgather(fresh(), out=every, counts=rows)),
+            "no out": (lambda: comm.Allgather(x, np.empty_like(every)),
+                       lambda: coll.allgather(x, counts=rows)),
+            "list": (lambda: comm.Allgather(x, every),
+                     lambda: coll.allgather(x, out=every, counts=rows_list)),
+            "learned": both(lambda: comm.Allgather(x, every),
+                            lambda: coll.allgather(x, out=every)),
+            "persistent": persistent(lambda: comm.Allgather_init(x, every),
+                                     lambda: coll.allgather_init(x, out=every, counts=rows)),
+        }),
+        "alltoall": ("Alltoall", {
+            "same": (lambda: comm.Alltoall(big, every), lambda: coll.alltoall(big, out=every)),
+            "fresh": (lambda: comm.Alltoall(fresh(count * n), every),
+                      lambda: coll.alltoall(fresh(count * n), out=every)),
+            "no out": (lambda: comm.Alltoall(big, np.empty_like(every)),
+                       lambda: coll.alltoall(big)),
+            "list": (lambda: comm.Alltoall(big, every),
+                     lambda: coll.alltoall(big, rows_list, recv_counts=rows_list, out=every)),
+            "learned": both(lambda: comm.Alltoall(big, every),
+                            lambda: coll.alltoall(big, rows_list, out=every)),
+            "persistent": persistent(lambda: comm.Alltoall_init(big, every),
+                                     lambda: coll.alltoall_init(big, out=every)),
+        }),
+        "gather": ("Gather", {
+            "same": (lambda: comm.Gather(x, root_out, root=0),
+                     lambda: coll.gather(x, out=root_out, counts=rows)),
+            "fresh": (lambda: comm.Gather(fresh(), root_out, root=0),
+                      lambda: coll.gather(fresh(), out=root_out, counts=rows)),
+            "no out": (lambda: comm.Gather(x, np.empty_like(every) if rank == 0 else None,
+                                           root=0),
+                       lambda: coll.gather(x, counts=rows)),
+            "list": (lambda: comm.Gather(x, root_out, root=0),
+                     lambda: coll.gather(x, out=root_out, counts=rows_list)),
+            "learned": both(lambda: comm.Gather(x, root_out, root=0),
+                            lambda: coll.gather(x, out=root_out)),
+            "persistent": persistent(lambda: comm.Gather_init(x, root_out, root=0),
+                                     lambda: coll.gather_init(x, out=root_out, counts=rows)),
+        }),
+        "scatter": ("Scatter", {
+            "same": (lambda: comm.Scatter(big, out, root=0), lambda: coll.scatter(big, out=out)),
+            "fresh": (lambda: comm.Scatter(fresh(count * n), out, root=0),
+                      lambda: coll.scatter(fresh(count * n), out=out)),
+            "list": (lambda: comm.Scatter(big, out, root=0),
+                     lambda: coll.scatter(big, counts=rows_list, out=out)),
+            "persistent": persistent(lambda: comm.Scatter_init(big, out, root=0),
+                                     lambda: coll.scatter_init(big, out=out)),
+        }),
+        "barrier": ("Barrier", {
+            "same": (comm.Barrier, coll.barrier),
+            "persistent": persistent(comm.Barrier_init, coll.barrier_init),
+        }),
     }
-    return calls[collective]
+    name, kinds = calls[collective]
+    del MPI
+    return {kind: (bare, api, f"{name}_init" if kind == "persistent" else name)
+            for kind, (bare, api) in kinds.items()}, made
 
 
 def measure_collectives(comm, collectives=COLLECTIVES, rounds: int = 9, calls: int = 2000,
-                        sizes=(8,)) -> list:
-    """One dict per (collective, size, row "bare" or "api"): median and spread of the slowest
-    rank's per-call time and the API's gap to the bare call (seconds). Collective over
-    ``comm``; fewer calls per block at larger sizes (at most about 64 MiB moved a block)."""
+                        sizes=(8,), kinds=tuple(KINDS)) -> list:
+    """One dict per (collective, size, kind of call, row "bare" or "api"): median and spread
+    of the slowest rank's per-call time and the API's gap to its bare call (seconds).
+    Collective over ``comm``; fewer calls per block at larger sizes (at most about 64 MiB
+    moved a block). The API's call and its bare twin run in interleaved rounds."""
     out = []
     rng = np.random.default_rng(rounds)  # the same orders on every rank
     for collective, nbytes in ((c, b) for c in collectives for b in sizes):
-        bare, api, name = _collective_calls(comm, collective, nbytes)
         block = max(3, min(calls, (64 << 20) // max(1, nbytes * comm.Get_size())))
-        fns = {"bare": bare, "api": api}
-        for fn in fns.values():  # warm-up, untimed (the API keeps the call's record)
-            for _ in range(max(1, block // 10)):
-                fn()
-        times = {row: [] for row in fns}
-        keys = list(fns)
-        for _ in range(rounds):
-            for i in rng.permutation(len(keys)):
-                times[keys[i]].append(_block(comm, fns[keys[i]], block))
-        for row in keys:
-            out.append({"collective": collective, "size": max(1, nbytes // 4) * 4, "row": row,
-                        "call": f"comm.{name}" if row == "bare" else f"coll.{collective}",
-                        "time": median(times[row]), "spread": spread(times[row]),
-                        "over_bare": median(times[row]) - median(times["bare"]),
-                        "rounds": times[row]})
+        pairs, made = _collective_calls(comm, collective, nbytes)
+        for kind in (k for k in kinds if k in pairs):
+            bare, api, name = pairs[kind]
+            fns = {"bare": bare, "api": api}
+            for fn in fns.values():  # warm-up, untimed
+                for _ in range(max(1, block // 10)):
+                    fn()
+            times = {row: [] for row in fns}
+            keys = list(fns)
+            for _ in range(rounds):
+                for i in rng.permutation(len(keys)):
+                    times[keys[i]].append(_block(comm, fns[keys[i]], block))
+            for row in keys:
+                out.append({"collective": collective, "size": max(1, nbytes // 4) * 4,
+                            "kind": kind, "row": row,
+                            "call": f"comm.{name}" if row == "bare" else f"coll.{collective}",
+                            "time": median(times[row]), "spread": spread(times[row]),
+                            "over_bare": median(times[row]) - median(times["bare"]),
+                            "rounds": times[row]})
+        for request in made:  # an MPI.Prequest (Free) or a collectives.Persistent (free)
+            (request.Free if hasattr(request, "Free") else request.free)()
     return out
 
 
 def format_collectives(rows: list, info: dict) -> str:
-    """``measure_collectives``'s rows as a Markdown table, one line per collective."""
-    by = {(r["collective"], r["size"], r["row"]): r for r in rows}
+    """``measure_collectives``'s rows as a Markdown table, one line per collective and kind
+    of call, with the kinds explained below it."""
+    by = {(r["collective"], r["size"], r["kind"], r["row"]): r for r in rows}
     lines = [f"# API overhead per call: {info['ranks']} ranks on {info['host']}, "
              f"{info['mpi']}; {info['rounds']} rounds of {info['calls']} calls per row, order "
              f"shuffled each round; time = median over rounds of the slowest rank's per-call "
              f"time; spread = interquartile range / median",
-             "", "| collective | size | bare call | bare (µs) | spread | API (µs) | spread | "
-             "API - bare (µs) | bare / API |", "|:---|---:|:---|---:|---:|---:|---:|---:|---:|"]
-    for collective, size in dict.fromkeys((r["collective"], r["size"]) for r in rows):
-        b, a = by[(collective, size, "bare")], by[(collective, size, "api")]
-        lines.append(f"| {collective} | {format_size(size)} | {b['call']} | "
+             "", "| collective | size | call | bare call | bare (µs) | spread | API (µs) | "
+             "spread | API - bare (µs) |", "|:---|---:|:---|:---|---:|---:|---:|---:|---:|"]
+    for collective, size, kind in dict.fromkeys((r["collective"], r["size"], r["kind"])
+                                                for r in rows):
+        b, a = by[(collective, size, kind, "bare")], by[(collective, size, kind, "api")]
+        lines.append(f"| {collective} | {format_size(size)} | {kind} | {b['call']} | "
                      f"{b['time'] * 1e6:.2f} | {100 * b['spread']:.1f}% | {a['time'] * 1e6:.2f} | "
-                     f"{100 * a['spread']:.1f}% | {a['over_bare'] * 1e6:+.2f} | "
-                     f"{b['time'] / a['time']:.2f}x |")
+                     f"{100 * a['spread']:.1f}% | {a['over_bare'] * 1e6:+.2f} |")
+    lines += [""] + [f"- {kind}: {text}" for kind, text in KINDS.items()
+                     if any(r["kind"] == kind for r in rows)]
     return "\n".join(lines)
 
 
@@ -264,6 +384,9 @@ def main(argv=None) -> int:
     p.add_argument("--collectives", default=None,
                    help="'all' or a comma-separated list: every collective's 8-byte call "
                         "against its bare mpi4py call instead of the allreduce sweep")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"with --collectives: the kinds of call (default all: "
+                        f"{','.join(KINDS)})")
     p.add_argument("--json", default=None, help="write the rows as JSON (times in seconds)")
     args = p.parse_args(argv)
     args.sizes_given = args.sizes is not None
@@ -283,7 +406,12 @@ def main(argv=None) -> int:
     if chosen is not None:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] \
             if args.sizes_given else [8]
-        rows = measure_collectives(comm, chosen, max(1, args.rounds), max(1, args.calls), sizes)
+        kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            p.error(f"unknown kind(s) {unknown}; expected some of {', '.join(KINDS)}")
+        rows = measure_collectives(comm, chosen, max(1, args.rounds), max(1, args.calls), sizes,
+                                   kinds)
         _report(comm, args, rows, format_collectives)
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]

@@ -4,6 +4,10 @@ Each collective checks its arguments with the facts every rank has, so a bad cal
 same ``ValueError``/``TypeError`` on every rank before a byte moves, wraps ``x`` and ``out`` into
 flat zero-copy views (``collectives.buffers``) and hands the resulting ``Call`` to
 ``dispatch.start``, which validates across ranks where asked, chooses the algorithm and runs it.
+Every call takes this one way: nothing of a caller's arrays is remembered between calls, so an
+array passed to a collective and then dropped is freed at once. The repeated case is explicit:
+``allreduce_init`` and its siblings (MPI-4's persistent collectives) check, wrap and choose
+once, and ``start()``/``wait()`` run the call as often as wanted.
 
 Without ``out`` the input is never modified and a new array of x's kind is returned; ``out=x``
 is in place, and an allreduce is in place on every rank or on none (as ``MPI_IN_PLACE``). On
@@ -17,22 +21,36 @@ import math
 import numpy as np
 
 from . import check as _check
-from . import kept, select, shapes
+from . import select, shapes
 from .buffers import Buffer, wrap
-from .dispatch import Call, auto_pick, avg_finalizer, comm_context, make_call, start
+from .call import Call, make_call
+from .dispatch import auto_pick, comm_context, start
 from .ops import resolve
+from .persistent import Persistent
 from .progress import Request
 from .select import NATIVE, REGISTRY
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
            "gather", "scatter", "barrier", "iallreduce", "ireduce", "ibroadcast",
            "ireduce_scatter", "iallgather", "ialltoall", "igather", "iscatter", "ibarrier",
-           "algorithms", "auto_pick", "Call"]
+           "allreduce_init", "reduce_init", "broadcast_init", "reduce_scatter_init",
+           "allgather_init", "alltoall_init", "gather_init", "scatter_init", "barrier_init",
+           "algorithms", "auto_pick", "Call", "Persistent"]
+
+# How a prepared call runs: now, blocking; started, as a Request; or kept as a persistent request.
+BLOCKING, NONBLOCKING, PERSISTENT = "blocking", "nonblocking", "persistent"
 
 
 def algorithms(collective: str) -> tuple[str, ...]:
     """Names that ``algorithm=`` accepts for ``collective`` (besides ``"auto"``)."""
     return select.algorithms(collective)
+
+
+def _go(call: Call, mode: str, algorithm, check, result, algo=None):
+    """Run the prepared ``call`` as ``mode`` says."""
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, result, algo)
+    return start(call, algorithm, check, result, algo)
 
 
 # -- checks and buffers ------------------------------------------------------------------------
@@ -59,8 +77,8 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
         raise ValueError(f"{what} has shape {list(o.shape)}, expected {list(shape)}")
     if o.readonly:
         raise ValueError(f"{what} is read-only")
-    if o.obj is x.obj or (x.kind == "numpy" and not np.may_share_memory(x.flat, o.flat)):
-        return o, o.obj is x.obj and x.count > 0  # the common cases, without address arithmetic
+    if x.kind == "numpy" and not np.may_share_memory(x.flat, o.flat):
+        return o, False  # the common case, without address arithmetic
     xa, oa = _address(x), _address(o)
     same = xa == oa and x.count > 0
     if not same and x.count and o.count and xa[0] < oa[1] and oa[0] < xa[1]:
@@ -76,8 +94,8 @@ def _root(root, size) -> int:
     return int(root)
 
 
-# -- the collectives --------------------------------------------------------------------------
-def _allreduce(x, op, out, comm, algorithm, check, blocking, key=None):
+# -- reductions ---------------------------------------------------------------------------------
+def _allreduce(x, op, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "allreduce")
     try:
         xb = wrap(x, "x")
@@ -85,30 +103,28 @@ def _allreduce(x, op, out, comm, algorithm, check, blocking, key=None):
         outb, inplace = _output(xb, out, xb.shape)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allreduce", check, exc)
-    call = make_call("allreduce", ctx, xb, outb, opr, 0, None, inplace, blocking)
-    finalize = avg_finalizer(call) if opr.is_avg else None
-    result = start(call, algorithm, check, outb.obj, finalize)
-    if blocking:
-        kept.keep(key, x, out, comm, call, result, finalize)
-    return result
+    call = make_call("allreduce", ctx, xb, outb, opr, 0, None, inplace, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, outb.obj)
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks of ``comm``; every rank gets the result (like x)."""
-    key = ("allreduce", id(x), id(out), op, id(comm), algorithm)
-    result = kept.repeat(key, x, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = out is not None and kept.small(x, out, op, algorithm)
-    return _allreduce(x, op, out, comm, algorithm, check, True, key if keep else None)
+    return _allreduce(x, op, out, comm, algorithm, check, BLOCKING)
 
 
 def iallreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None) -> Request:
     """Non-blocking ``allreduce``: ``Request.wait()`` returns the result."""
-    return _allreduce(x, op, out, comm, algorithm, check, False)
+    return _allreduce(x, op, out, comm, algorithm, check, NONBLOCKING)
 
 
-def _reduce(x, op, root, out, comm, algorithm, check, blocking, key=None):
+def allreduce_init(x, op="sum", *, out=None, comm=None, algorithm="auto",
+                   check=None) -> Persistent:
+    """Persistent ``allreduce`` (``MPI_Allreduce_init``): checked and chosen once, then run by
+    ``start()``/``wait()`` as often as wanted on the same buffers. Collective."""
+    return _allreduce(x, op, out, comm, algorithm, check, PERSISTENT)
+
+
+def _reduce(x, op, root, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "reduce")
     try:
         root = _root(root, ctx.size)
@@ -122,63 +138,28 @@ def _reduce(x, op, root, out, comm, algorithm, check, blocking, key=None):
         result = outb.obj
     else:  # out is ignored (never written) off the root
         outb, inplace, result = None, False, None
-    call = make_call("reduce", ctx, xb, outb, opr, root, None, inplace, blocking)
-    finalize = avg_finalizer(call)
-    result = start(call, algorithm, check, result, finalize)
-    if blocking:
-        kept.keep(key, x, out, comm, call, result, finalize)
-    return result
+    call = make_call("reduce", ctx, xb, outb, opr, root, None, inplace, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, result)
 
 
 def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
     """Reduce ``x`` over all ranks onto ``root``: the result there, None elsewhere."""
-    key = ("reduce", id(x), id(out), op, root, id(comm), algorithm)
-    result = kept.repeat(key, x, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = kept.small(x, out, op, algorithm) and type(root) is int
-    return _reduce(x, op, root, out, comm, algorithm, check, True, key if keep else None)
+    return _reduce(x, op, root, out, comm, algorithm, check, BLOCKING)
 
 
 def ireduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
             check=None) -> Request:
     """Non-blocking ``reduce``."""
-    return _reduce(x, op, root, out, comm, algorithm, check, False)
+    return _reduce(x, op, root, out, comm, algorithm, check, NONBLOCKING)
 
 
-def _broadcast(x, root, comm, algorithm, check, blocking, key=None):
-    ctx = comm_context(comm, "broadcast")
-    try:
-        root = _root(root, ctx.size)
-        xb = wrap(x, "x")
-        if xb.readonly:  # refused on the root too, so that every rank gives the same verdict
-            raise ValueError("x is read-only: broadcast fills it in place on every rank but "
-                             "the root; pass a writable array on every rank")
-    except (TypeError, ValueError) as exc:
-        raise _check.failed(ctx, "broadcast", check, exc)
-    call = make_call("broadcast", ctx, xb, xb, None, root, None, True, blocking)
-    result = start(call, algorithm, check, xb.obj)
-    if blocking:
-        kept.keep(key, x, x, comm, call, result, None)
-    return result
+def reduce_init(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
+                check=None) -> Persistent:
+    """Persistent ``reduce`` (``MPI_Reduce_init``). Collective."""
+    return _reduce(x, op, root, out, comm, algorithm, check, PERSISTENT)
 
 
-def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
-    """Fill ``x`` on every rank with root's ``x``, in place; returns x."""
-    key = ("broadcast", id(x), root, id(comm), algorithm)
-    result = kept.repeat(key, x, x, check)
-    if result is not kept.MISS:
-        return result
-    keep = kept.small(x, None, None, algorithm) and type(root) is int
-    return _broadcast(x, root, comm, algorithm, check, True, key if keep else None)
-
-
-def ibroadcast(x, root=0, *, comm=None, algorithm="auto", check=None) -> Request:
-    """Non-blocking ``broadcast``."""
-    return _broadcast(x, root, comm, algorithm, check, False)
-
-
-def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking, key=None):
+def _reduce_scatter(x, op, counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "reduce_scatter")
     try:
         xb = wrap(x, "x")
@@ -195,33 +176,59 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, blocking, key=No
             raise ValueError("reduce_scatter cannot run in place: out must not be x")
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "reduce_scatter", check, exc)
-    call = make_call("reduce_scatter", ctx, xb, outb, opr, 0, counts, False, blocking)
-    finalize = avg_finalizer(call)
-    result = start(call, algorithm, check, outb.obj, finalize)
-    if blocking:
-        kept.keep(key, x, out, comm, call, result, finalize)
-    return result
+    call = make_call("reduce_scatter", ctx, xb, outb, opr, 0, counts, False, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, outb.obj)
 
 
 def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
                    check=None):
     """Reduce flat ``x`` over all ranks; rank r gets block r (``counts[r]`` elements, 1-D)."""
-    key = ("reduce_scatter", id(x), id(out), op, counts, id(comm), algorithm)
-    result = kept.repeat(key, x, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = kept.small(x, out, op, algorithm) and (counts is None or type(counts) is tuple)
-    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, True,
-                           key if keep else None)
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, BLOCKING)
 
 
 def ireduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
                     check=None) -> Request:
     """Non-blocking ``reduce_scatter``."""
-    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, False)
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, NONBLOCKING)
 
 
-def _allgather(x, out, comm, algorithm, check, blocking, rows=None, key=None):
+def reduce_scatter_init(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
+                        check=None) -> Persistent:
+    """Persistent ``reduce_scatter`` (``MPI_Reduce_scatter_init``). Collective."""
+    return _reduce_scatter(x, op, counts, out, comm, algorithm, check, PERSISTENT)
+
+
+# -- data movement ------------------------------------------------------------------------------
+def _broadcast(x, root, comm, algorithm, check, mode):
+    ctx = comm_context(comm, "broadcast")
+    try:
+        root = _root(root, ctx.size)
+        xb = wrap(x, "x")
+        if xb.readonly:  # refused on the root too, so that every rank gives the same verdict
+            raise ValueError("x is read-only: broadcast fills it in place on every rank but "
+                             "the root; pass a writable array on every rank")
+    except (TypeError, ValueError) as exc:
+        raise _check.failed(ctx, "broadcast", check, exc)
+    call = make_call("broadcast", ctx, xb, xb, None, root, None, True, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, xb.obj)
+
+
+def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
+    """Fill ``x`` on every rank with root's ``x``, in place; returns x."""
+    return _broadcast(x, root, comm, algorithm, check, BLOCKING)
+
+
+def ibroadcast(x, root=0, *, comm=None, algorithm="auto", check=None) -> Request:
+    """Non-blocking ``broadcast``."""
+    return _broadcast(x, root, comm, algorithm, check, NONBLOCKING)
+
+
+def broadcast_init(x, root=0, *, comm=None, algorithm="auto", check=None) -> Persistent:
+    """Persistent ``broadcast`` (``MPI_Bcast_init``). Collective."""
+    return _broadcast(x, root, comm, algorithm, check, PERSISTENT)
+
+
+def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     ctx = comm_context(comm, "allgather")
     xb, counts, rows = shapes.gathered(ctx, x, rows, check, "allgather")
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
@@ -231,33 +238,30 @@ def _allgather(x, out, comm, algorithm, check, blocking, rows=None, key=None):
             raise ValueError("allgather cannot run in place: out must not be x")
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allgather", check, exc)
-    call = make_call("allgather", ctx, xb, outb, None, 0, counts, False, blocking)
-    result = start(call, algorithm, check, outb.obj)
-    if blocking:
-        kept.keep(key, x, out, comm, call, result, None)
-    return result
+    call = make_call("allgather", ctx, xb, outb, None, 0, counts, False, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, outb.obj)
 
 
 def allgather(x, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
     """Concatenate every rank's ``x`` along axis 0 (ranks may differ in that axis' length).
     ``counts``: every rank's rows, given alike on every rank or on none; without it they are
     learned with one small exchange."""
-    key = ("allgather", id(x), id(out), counts, id(comm), algorithm)
-    result = kept.repeat(key, x, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = type(counts) is tuple and kept.small(x, out, None, algorithm)
-    return _allgather(x, out, comm, algorithm, check, True, counts, key if keep else None)
+    return _allgather(x, out, comm, algorithm, check, BLOCKING, counts)
 
 
 def iallgather(x, *, counts=None, out=None, comm=None, algorithm="auto",
                check=None) -> Request:
     """Non-blocking ``allgather``."""
-    return _allgather(x, out, comm, algorithm, check, False, counts)
+    return _allgather(x, out, comm, algorithm, check, NONBLOCKING, counts)
 
 
-# -- all-to-all, gather, scatter, barrier ------------------------------------------------------
-def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key=None):
+def allgather_init(x, *, counts=None, out=None, comm=None, algorithm="auto",
+                   check=None) -> Persistent:
+    """Persistent ``allgather`` (``MPI_Allgather_init``). Collective."""
+    return _allgather(x, out, comm, algorithm, check, PERSISTENT, counts)
+
+
+def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "alltoall")
     size = ctx.size
     recv = matrix = error = xb = send = None
@@ -292,37 +296,34 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, blocking, key
         raise _check.failed(ctx, "alltoall", check, exc)
     counts_e = (shapes.elements(send, row), shapes.elements(recv, row),
                 None if matrix is None else tuple(shapes.elements(r, row) for r in matrix))
-    call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, blocking)
+    call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, mode is BLOCKING)
     # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
     algo = REGISTRY["alltoall"][NATIVE] if matrix is None and algorithm == "auto" else None
-    result = start(call, algorithm, check, outb.obj, None, algo)
-    if blocking:
-        kept.keep(key, x, out, comm, call, result, None)
-    return result
+    return _go(call, mode, algorithm, check, outb.obj, algo)
 
 
 def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
              check=None):
     """Split ``x``'s axis 0 into blocks for the ranks (equal, or ``counts[j]`` rows for rank
     j); returns the rows received from every rank, concatenated in rank order."""
-    key = ("alltoall", id(x), id(out), counts, recv_counts, id(comm), algorithm)
-    result = kept.repeat(key, x, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = (counts is None or type(recv_counts) is tuple) and \
-        type(counts) in (tuple, kept.NONE) and kept.small(x, out, None, algorithm)
-    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, True,
-                     key if keep else None)
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, BLOCKING)
 
 
 def ialltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
               check=None) -> Request:
     """Non-blocking ``alltoall`` (ragged counts without ``recv_counts`` are exchanged first,
     blocking)."""
-    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, False)
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, NONBLOCKING)
 
 
-def _gather(x, root, out, comm, algorithm, check, blocking, rows=None, key=None):
+def alltoall_init(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
+                  check=None) -> Persistent:
+    """Persistent ``alltoall`` (``MPI_Alltoall_init``; ragged counts are learned once, here).
+    Collective."""
+    return _alltoall(x, counts, recv_counts, out, comm, algorithm, check, PERSISTENT)
+
+
+def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     ctx = comm_context(comm, "gather")
     try:
         root = _root(root, ctx.size)
@@ -339,41 +340,41 @@ def _gather(x, root, out, comm, algorithm, check, blocking, rows=None, key=None)
         except (TypeError, ValueError) as exc:
             raise _check.failed(ctx, "gather", check, exc)
         result = outb.obj
-    call = make_call("gather", ctx, xb, outb, None, root, counts, False, blocking)
-    result = start(call, algorithm, check, result)
-    if blocking:
-        kept.keep(key, x, out, comm, call, result, None)
-    return result
+    call = make_call("gather", ctx, xb, outb, None, root, counts, False, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, result)
 
 
 def gather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
     """Every rank's ``x`` concatenated along axis 0 on ``root`` (ranks may differ in that
     axis' length); None on the other ranks. ``counts``: every rank's rows, given alike on
     every rank or on none; without it they are learned with one small exchange."""
-    key = ("gather", id(x), id(out), root, counts, id(comm), algorithm)
-    result = kept.repeat(key, x, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = type(counts) is tuple and type(root) is int and kept.small(x, out, None, algorithm)
-    return _gather(x, root, out, comm, algorithm, check, True, counts, key if keep else None)
+    return _gather(x, root, out, comm, algorithm, check, BLOCKING, counts)
 
 
 def igather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
             check=None) -> Request:
     """Non-blocking ``gather`` (without ``counts``, the row counts are exchanged first,
     blocking)."""
-    return _gather(x, root, out, comm, algorithm, check, False, counts)
+    return _gather(x, root, out, comm, algorithm, check, NONBLOCKING, counts)
 
 
-def _scatter(x, root, counts, out, comm, algorithm, check, blocking, header=True, key=None):
+def gather_init(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
+                check=None) -> Persistent:
+    """Persistent ``gather`` (``MPI_Gather_init``). Collective."""
+    return _gather(x, root, out, comm, algorithm, check, PERSISTENT, counts)
+
+
+def _scatter(x, root, counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "scatter")
+    # With out on every rank, each rank knows what it receives (as MPI_Scatterv): no header.
+    known = out is not None
     try:
         root = _root(root, ctx.size)
-        if not header:
+        if known:
             dtype, trailing, counts = shapes.scatter_known(ctx, root, x, out, counts)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "scatter", check, exc)
-    if header:
+    if not known:
         dtype, trailing, counts = shapes.scatter_header(ctx, root, x, counts)
     try:
         if ctx.rank == root:
@@ -395,59 +396,56 @@ def _scatter(x, root, counts, out, comm, algorithm, check, blocking, header=True
         raise _check.failed(ctx, "scatter", check, exc)
     row = math.prod(trailing)
     call = make_call("scatter", ctx, xb, outb, None, root, shapes.elements(counts, row), False,
-                     blocking)
-    result = start(call, algorithm, check, outb.obj)
-    if blocking:  # kept on out (x is None off the root)
-        kept.keep(key, out, x, comm, call, result, None)
-    return result
+                     mode is BLOCKING)
+    # Without the header, the ranks other than the root may know only their own block: auto
+    # cannot size the call alike on every rank, so MPI's own (MPI_Scatterv) runs.
+    algo = REGISTRY["scatter"][NATIVE] if known and algorithm == "auto" else None
+    return _go(call, mode, algorithm, check, outb.obj, algo)
 
 
-def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None,
-            header=True):
+def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
     """This rank's block of root's ``x``, split on axis 0 in equal blocks or by ``counts``
-    (given on the root); ``x`` is read on the root only (None elsewhere is fine). The root's
-    dtype, trailing shape and counts reach the others in one small header; ``header=False``
-    (alike on every rank) skips it where every rank passes ``out`` and, if ragged, ``counts``
-    (as ``MPI_Scatterv``)."""
-    key = ("scatter", id(x), id(out), None if x is None else x.dtype, root, counts, id(comm),
-           algorithm, header)
-    result = kept.repeat(key, out, out, check)
-    if result is not kept.MISS:
-        return result
-    keep = not header and type(root) is int and (counts is None or type(counts) is tuple) and \
-        kept.small(out, x, None, algorithm)
-    return _scatter(x, root, counts, out, comm, algorithm, check, True, header,
-                    key if keep else None)
+    (given on the root); ``x`` is read on the root only (None elsewhere is fine). ``out``,
+    given on every rank or on none: with it, each rank receives ``out``'s rows and nothing
+    moves but the data (as ``MPI_Scatterv``; a named algorithm other than ``native`` then
+    needs ``counts`` on every rank for a ragged split); without it, the root's dtype,
+    trailing shape and counts reach the others in one small header first."""
+    return _scatter(x, root, counts, out, comm, algorithm, check, BLOCKING)
 
 
 def iscatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
-             check=None, header=True) -> Request:
-    """Non-blocking ``scatter`` (the root's header is broadcast first, blocking, unless
-    ``header=False``)."""
-    return _scatter(x, root, counts, out, comm, algorithm, check, False, header)
+             check=None) -> Request:
+    """Non-blocking ``scatter`` (without ``out``, the root's header is broadcast first,
+    blocking)."""
+    return _scatter(x, root, counts, out, comm, algorithm, check, NONBLOCKING)
+
+
+def scatter_init(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto",
+                 check=None) -> Persistent:
+    """Persistent ``scatter`` (``MPI_Scatter_init``). Collective."""
+    return _scatter(x, root, counts, out, comm, algorithm, check, PERSISTENT)
 
 
 _NOTHING = np.empty(0, np.uint8)
 
 
-def _barrier(comm, algorithm, check, blocking, key=None):
+def _barrier(comm, algorithm, check, mode):
     ctx = comm_context(comm, "barrier")
     xb = wrap(_NOTHING, "x")
-    call = make_call("barrier", ctx, xb, xb, None, 0, None, False, blocking)
-    result = start(call, algorithm, check, None)
-    if blocking:
-        kept.keep(key, _NOTHING, None, comm, call, result, None)
-    return result
+    call = make_call("barrier", ctx, xb, xb, None, 0, None, False, mode is BLOCKING)
+    return _go(call, mode, algorithm, check, None)
 
 
 def barrier(comm=None, *, algorithm="auto", check=None) -> None:
     """Block until every rank of ``comm`` has called ``barrier``."""
-    key = ("barrier", id(comm), algorithm)
-    if kept.repeat(key, _NOTHING, None, check) is kept.MISS:
-        _barrier(comm, algorithm, check, True, key if type(algorithm) is str else None)
+    _barrier(comm, algorithm, check, BLOCKING)
 
 
 def ibarrier(comm=None, *, algorithm="auto", check=None) -> Request:
     """Non-blocking ``barrier``: ``Request.wait()`` returns once every rank has called it."""
-    return _barrier(comm, algorithm, check, False)
+    return _barrier(comm, algorithm, check, NONBLOCKING)
 
+
+def barrier_init(comm=None, *, algorithm="auto", check=None) -> Persistent:
+    """Persistent ``barrier`` (``MPI_Barrier_init``). Collective."""
+    return _barrier(comm, algorithm, check, PERSISTENT)

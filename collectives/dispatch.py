@@ -18,19 +18,19 @@ while they run.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import check as _check
-from . import config, select
+from . import config, ops, select
 from . import timeline as _timeline
 from . import watchdog as _watchdog
 from .call import Call, make_call
 from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
+from .ops import resolve
 from .progress import Done, Request
 from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
-__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "avg_finalizer", "RAGGED",
+__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "mean_first", "verify", "preferred",
+           "auto_algorithm", "drain", "RAGGED",
            "nothing_to_move"]
 
 
@@ -123,7 +123,8 @@ def _auto_bytes(call: Call) -> int:
 def nothing_to_move(call: Call) -> bool:
     """Whether no rank has a byte to move (known alike on every rank)."""
     collective, counts = call.collective, call.counts
-    if collective == "barrier":
+    if collective == "barrier" or collective == "scatter":
+        # scatter: a rank given out knows only its own block (api._scatter), not the others'
         return False
     if collective == "alltoall":
         return counts[2] is not None and not any(map(any, counts[2]))
@@ -151,14 +152,14 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
 
 
 # -- validate, choose, run ---------------------------------------------------------------------
-def start(call: Call, algorithm, check, result, finalize=None, algo=None):
+def start(call: Call, algorithm, check, result, algo=None):
     """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``;
-    returns the result or a ``Request``. The check comes before the choice: ranks whose
-    arguments differ may choose differently, and a choice may ask the topology (collective on
-    first use)."""
+    returns the result, or a ``Request`` for a non-blocking call. The one lifecycle of every
+    call: number it, let the watchdog see it, check, average first (``op="avg"``), choose, run,
+    release. The check comes before the choice: ranks whose arguments differ may choose
+    differently, and a choice may ask the topology (collective on first use)."""
     ctx, collective = call.ctx, call.collective
-    if _timeline.on:
-        finalize = _traced(call, _timeline.now(), finalize)
+    finalize = _traced(call, _timeline.now()) if _timeline.on else None
     named = algo is None and algorithm != "auto"
     if named:  # an unknown name is this rank's own error, told to the others by the check
         try:
@@ -170,8 +171,8 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None):
     call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
     ctx.seq = seq + 1
     if ctx.pending:
-        _drain(ctx)
-    checking = _check.enabled(check)
+        drain(ctx)
+    checking = check if check is not None else config.get("COLLECTIVES_CHECK")
     entry = None
     if ctx.size > 1:
         phase = "check" if checking else "run"
@@ -181,33 +182,23 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None):
             entry = _watchdog.watch(ctx, call, phase=phase)
     try:
         if checking:
-            # ragged collectives' ranks may differ in length: their counts (agreed already) are
-            # compared; an allreduce is in place on every rank or on none
-            asked = f"{algorithm} in place" if call.inplace and collective == "allreduce" \
-                else algorithm
-            _check.verify(ctx.comm, collective=collective,
-                          elements=None if collective in RAGGED else call.x.count,
-                          dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
-                          root=call.root, algorithm=asked, sequence=seq,
-                          counts=call.counts[2] if collective == "alltoall" else call.counts)
+            verify(call, algorithm, seq)
             if entry is not None:
-                entry.phase = "run"
+                entry.checked()
+        if algo is None:  # buffer-dependent preferences see the call as the caller made it
+            algo, plan = preferred(call) or (None, None)
+        if call.op is not None and call.op.is_avg and ctx.size > 1 and \
+                not (algo is not None and algo.averages):
+            mean_first(call)
         if algo is None:
-            nbytes = _auto_bytes(call)
-            for preferred in PREFERENCES[collective]:  # buffer-dependent, agreed by every rank
-                plan = preferred.agree(call, nbytes)
-                if plan is not None:
-                    algo = preferred
-                    break
-            else:
-                algo = _auto(ctx, collective, nbytes, call.inplace)
-            call.algorithm, call.algo = algo.name, algo
-        elif named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
+            algo = auto_algorithm(call)
+        call.algorithm, call.algo = algo.name, algo
+        if named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
                              f"communicator of {ctx.size} ranks spans nodes")
         work = _run(call, algo, plan)
         if entry is not None:
-            entry.work = work  # what the watchdog asks where this rank waits
+            entry.attach(work)  # what the watchdog asks where this rank waits
         if call.blocking:
             if work is not _DONE and work is not None:
                 work.wait()
@@ -219,7 +210,7 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None):
         raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
     if call.blocking:
         if entry is not None:  # the communicator's reused entry keeps no buffer until next time
-            entry.active, entry.call, entry.work = False, None, None
+            entry.release()
         if finalize is not None:
             finalize()
         return result
@@ -227,41 +218,63 @@ def start(call: Call, algorithm, check, result, finalize=None, algo=None):
                    release=None if entry is None else entry.finished)
 
 
-def again(call: Call, bound, check, result, finalize):
-    """``start`` once more for a blocking ``call`` that ran before on the same buffers and
-    whose MPI collective is bound to them (``native.bind``): what the first run worked out (the
-    checks on the arguments, the choice) holds, so this numbers the call, lets the watchdog see
-    it and runs it. A check or the timeline asked for takes ``start``'s whole way."""
-    if check is not None or _timeline.on or config.get("COLLECTIVES_CHECK"):
-        return start(call, call.algorithm, check, result, finalize, call.algo)
-    ctx = call.ctx
-    call.seq = ctx.seq
-    ctx.seq += 1
-    if ctx.pending:
-        _drain(ctx)
-    entry = _watchdog.enter(ctx, call, "run")
-    try:
-        bound()  # done on return: the entry's work stays None, as the watchdog reads it
-    except BaseException as exc:
-        if entry is not None:
-            _watchdog.unwatch(entry, exc)
-        raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
-    if entry is not None:
-        entry.active, entry.call = False, None
-    if finalize is not None:
-        finalize()
-    return result
+def verify(call: Call, algorithm, seq: int) -> None:
+    """The cross-rank check of ``call`` (``collectives.check``): ragged collectives' ranks may
+    differ in length, so their counts (agreed already) are compared, except scatter's (a rank
+    given out may know only its own block); an allreduce is in place on every rank or on
+    none."""
+    collective = call.collective
+    counts = call.counts[2] if collective == "alltoall" else \
+        None if collective == "scatter" else call.counts
+    asked = f"{algorithm} in place" if call.inplace and collective == "allreduce" else algorithm
+    _check.verify(call.ctx.comm, collective=collective,
+                  elements=None if collective in RAGGED else call.x.count,
+                  dtype=call.x.dtype.name, op=None if call.op is None else call.op.name,
+                  root=call.root, algorithm=asked, sequence=seq, counts=counts)
 
 
-def _traced(call: Call, t0: float, finalize):
-    """``finalize`` that first records ``call`` on the timeline, from ``t0`` to now."""
+def preferred(call: Call):
+    """``(record, plan)`` of the first of ``auto``'s buffer-dependent preferences that every
+    rank agrees to run ``call`` with (``Algorithm.agree``), or None."""
+    prefs = PREFERENCES[call.collective]
+    if prefs:
+        nbytes = _auto_bytes(call)
+        for record in prefs:
+            plan = record.agree(call, nbytes)
+            if plan is not None:
+                return record, plan
+    return None
+
+
+def auto_algorithm(call: Call) -> select.Algorithm:
+    """The record ``auto``'s table names for ``call`` (the same on every rank)."""
+    return _auto(call.ctx, call.collective, _auto_bytes(call), call.inplace)
+
+
+def mean_first(call: Call) -> None:
+    """Turn ``call``'s ``op="avg"`` into a sum of inputs already divided by the rank count
+    (``ops.mean_first``), so that no partial sum of a mean the dtype can represent overflows:
+    an allreduce or a root's reduce divides x into its output and then sums in place; the
+    others divide into a scratch copy and send that (x itself is never modified)."""
+    size = call.ctx.size
+    x, out = call.x, call.out
+    if out is not None and call.collective != "reduce_scatter":
+        ops.mean_first(x.flat, size, out.flat)
+        call.x, call.inplace = out, out.count > 0
+    else:
+        scratch = x.new(x.shape)
+        ops.mean_first(x.flat, size, scratch.flat)
+        call.x = scratch
+    call.op = resolve("sum", call.op.dtype)
+
+
+def _traced(call: Call, t0: float):
+    """A finalizer that records ``call`` on the timeline, from ``t0`` to now."""
     def record():
         x = call.x
         _timeline.span_event(call.collective, "collective", t0, _timeline.now(), {
             "algorithm": call.algorithm, "bytes": 0 if x is None else x.count * x.dtype.itemsize,
             "blocking": call.blocking, "seq": call.seq})
-        if finalize is not None:
-            finalize()
     return record
 
 
@@ -286,7 +299,7 @@ def _topology_kwargs(ctx) -> tuple:
     return topology(ctx).kwargs()
 
 
-def _drain(ctx) -> None:
+def drain(ctx) -> None:
     """Run the earlier non-blocking calls on ``ctx`` that move only when a rank runs them
     (shm's) before a later call starts: every rank issued them in the same order, so every rank
     runs them here or in a wait, and none waits in a later collective for a peer that waits in
@@ -312,16 +325,3 @@ def _trivial(call: Call):
 
 
 _DONE = Done()
-
-
-def avg_finalizer(call: Call):
-    """The finalizer of ``op="avg"``: one division of the summed result by the rank count,
-    unless the algorithm that ran divides itself (its record ``averages``)."""
-    if call.op is None or not call.op.is_avg or call.out is None:
-        return None
-    size, flat = call.ctx.size, call.out.flat
-
-    def divide():
-        if size > 1 and not call.algo.averages:
-            np.divide(flat, size, out=flat)
-    return divide

@@ -15,14 +15,14 @@ import numpy as np
 from .ops import Op
 from .progress import Done, NativeWork
 
-__all__ = ["launch", "bind", "mpi_type_op"]
+__all__ = ["launch", "arguments", "mpi_type_op"]
 
 _CACHE: dict = {}
 _DONE = Done()  # stateless: one serves every blocking call
 
 # (op name, numpy kind) pairs MPI defines on the matching builtin type.
 _BUILTIN = {
-    "sum": "iufc", "avg": "iufc", "prod": "iufc", "min": "iuf", "max": "iuf",
+    "sum": "iufc", "prod": "iufc", "min": "iuf", "max": "iuf",
     "band": "iu", "bor": "iu", "bxor": "iu",
 }
 _MPI_TYPES = {
@@ -51,8 +51,7 @@ def mpi_type_op(op: Op):
     elif kind in _BUILTIN[op.name] and not (kind == "f" and dtype.itemsize < 4):
         mpitype = getattr(MPI, _MPI_TYPES.get(dtype.str[1:], "DATATYPE_NULL"))
         if mpitype != MPI.DATATYPE_NULL:
-            name = "SUM" if op.name == "avg" else op.name.upper()
-            result = (mpitype, getattr(MPI, name))
+            result = (mpitype, getattr(MPI, op.name.upper()))
     if result is None:
         mpitype = MPI.BYTE.Create_contiguous(dtype.itemsize).Commit()
 
@@ -69,7 +68,7 @@ def mpi_type_op(op: Op):
 def launch(call):
     """Start ``call`` (a ``collectives.dispatch.Call`` on host buffers) with the MPI library's own
     collective: done at once when it blocks, else the library's request as work."""
-    name, args = _arguments(call)
+    name, args = arguments(call)
     comm = call.ctx.comm
     if call.blocking:
         getattr(comm, name)(*args)
@@ -78,19 +77,12 @@ def launch(call):
     return NativeWork(getattr(comm, iname)(*args), iname)
 
 
-def bind(call):
-    """``call``'s blocking MPI collective bound to its buffers once: a callable that runs it
-    and returns None (the API's small-call path repeats it for the same buffers)."""
-    name, args = _arguments(call)
-    return functools.partial(getattr(call.ctx.comm, name), *args)
-
-
-def _arguments(call) -> tuple[str, tuple]:
+def arguments(call) -> tuple[str, tuple]:
     """The blocking mpi4py method that runs ``call`` and its arguments: the block forms
     (``MPI_Allgather``, ``MPI_Gather``, ...) where every rank moves as much, the vector forms
     (bytes) otherwise. Reductions use the (type, op) pair of ``mpi_type_op``; data movement
     moves bytes (``MPI.BYTE``), so every dtype works."""
-    from mpi4py import MPI
+    MPI = _mpi()
     collective, comm = call.collective, call.ctx.comm
     x = call.x.flat
     out = None if call.out is None else call.out.flat
@@ -136,20 +128,30 @@ def _arguments(call) -> tuple[str, tuple]:
         recv = None if not is_root else [out.view(np.uint8), MPI.BYTE] if even else \
             [out.view(np.uint8), _layout(tuple(call.counts), out.dtype.itemsize), MPI.BYTE]
         return ("Gather" if even else "Gatherv"), (send, recv, call.root)
-    if collective == "scatter":  # x is only read on the root
-        sent = None if not is_root else [x.view(np.uint8), MPI.BYTE] if even else \
+    if collective == "scatter":
+        # x is only read on the root. Always the vector form: a rank given out knows only its
+        # own block (api.scatter), so the ranks could not agree on the block form.
+        sent = None if not is_root else \
             [x.view(np.uint8), _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
-        return ("Scatter" if even else "Scatterv"), (sent, [out.view(np.uint8), MPI.BYTE],
-                                                     call.root)
+        return "Scatterv", (sent, [out.view(np.uint8), MPI.BYTE], call.root)
     raise ValueError(f"no native {collective}")
 
 
 def _send(x, out, mpitype):
     """The send argument: ``MPI.IN_PLACE`` when x and out are one array."""
     if x is out:
-        from mpi4py import MPI
-        return MPI.IN_PLACE
+        return _mpi().IN_PLACE
     return [x, x.shape[0], mpitype]
+
+
+_MPI: list = []  # mpi4py.MPI, imported by the first call (not by importing the package)
+
+
+def _mpi():
+    if not _MPI:
+        from mpi4py import MPI
+        _MPI.append(MPI)
+    return _MPI[0]
 
 
 def _even(counts: tuple) -> bool:

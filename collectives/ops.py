@@ -3,7 +3,15 @@
 An ``Op`` is resolved once per call from a name ("sum", "prod", "min", "max", "avg", "band",
 "bor", "bxor") or the matching ``mpi4py.MPI.Op``, and checked against the buffer's dtype: a
 meaningless pair (bxor on floats, min on complex, avg on integers) is a ``TypeError`` raised
-identically on every rank. ``avg`` is a sum followed by one division by the number of ranks.
+identically on every rank.
+
+``avg`` is computed once, in the core (``collectives.dispatch.mean_first``), as NCCL's
+``ncclAvg`` does for floating types: every rank divides its input by the rank count
+(``mean_first``), then the quotients are summed. Every partial sum of n quotients is at most
+the largest input in magnitude, so a mean that the dtype can represent never overflows, in
+float16 and bfloat16 too (a sum first would: two ranks holding 40000 in float16 sum to inf).
+The division is correctly rounded (numpy computes 16-bit floats in float32 and rounds once), and
+every rank sums the same quotients in the algorithm's fixed order: the same bits everywhere.
 
 The kernels are ufuncs of the array's own module (numpy here; cupy arrays dispatch through
 ``__array_ufunc__``), always called with ``out=`` so no temporary is allocated.
@@ -12,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Op", "resolve", "NAMES", "dtype_kind"]
+__all__ = ["Op", "resolve", "NAMES", "dtype_kind", "mean_first"]
 
 NAMES = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 
@@ -68,6 +76,12 @@ class Op:
 
     def __repr__(self):
         return f"Op({self.name!r}, {self.dtype})"
+
+
+def mean_first(x, n: int, out) -> None:
+    """``out = x / n``, element-wise (``out`` may be ``x``): an input of ``avg`` over ``n``
+    ranks, ready to be summed."""
+    np.divide(x, n, out=out)
 
 
 _RESOLVED: dict = {}  # (name, dtype) -> Op: the per-call lookup of the common case

@@ -16,8 +16,11 @@ elsewhere) or ``TOPOLOGY`` (the builder takes the communicator's ``nodes``/``num
 *Preferences.* A record with ``agree`` is also a buffer-dependent preference of ``auto`` for
 the collectives in ``prefers``: ``agree(call, nbytes)`` returns a *plan* when every rank's
 buffers suit it (collective when it may say yes; the same answer on every rank), or None, and
-``launch(call, plan)`` receives that plan (None when the algorithm is named). ``averages``: the
-algorithm divides an ``op="avg"`` result itself, so no division follows it. ``registered``: it
+``launch(call, plan)`` receives that plan (None when the algorithm is named). ``op="avg"``
+reaches an algorithm as a sum of inputs that the engine divided first
+(``collectives.dispatch.mean_first``), unless its record ``averages``: then it divides each
+input by the rank count itself before summing (``ops.mean_first``, chunk by chunk while in
+cache), and receives the call as the caller made it. ``registered``: it
 runs on registered buffers only (``coll.empty``); named with others, it is a ``ValueError`` on
 every rank.
 
@@ -57,7 +60,7 @@ class Algorithm:
     needs: str = ANY
     agree: Callable | None = None   # agree(call, nbytes) -> plan or None (see the module doc)
     prefers: tuple[str, ...] = ()   # the collectives whose ``auto`` tries ``agree`` first
-    averages: bool = False          # divides ``op="avg"`` itself
+    averages: bool = False          # divides each input of ``op="avg"`` first itself
     registered: bool = False        # runs on registered buffers only (``coll.empty``)
     counts: str = ANY_COUNTS        # alltoall: the counts it takes (ANY_COUNTS, EQUAL, MATRIX)
 

@@ -3,7 +3,8 @@
 Counts and rows given by the caller are checked here; where ranks may differ and the caller did
 not say (``allgather``, ``gather`` without ``counts``; ragged ``alltoall`` without
 ``recv_counts``; ``scatter``'s root), one small exchange tells every rank (an ``MPI_Allgather``
-of counts, the root's ``MPI_Bcast`` of a header), watched like a collective. A rank whose own
+of counts, the root's ``MPI_Bcast`` of ``collectives.p2p``'s typed header and the counts),
+watched like a collective. A rank whose own
 arguments were refused still joins it, with a mark, so that every rank raises instead of the
 others waiting.
 """
@@ -14,8 +15,9 @@ import math
 import numpy as np
 
 from . import check as _check
+from . import p2p as _p2p
 from . import watchdog as _watchdog
-from .buffers import DTYPES, Buffer, wrap
+from .buffers import Buffer, wrap
 
 __all__ = ["balanced", "counts_of", "CountBuffers", "allgather_counts", "gathered", "elements",
            "alltoall_counts", "row_counts", "rows_of", "MAX_AXES", "scatter_header",
@@ -148,14 +150,16 @@ def rows_of(xb: Buffer) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
-MAX_AXES = 8  # of a scattered array, besides axis 0 (the header the root broadcasts)
+MAX_AXES = _p2p.MAXDIM  # of a scattered array, besides axis 0 (p2p's typed header)
 
 
 def scatter_header(ctx, root, x, counts):
     """The root's ``(dtype, trailing shape, counts in rows)``, told to every rank by one small
-    Bcast; a refused call on the root is a ``ValueError`` on every rank."""
+    Bcast (a mark that the root's arguments passed, p2p's typed header of a row, the counts);
+    a refused call on the root is a ``ValueError`` on every rank."""
     size = ctx.size
-    head = np.zeros(3 + MAX_AXES + size, np.int64)
+    typed = slice(1, 1 + _p2p.HEADER)
+    head = np.zeros(1 + _p2p.HEADER + size, np.int64)
     error = None
     if ctx.rank == root:
         try:
@@ -164,10 +168,9 @@ def scatter_header(ctx, root, x, counts):
                 raise ValueError(f"scatter: x must have 1 to {MAX_AXES + 1} axes, has "
                                  f"{len(xb.shape)}")
             counts = row_counts("scatter", xb.shape[0], counts, size)
-            trailing = xb.shape[1:]
-            head[0], head[1], head[2] = 1, DTYPES.index(xb.dtype), len(trailing)
-            head[3:3 + len(trailing)] = trailing
-            head[3 + MAX_AXES:] = counts
+            _p2p.header(xb.dtype, xb.shape[1:], out=head[typed])
+            head[typed.stop:] = counts
+            head[0] = 1
         except (TypeError, ValueError) as exc:
             error = exc
     with _watchdog.watching(ctx, f"scatter #{ctx.seq} (the root's counts: MPI_Bcast)"):
@@ -177,17 +180,15 @@ def scatter_header(ctx, root, x, counts):
     if head[0] != 1:
         raise ValueError(f"scatter: the root (rank {root}) refused its arguments (its own "
                          f"error says why)")
-    trailing = tuple(head[3:3 + head[2]].tolist())
-    return DTYPES[int(head[1])], trailing, tuple(head[3 + MAX_AXES:].tolist())
+    dtype, trailing = _p2p.parse(head[typed])
+    return dtype, trailing, tuple(head[typed.stop:].tolist())
 
 
 def scatter_known(ctx, root, x, out, counts):
     """``scatter_header``'s answer from what every rank passed itself, with no message (as
     ``MPI_Scatterv``, whose every rank knows what it receives): the dtype and trailing shape of
-    ``out``, and the counts (given alike on every rank, or equal blocks of ``out``'s rows)."""
-    if out is None:
-        raise ValueError(f"scatter: header=False needs out on every rank (rank {ctx.rank} "
-                         f"passed none): what it receives")
+    ``out``, and the counts (given, or equal blocks of ``out``'s rows where not: a rank other
+    than the root needs only its own block)."""
     ob = wrap(out, "out")
     if not ob.shape:
         raise ValueError("scatter: out must have an axis 0 (the rows this rank receives)")

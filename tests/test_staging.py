@@ -515,12 +515,14 @@ def _check_one(coll, collective, name, n, blocking, rank, size, errors):
     elif collective == "scatter":
         counts = [n + r % 2 for r in range(size)]
         xs = [data(r, counts[r], dtype) for r in range(size)]
-        src = fake(np.concatenate(xs)) if rank == 0 else None
-        out = None if rank == 0 else fake(np.zeros(counts[rank], dtype))
-        got = coll.scatter(src, 0, counts=counts if rank == 0 else None, out=out, **kw) \
-            if blocking else coll.iscatter(src, 0, counts=counts if rank == 0 else None,
-                                           out=out, **kw).wait()
-        _expect(got, xs[rank], where, errors)
+        for out in (None, fake(np.zeros(counts[rank], dtype))):  # a header, or out everywhere
+            # without out, an empty x of the kind tells the other ranks what to return
+            src = fake(np.concatenate(xs)) if rank == 0 else \
+                None if out is not None else fake(np.zeros(0, dtype))
+            got = coll.scatter(src, 0, counts=counts if rank == 0 else None, out=out, **kw) \
+                if blocking else coll.iscatter(src, 0, counts=counts if rank == 0 else None,
+                                               out=out, **kw).wait()
+            _expect(got, xs[rank], where, errors)
     else:
         got = coll.barrier(**kw) if blocking else coll.ibarrier(**kw).wait()
         if got is not None:

@@ -11,8 +11,8 @@ communicator of local rank j holds local rank j of every node. A node's buffer i
    the node folded straight into the first output);
 2. *ring across nodes*: block j allreduced in place among the ranks of the cross communicator
    with ``ring``'s schedule, run by the executor on the cross communicator's context inside
-   this call's work (a ring: every node gets the same bits). ``op="avg"`` sums here; the caller
-   divides;
+   this call's work (a ring: every node gets the same bits); ``op="avg"`` arrives as the
+   node stage's quotients (each input divided by the rank count first), so the ring sums;
 3. *node stage out*: block j into every output of the node (shm: an all-gather through the
    window; one-pass: copies into every registered output).
 
@@ -36,9 +36,9 @@ import numpy as np
 
 from .. import hierarchical
 from ..buffers import wrap
+from ..ops import resolve
 from ..call import make_call
 from ..executor import context, launch_schedule, schedule_for
-from ..ops import resolve
 from ..ring import allreduce as ring_allreduce
 from ..schedule import split
 from ..topology import communicators, topology
@@ -78,7 +78,7 @@ def allreduce(work, here: Node, op, stage_in, stage_out) -> None:
 def _across(work, cross, block, op) -> None:
     """``block`` allreduced in place among the ranks of ``cross``: ring's schedule run by the
     executor on ``cross``'s context (its own tags, so no other call's messages match), as the
-    outer call's part; ``avg`` sums."""
+    outer call's part; ``avg`` arrives as quotients (``onepass``), so the ring sums them."""
     ctx = context(cross)
     if ctx.size == 1 or block.shape[0] == 0:
         return

@@ -32,7 +32,10 @@ contributes (registered?, window sequence and byte offset of x and of out) to on
 ``MPI_Allreduce(MIN)`` of the values and their negatives; the path runs only if every rank is
 registered on this communicator with the same windows and offsets, and the plan ``launch``
 receives is where they are. Otherwise (mixed, another communicator's buffer, a released one,
-a device tensor) every rank takes the ordinary path, with the same results. On several nodes
+a device tensor) every rank takes the ordinary path, with the same results. An agreement is
+kept per communicator and registered pair (``Agreed``): the same call on the same registered
+buffers runs one-pass again without the exchange, so every rank must then pass its registered
+buffers again, as it did (DDP's buckets do). On several nodes
 (real or simulated) of one size, an allreduce runs as the node composite
 (``collectives.node.composite``): the one-pass fold on each node, a ring across nodes, the
 one-pass copies back.
@@ -53,11 +56,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from ..registry import DIRECT, ONE_NODE, Algorithm
 from . import composite, registered
 from .window import LATER, Info, ShmWork, window
 
-__all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "agree", "launch"]
+__all__ = ["ALGORITHM", "COLLECTIVES", "THRESHOLD", "CHUNK", "Agreed", "agree", "launch"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 THRESHOLD = 1 << 16   # bytes per rank: up to this the ordinary path runs without a check
@@ -113,6 +117,13 @@ def agree(call, nbytes: int):
         return None
     x = _where(call.x, ctx)
     out = _where(call.out, ctx) if _needs_out(call) else (_NONE, _NONE, None)
+    agreed = ctx.slot(Agreed).plans
+    # reduce: the plan holds the root's output, which the other ranks do not see: not kept
+    key = None if x is None or out is None or call.collective == "reduce" else \
+        (call.collective, nbytes, x[:2], out[:2])
+    plan = agreed.get(key)
+    if plan is not None:
+        return plan
     lo = np.zeros(5, np.int64)
     if x is not None and out is not None:
         node = topo.nodes[topo.node[ctx.rank]]
@@ -125,7 +136,25 @@ def agree(call, nbytes: int):
     ctx.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
     if both[0] != 1 or not np.array_equal(both[:5], -both[5:]):
         return None
-    return tuple(int(v) for v in both[1:5])
+    plan = tuple(int(v) for v in both[1:5])
+    if key is not None:
+        if len(agreed) >= 1024:  # a program's buckets are few; a bound all the same
+            agreed.clear()
+        agreed[key] = plan
+    return plan
+
+
+class Agreed:
+    """The one-pass plans every rank of a communicator agreed on, by (collective, bytes, this
+    rank's x and out: window sequence and offset; not ``reduce``, whose plan holds the root's
+    output). A call on the same registered buffers
+    runs one-pass again without the exchange: registrations are collective, so where one rank
+    repeats an agreed call on its registered buffers, every rank does (as DDP's buckets do)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self, ctx):
+        self.plans: dict = {}
 
 
 def _peers(call, seq, offset, counts, dtype, positions=None):
@@ -143,20 +172,27 @@ def _bounds(count: int, n: int, r: int) -> tuple[int, int]:
     return lo, lo + base + (r < extra)
 
 
-def _fold(op, dst, parts, a: int, b: int, step: int, at: int = 0, n: int | None = None) -> None:
+def _fold(op, dst, parts, a: int, b: int, step: int, at: int = 0, n: int = 1) -> None:
     """``dst[a - at:b - at]`` = ``parts[0][a:b]`` op ``parts[1][a:b]`` op ..., chunk by chunk,
-    in rank order (``avg``: then divided by ``n``, default the rank count, while the chunk is
-    in cache, as ``dispatch.avg_finalizer`` divides the whole result; 0: not divided). ``dst``
-    may be ``parts[0]`` (in place) but no later part."""
-    n = (len(parts) if n is None else n) if op.is_avg else 0
+    in rank order; ``avg`` over ``n`` ranks: the sum of every part divided by ``n`` first
+    (``ops.mean_first``), while the chunk is in cache, so no partial sum overflows. ``dst`` may
+    be ``parts[0]`` (in place) but no later part."""
+    if op.is_avg:
+        quotient = np.empty(min(step, b - a), dst.dtype)
+        for c in range(a, b, step):
+            e = min(c + step, b)
+            d, q = dst[c - at:e - at], quotient[:e - c]
+            ops.mean_first(parts[0][c:e], n, d)
+            for p in parts[1:]:
+                ops.mean_first(p[c:e], n, q)
+                np.add(d, q, out=d)
+        return
     for c in range(a, b, step):
         e = min(c + step, b)
         d = dst[c - at:e - at]
         op.reduce(d, parts[0][c:e], parts[1][c:e])
         for p in parts[2:]:
             op.reduce(d, d, p[c:e])
-        if n:
-            np.divide(d, n, out=d)
 
 
 def _allreduce(work, call, ins, outs, step):
@@ -165,7 +201,7 @@ def _allreduce(work, call, ins, outs, step):
     first = outs[0]
     for c in range(lo, hi, step):
         e = min(c + step, hi)
-        _fold(call.op, first, ins, c, e, e - c)
+        _fold(call.op, first, ins, c, e, e - c, n=n)
         for o in outs[1:]:
             np.copyto(o[c:e], first[c:e])
 
@@ -181,18 +217,18 @@ def _reduce(work, call, ins, outs, step):
         try:
             for c in range(lo, hi, step):
                 e = min(c + step, hi)
-                _fold(call.op, acc, ins, c, e, e - c, at=c)
+                _fold(call.op, acc, ins, c, e, e - c, at=c, n=n)
                 np.copyto(dst[c:e], acc[:e - c])
         finally:
             call.ctx.give_scratch(("onepass", call.x.dtype), acc)
     else:
-        _fold(call.op, dst, ins, lo, hi, step)
+        _fold(call.op, dst, ins, lo, hi, step, n=n)
 
 
 def _reduce_scatter(work, call, ins, out, step):
     r, counts = call.ctx.rank, call.counts
     lo = sum(counts[:r])
-    _fold(call.op, out, ins, lo, lo + counts[r], step, at=lo)
+    _fold(call.op, out, ins, lo, lo + counts[r], step, at=lo, n=call.ctx.size)
 
 
 def _broadcast(work, call, bufs, step):
@@ -219,15 +255,15 @@ def _allgather(work, call, ins, out):
 def _allreduce_nodes(work, call, ins, outs, step, here):
     """Allreduce over several nodes as the node composite (``composite.allreduce``), for
     local rank j of a node's k: slice j of the node's inputs folded one-pass (as
-    ``_allreduce``) into the first output, the ring across nodes on it, then (averaged) written
-    into every output of the node."""
+    ``_allreduce``; ``avg``: quotients by the call's rank count) into the first output, the
+    ring across nodes on it (a sum), then written into every output of the node."""
     k, j, op = here.size, here.rank, call.op
     lo, hi = _bounds(call.x.count, k, j)
     first = outs[0]
 
     def stage_in():
-        if k > 1:
-            _fold(op, first, ins, lo, hi, step, n=0)
+        if k > 1 or op.is_avg:  # avg: the node's quotients over every rank of the call
+            _fold(op, first, ins, lo, hi, step, n=call.ctx.size)
         elif first is not ins[0]:
             np.copyto(first[lo:hi], ins[0][lo:hi])
         return first[lo:hi]
@@ -235,8 +271,6 @@ def _allreduce_nodes(work, call, ins, outs, step, here):
     def stage_out(block):
         for c in range(lo, hi, step):
             e = min(c + step, hi)
-            if op.is_avg:
-                np.divide(first[c:e], call.ctx.size, out=first[c:e])
             for o in outs[1:]:
                 np.copyto(o[c:e], first[c:e])
 

@@ -285,7 +285,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             misfit = equal_blocks(out.numel(), input_tensors[0], self.size(), "scatter")
             flat = torch.cat([t.reshape(-1) for t in input_tensors[0]]) if misfit is None \
                 else out.new_zeros(self.size() * out.numel())
-        req = coll.iscatter(flat, root, out=out, header=False, **self._kw("scatter"))
+        req = coll.iscatter(flat, root, out=out, **self._kw("scatter"))
         return self._submit(opts, [req], output_tensors, misfit)
 
     def barrier(self, opts=None):

@@ -323,7 +323,7 @@ def scatter(tensor, scatter_list=None, src=0, comm=None, async_op=False, *, algo
         misfit = equal_blocks(out.numel(), scatter_list, size, "scatter_list")
         flat = _cat(scatter_list, "scatter_list") if misfit is None else \
             out.new_zeros(size * out.numel())
-    req = coll.iscatter(flat, src, out=out, header=False, comm=comm, algorithm=algorithm)
+    req = coll.iscatter(flat, src, out=out, comm=comm, algorithm=algorithm)
     return _run(req, [tensor], async_op, misfit)
 
 
