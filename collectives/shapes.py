@@ -4,9 +4,8 @@ Counts and rows given by the caller are checked here; where ranks may differ and
 not say (``allgather``, ``gather`` without ``counts``; ragged ``alltoall`` without
 ``recv_counts``; ``scatter``'s root), one small exchange tells every rank (an ``MPI_Allgather``
 of counts, the root's ``MPI_Bcast`` of ``collectives.p2p``'s typed header and the counts),
-watched like a collective. A rank whose own
-arguments were refused still joins it, with a mark, so that every rank raises instead of the
-others waiting.
+watched like a collective. A rank whose own arguments were refused still joins it, with a mark,
+so that every rank raises instead of the others waiting.
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ from collections import deque
 import numpy as np
 
 from .. import config
+from ..p2p import idle  # the one way to wait: spin, yield the core, sleep when far behind
 from . import cma
 
 __all__ = ["Window", "window", "ShmWork", "Info", "idle", "round_up", "SLOTS", "PHASES", "LATER"]
@@ -476,14 +477,3 @@ def _wait_until(work, win: Window, ready, what) -> None:
         spins += 1
         idle(spins, win.spin)
     work.where = None
-
-
-def idle(spins: int, spin: int) -> None:
-    """The ``spins``-th wait of a rank with nothing to do: spin ``spin`` times, then yield the
-    core (oversubscribed ranks give it to the one we wait for), and after 65536 waits sleep
-    0.1 ms at a time (a peer far behind: stop burning a core)."""
-    if spins > spin:
-        if spins < 1 << 16:
-            os.sched_yield()
-        else:
-            threading.Event().wait(1e-4)
