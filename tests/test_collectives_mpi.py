@@ -32,7 +32,7 @@ LENGTHS = (0, 1, 5, 97)
 
 @pytest.fixture(autouse=True, scope="module")
 def small_segments():
-    """Tiny segments so short arrays walk the multi-segment paths (STYLE 13)."""
+    """Tiny segments so short arrays walk the multi-segment paths."""
     old = config.set("COLLECTIVES_SEGMENT_BYTES", 24)
     yield
     config.set("COLLECTIVES_SEGMENT_BYTES", old)

@@ -1,6 +1,6 @@
 """collectives.torch's drop-in collectives, and the torch.distributed "collectives" backend.
 
-Exact rank-dependent integer data (STYLE 12): rank r holds (r + 1) * 3 + i % 5, so every result
+Exact rank-dependent integer data: rank r holds (r + 1) * 3 + i % 5, so every result
 has a closed form, for every dtype including float16 and bfloat16.
 """
 import numpy as np
