@@ -17,7 +17,9 @@ own collective, the library's persistent request is made once too (where the lib
 it) and each ``start()`` is one ``MPI_Start``; any other algorithm is started as a
 non-blocking call of the chosen algorithm, skipping the checks and the choice. Every start is
 numbered on the communicator and watched by the watchdog like any collective. The request holds
-its buffers (it was made for them) until ``free()``.
+its buffers (it was made for them) until ``free()``. Every start gives the same bits for the same
+inputs on every rank; MPI's persistent collective may add floating values in another order than
+its blocking one, so a persistent sum can differ from the ordinary call's in the last bits.
 """
 from __future__ import annotations
 

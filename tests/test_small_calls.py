@@ -286,6 +286,8 @@ def test_persistent_equals_the_ordinary_call(case, algorithm):
     bad = []
     for step in range(6):
         data = np.arange(float(length)) + 10 * r + 100 * step
+        if case == "allreduce avg":  # quotients exact: MPI's persistent collective may add
+            data *= comm.Get_size()  # them in another order than its blocking one
         x[...] = data
         if case in ("allreduce in place", "broadcast"):
             out[...] = data
