@@ -18,7 +18,8 @@ through here, so there is one wire format for a typed array and one way to wait:
   peer computes on), then sleeps in 0.1 ms steps once the peer is far behind. A wait that does
   not finish at once is registered with the watchdog as this rank's own (``watch_local``), so
   ``COLLECTIVES_STALL_WARNING`` and ``COLLECTIVES_TIMEOUT`` bound it and the report names what
-  it waits for and from whom;
+  it waits for and from whom. Every ``what`` (the task in words, for the report and the
+  errors) is a string or a function that makes it, called only when it is needed;
 - ``Sends``: sends in flight with the buffers they read, released as they complete.
 """
 from __future__ import annotations
@@ -169,14 +170,14 @@ def irecv(comm, out, source: int, tag: int):
     return comm.Irecv([as_bytes(out, "receive buffer"), _mpi().BYTE], source, tag)
 
 
-def send(comm, x, dest: int, tag: int, what: str = "") -> None:
+def send(comm, x, dest: int, tag: int, what="") -> None:
     """Send ``x``'s bytes to ``dest``; the wait is watched (``what``: the message in words)."""
     req = isend(comm, x, dest, tag)
     wait(req.Test, what or "a point-to-point send", lambda: f"send to rank {dest} (tag {tag}, "
          f"{describe(*signature(x))})", comm)
 
 
-def probe(comm, source: int, tag: int, what: str = ""):
+def probe(comm, source: int, tag: int, what=""):
     """Wait (watched) for a message from ``source`` with ``tag`` (either may be ``ANY_*``):
     ``(matched message, status)``, taken from MPI's queue so no other receive can have it."""
     MPI = _mpi()
@@ -194,7 +195,7 @@ def probe(comm, source: int, tag: int, what: str = ""):
     return found[0], status
 
 
-def recv_probed(msg, status, out, what: str = ""):
+def recv_probed(msg, status, out, what=""):
     """Receive matched message ``msg`` into ``out``, after checking its size: a message of
     another size is taken off the wire all the same (the stream stays in step) and raises
     ``MessageSizeError`` naming both sizes."""
@@ -203,14 +204,14 @@ def recv_probed(msg, status, out, what: str = ""):
     got = status.Get_count(MPI.BYTE)
     if got != view.nbytes:
         msg.Recv([bytearray(got), got, MPI.BYTE])
-        raise MessageSizeError(f"{what or 'point-to-point receive'}: expected {view.nbytes} "
+        raise MessageSizeError(f"{_text(what)}: expected {view.nbytes} "
                                f"bytes ({describe(*signature(out))}) from rank "
                                f"{status.Get_source()} (tag {status.Get_tag()}), received {got}")
     msg.Recv([view, MPI.BYTE])
     return out
 
 
-def recv(comm, out, source: int, tag: int, what: str = ""):
+def recv(comm, out, source: int, tag: int, what=""):
     """Receive exactly ``out``'s bytes from ``source`` into ``out`` (watched wait; a message of
     another size is a ``MessageSizeError``)."""
     msg, status = probe(comm, source, tag, what)
@@ -235,7 +236,7 @@ def send_typed(comm, x, dest: int, tag: int, sends: Sends | None = None) -> Send
     return sends
 
 
-def recv_typed(comm, source: int, tag: int, kind: str = "numpy", expect=None, what: str = ""):
+def recv_typed(comm, source: int, tag: int, kind: str = "numpy", expect=None, what=""):
     """A typed message (``send_typed``) from ``source``: a new array of ``kind`` (``numpy`` or
     ``torch``). ``expect=(dtype, shape)``: anything else is a ``MessageTypeError`` naming both
     (its data is taken off the wire all the same)."""
@@ -247,7 +248,7 @@ def recv_typed(comm, source: int, tag: int, kind: str = "numpy", expect=None, wh
         if want != (dtype, shape):
             got = status.Get_count(_mpi().BYTE)
             msg.Recv([bytearray(got), got, _mpi().BYTE])
-            raise MessageTypeError(f"{what or 'point-to-point receive'}: expected "
+            raise MessageTypeError(f"{_text(what)}: expected "
                                    f"{describe(*want)} from rank {source} (tag {tag}), "
                                    f"received {describe(dtype, shape)}")
     return recv_probed(msg, status, empty(dtype, shape, kind), what)
@@ -355,6 +356,12 @@ def idle(spins: int, spin: int = 0) -> None:
             os.sched_yield()
         else:
             time.sleep(1e-4)
+
+
+def _text(what) -> str:
+    """``what`` in words: a string, or a function that makes it (called only when needed)."""
+    text = what() if callable(what) else what
+    return text or "point-to-point receive"
 
 
 def _peer(source: int) -> str:

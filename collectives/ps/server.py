@@ -129,9 +129,10 @@ class Server:
         p2p.recv(self.comm, buf, worker, tag, self._what(worker))
         return buf.tobytes()
 
-    def _what(self, worker: int) -> str:
-        return f"parameter server: server rank {self.comm.Get_rank()} receiving a request's " \
-               f"payload from worker rank {worker}"
+    def _what(self, worker: int):
+        """The server's task in words, made only when a report or an error needs it."""
+        return lambda: f"parameter server: server rank {self.comm.Get_rank()} receiving a " \
+                       f"request's payload from worker rank {worker}"
 
     def recv_array(self, worker: int, tag: int, dtype, count: int):
         """The next payload on ``tag`` as ``count`` items of ``dtype``, or (None, bytes) when

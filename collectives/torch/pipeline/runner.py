@@ -163,8 +163,8 @@ class Pipeline:
                 raise PipelineError(f"stage {key[2]} (rank {self.rank}) got data for {key} "
                                     f"from rank {source} before its header")
             t = p2p.empty(*self._known_shape[key], kind="torch")
-            p2p.recv_probed(msg, status, t, f"pipeline stage {key[2]} (rank {self.rank}), "
-                                            f"message {key}")
+            p2p.recv_probed(msg, status, t, lambda: f"pipeline stage {key[2]} (rank "
+                                                    f"{self.rank}), message {key}")
             self._mailbox[tag] = t
         return True
 
