@@ -24,7 +24,6 @@ through here, so there is one wire format for a typed array and one way to wait:
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -37,7 +36,7 @@ from .progress import polite_waits
 
 __all__ = ["MAXDIM", "HEADER", "MessageTypeError", "code_of", "dtype_of", "header", "parse",
            "signature", "describe", "as_bytes", "empty", "isend", "irecv", "send", "recv",
-           "send_typed", "recv_typed", "probe", "recv_header", "recv_probed", "nbytes", "Sends",
+           "send_typed", "recv_typed", "probe", "recv_header", "recv_probed", "Sends",
            "wait", "wait_all", "idle"]
 
 MAXDIM = 8                 # axes a typed header carries
@@ -252,11 +251,6 @@ def recv_typed(comm, source: int, tag: int, kind: str = "numpy", expect=None, wh
                                    f"{describe(*want)} from rank {source} (tag {tag}), "
                                    f"received {describe(dtype, shape)}")
     return recv_probed(msg, status, empty(dtype, shape, kind), what)
-
-
-def nbytes(dtype, shape) -> int:
-    """Bytes of an array of ``dtype`` and ``shape``."""
-    return _numpy_dtype(dtype).itemsize * math.prod(shape)
 
 
 class Sends:

@@ -157,6 +157,24 @@ def test_a_receiver_refuses_another_size_dtype_or_shape_and_stays_in_step():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
+def test_blocking_send_and_recv_around_the_ring():
+    """Even ranks send first, odd ones receive first, so blocking calls complete at any
+    message size (a rendezvous included) for n >= 2."""
+    comm, r, right, left = _ring()
+    if comm.Get_size() < 2:
+        pytest.skip("a blocking send to oneself needs a receive posted first")
+    x, out = _data(r, np.float64, (50_000,)), np.empty(50_000)
+    if r % 2 == 0:
+        p2p.send(comm, x, right, 9, what="test send")
+        p2p.recv(comm, out, left, 9, what="test receive")
+    else:
+        p2p.recv(comm, out, left, 9, what="test receive")
+        p2p.send(comm, x, right, 9, what="test send")
+    assert_all(_same(out, _data(left, np.float64, (50_000,))), "wrong data")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
 def test_sends_release_their_buffers_once_complete():
     import gc
     import weakref
