@@ -36,6 +36,10 @@ questions. A blocked MPI call cannot be interrupted from Python, but MPI is init
 ``MPI_THREAD_MULTIPLE`` (mpi4py's default), so the thread can talk and abort while the main
 thread stays blocked.
 
+Waits of a rank's own outside collectives (``collectives.p2p``'s one wait: a pipeline stage's
+receive, a parameter-server request; a server's queued pull) are registered with
+``watch_local`` and bounded alike; each waiting rank prints its own line, naming its peer.
+
 Labels: a layer above the toolkit can say *why* a collective runs, and the watchdog prints it::
 
     with collectives.watchdog.label("DDP bucket 3 of 7 (2.1 MB): fc1.weight, fc1.bias"):
