@@ -22,7 +22,7 @@ import numpy as np
 
 from . import check as _check
 from . import select, shapes
-from .buffers import Buffer, wrap
+from .buffers import Buffer, numpy_buffer, wrap
 from .call import Call, make_call
 from .dispatch import auto_pick, comm_context, start
 from .ops import resolve
@@ -69,6 +69,11 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
         if x.readonly:
             raise ValueError(f"{what} is read-only")
         return x, x.count > 0
+    if type(out) is np.ndarray and x.kind == "numpy" and out.dtype == x.dtype and \
+            out.shape == shape and (flags := out.flags).c_contiguous and flags.writeable and \
+            ((out.base is None and x.obj.base is None) or  # two arrays owning their memory
+             not np.may_share_memory(x.flat, out)):
+        return numpy_buffer(out), False  # the common case, checked at once
     o = wrap(out, what)
     if o.kind != x.kind or o.dtype != x.dtype or o.device != x.device:
         raise TypeError(f"{what} is {o.describe()}, expected a {x.kind} {x.dtype.name} buffer "
@@ -426,13 +431,13 @@ def scatter_init(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto
     return _scatter(x, root, counts, out, comm, algorithm, check, PERSISTENT)
 
 
-_NOTHING = np.empty(0, np.uint8)
+_NOTHING = wrap(np.empty(0, np.uint8), "x")  # a barrier's buffers
 
 
 def _barrier(comm, algorithm, check, mode):
     ctx = comm_context(comm, "barrier")
-    xb = wrap(_NOTHING, "x")
-    call = make_call("barrier", ctx, xb, xb, None, 0, None, False, mode is BLOCKING)
+    call = make_call("barrier", ctx, _NOTHING, _NOTHING, None, 0, None, False,
+                     mode is BLOCKING)
     return _go(call, mode, algorithm, check, None)
 
 

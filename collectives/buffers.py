@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Buffer", "wrap", "register", "check_dtype", "require_contiguous",
+__all__ = ["Buffer", "wrap", "numpy_buffer", "register", "check_dtype", "require_contiguous",
            "torch_dtype_to_numpy", "DTYPES", "bfloat16", "import_cupy", "bf16_supported",
            "wrap_cupy", "wrap_torch_cuda"]
 
@@ -55,8 +55,8 @@ class Buffer:
 
     def new(self, shape) -> Buffer:
         """A fresh, writable buffer of the same kind, dtype and device with ``shape``."""
-        if self._new is None:  # numpy
-            return _numpy(np.empty(tuple(shape), self.dtype))
+        if self._new is None:  # numpy: a fresh array is contiguous and writable
+            return numpy_buffer(np.empty(shape, self.dtype))
         return self._new(tuple(shape))
 
     def describe(self) -> str:
@@ -91,8 +91,15 @@ def check_dtype(dtype) -> np.dtype:
 
 def wrap(x, what: str = "x") -> Buffer:
     """The ``Buffer`` for a numpy array, torch tensor or cupy array; TypeError/ValueError else."""
-    if type(x) is np.ndarray:  # the common case, checked by _numpy itself
-        return _numpy(x)
+    if type(x) is np.ndarray:  # the common case, inline: this runs on every call
+        flags, dtype = x.flags, x.dtype
+        if not flags.c_contiguous or dtype not in _DTYPE_SET:
+            return _numpy(x)  # raises the error
+        buf = _blank(Buffer)
+        buf.obj, buf.flat, buf.count, buf.shape, buf.dtype = \
+            x, x if x.ndim == 1 else x.reshape(-1), x.size, x.shape, dtype
+        buf.kind, buf.device, buf.readonly, buf._new = "numpy", "cpu", not flags.writeable, None
+        return buf
     for adaptor in _ADAPTORS:
         buf = adaptor(x)
         if buf is not None:
@@ -131,6 +138,16 @@ def _numpy(x):
 
 
 register(_numpy)
+
+
+def numpy_buffer(x: np.ndarray) -> Buffer:
+    """The ``Buffer`` of a numpy array already known to be C-contiguous, of a supported dtype
+    and writable (the API's output check): ``wrap`` without its checks."""
+    buf = _blank(Buffer)
+    buf.obj, buf.flat, buf.count, buf.shape, buf.dtype = \
+        x, x if x.ndim == 1 else x.reshape(-1), x.size, x.shape, x.dtype
+    buf.kind, buf.device, buf.readonly, buf._new = "numpy", "cpu", False, None
+    return buf
 
 
 # -- torch (CPU here; CUDA tensors are viewed through cupy, below) -------------------------------

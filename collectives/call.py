@@ -45,5 +45,11 @@ def _fill(call, collective, ctx, x, out, op, root, counts, inplace, blocking):
 def make_call(collective, ctx, x, out, op=None, root=0, counts=None, inplace=False,
               blocking=True) -> Call:
     """A ``Call`` (``Call(...)`` without the keyword handling: this runs on every call)."""
-    return _fill(object.__new__(Call), collective, ctx, x, out, op, root, counts, inplace,
-                 blocking)
+    call = _blank(Call)
+    call.collective, call.ctx, call.x, call.out, call.op = collective, ctx, x, out, op
+    call.root, call.counts, call.inplace, call.blocking = root, counts, inplace, blocking
+    call.algorithm, call.seq, call.algo = None, -1, None
+    return call
+
+
+_blank = object.__new__

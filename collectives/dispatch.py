@@ -26,7 +26,7 @@ from .call import Call, make_call
 from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
 from .ops import resolve
-from .progress import Done, Request
+from .progress import DONE, Request
 from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
 __all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "mean_first", "verify", "preferred",
@@ -81,11 +81,15 @@ def _create(comm, collective):
 def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     """The algorithm ``auto`` runs on ``ctx``'s communicator, memoized per communicator for
     the tuning table in force (``select.load_table`` reads it once)."""
+    memo = ctx.slots.get(_AutoMemo) or ctx.slot(_AutoMemo)
+    key = (collective, nbytes, inplace)
+    algo = memo.picks.get(key)
+    if algo is not None and memo.setting is config.get("COLLECTIVES_TUNING"):
+        return algo
     table = select.load_table()
-    memo = ctx.slot(_AutoMemo)
     if memo.table is not table:
         memo.table, memo.picks = table, {}
-    key = (collective, nbytes, inplace)
+    memo.setting = config.get("COLLECTIVES_TUNING")
     algo = memo.picks.get(key)
     if algo is None:
         name = select.auto(collective, nbytes, ctx.size, lambda: _single_node(ctx), inplace,
@@ -96,13 +100,17 @@ def _auto(ctx, collective: str, nbytes: int, inplace: bool) -> select.Algorithm:
     return algo
 
 
-class _AutoMemo:
-    """``auto``'s picks on one communicator, for the tuning table in force."""
+_UNSET = object()
 
-    __slots__ = ("table", "picks")
+
+class _AutoMemo:
+    """``auto``'s picks on one communicator, for the tuning table in force (read for the
+    setting ``COLLECTIVES_TUNING`` had then: a pick holds while the setting is the same)."""
+
+    __slots__ = ("table", "picks", "setting")
 
     def __init__(self, ctx):
-        self.table, self.picks = None, {}
+        self.table, self.picks, self.setting = None, {}, _UNSET
 
 
 # Collectives whose ranks may differ in their input's length (their counts are agreed instead).
@@ -185,22 +193,32 @@ def start(call: Call, algorithm, check, result, algo=None):
             verify(call, algorithm, seq)
             if entry is not None:
                 entry.checked()
-        if algo is None:  # buffer-dependent preferences see the call as the caller made it
-            algo, plan = preferred(call) or (None, None)
+        nbytes = -1 if algo is not None else _auto_bytes(call)
+        prefs = PREFERENCES[collective]
+        if prefs and nbytes >= 0:  # buffer-dependent: they see the call as the caller made it
+            above = _AGREE_ABOVE.get(collective)
+            if above is None or above[0] is not prefs:
+                above = _AGREE_ABOVE[collective] = (prefs, min(r.agree_above for r in prefs))
+            if nbytes > above[1]:
+                algo, plan = preferred(call, nbytes) or (None, None)
         if call.op is not None and call.op.is_avg and ctx.size > 1 and \
                 not (algo is not None and algo.averages):
             mean_first(call)
         if algo is None:
-            algo = auto_algorithm(call)
+            memo = ctx.slots.get(_AutoMemo)  # the memo's hit, inline: this runs on every call
+            algo = memo.picks.get((collective, nbytes, call.inplace)) if memo is not None and \
+                memo.setting is config.get("COLLECTIVES_TUNING") else None
+            if algo is None:
+                algo = _auto(ctx, collective, nbytes, call.inplace)
         call.algorithm, call.algo = algo.name, algo
         if named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
             raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
                              f"communicator of {ctx.size} ranks spans nodes")
         work = _run(call, algo, plan)
-        if entry is not None:
+        if entry is not None and work is not DONE:
             entry.attach(work)  # what the watchdog asks where this rank waits
         if call.blocking:
-            if work is not _DONE and work is not None:
+            if work is not DONE and work is not None:
                 work.wait()
         elif getattr(work, "needs_progress", False):
             ctx.pending.append((work, entry))
@@ -233,17 +251,22 @@ def verify(call: Call, algorithm, seq: int) -> None:
                   root=call.root, algorithm=asked, sequence=seq, counts=counts)
 
 
-def preferred(call: Call):
+def preferred(call: Call, nbytes: int | None = None):
     """``(record, plan)`` of the first of ``auto``'s buffer-dependent preferences that every
-    rank agrees to run ``call`` with (``Algorithm.agree``), or None."""
-    prefs = PREFERENCES[call.collective]
-    if prefs:
+    rank agrees to run ``call`` with (``Algorithm.agree``), or None (``nbytes``: ``auto``'s
+    bytes of the call, the same on every rank)."""
+    if nbytes is None:
         nbytes = _auto_bytes(call)
-        for record in prefs:
+    for record in PREFERENCES[call.collective]:
+        if nbytes > record.agree_above:
             plan = record.agree(call, nbytes)
             if plan is not None:
                 return record, plan
     return None
+
+
+# Per collective: (its preferences, the fewest bytes above which one of them may agree).
+_AGREE_ABOVE: dict = {}
 
 
 def auto_algorithm(call: Call) -> select.Algorithm:
@@ -282,12 +305,13 @@ def _run(call: Call, algo: select.Algorithm, plan=None):
     """Start ``call`` with ``algo``, by its kind: the one place that dispatches on it
     (``plan``: what ``algo.agree`` agreed, for a record that agrees)."""
     ctx = call.ctx
-    if ctx.size == 1 or nothing_to_move(call):
+    if ctx.size == 1 or ((call.counts is not None or not call.x.count) and
+                         nothing_to_move(call)):
         return _trivial(call)
     if algo.kind is SCHEDULE:
         extra = _topology_kwargs(ctx) if algo.needs is TOPOLOGY else ()
         return launch_schedule(call, schedule_for(call, algo.build[call.collective], extra))
-    if call.x.is_device:  # straight to a CUDA-aware MPI, or staged through host memory
+    if call.x.device != "cpu":  # straight to a CUDA-aware MPI, or staged through host memory
         from . import cuda_transport
         return cuda_transport.native(call, algo.launch) if algo.kind is NATIVE else \
             cuda_transport.staged(call, algo.launch)
@@ -321,7 +345,4 @@ def _trivial(call: Call):
         n = min(call.out.count, call.x.count)
         if n:
             call.out.flat[:n] = call.x.flat[:n]
-    return _DONE
-
-
-_DONE = Done()
+    return DONE

@@ -13,12 +13,11 @@ import itertools
 import numpy as np
 
 from .ops import Op
-from .progress import Done, NativeWork
+from .progress import DONE, NativeWork
 
 __all__ = ["launch", "arguments", "mpi_type_op"]
 
 _CACHE: dict = {}
-_DONE = Done()  # stateless: one serves every blocking call
 
 # (op name, numpy kind) pairs MPI defines on the matching builtin type.
 _BUILTIN = {
@@ -72,7 +71,7 @@ def launch(call):
     comm = call.ctx.comm
     if call.blocking:
         getattr(comm, name)(*args)
-        return _DONE
+        return DONE
     iname = "I" + name.lower()  # Allreduce -> Iallreduce, Bcast -> Ibcast, ...
     return NativeWork(getattr(comm, iname)(*args), iname)
 
@@ -81,7 +80,8 @@ def arguments(call) -> tuple[str, tuple]:
     """The blocking mpi4py method that runs ``call`` and its arguments: the block forms
     (``MPI_Allgather``, ``MPI_Gather``, ...) where every rank moves as much, the vector forms
     (bytes) otherwise. Reductions use the (type, op) pair of ``mpi_type_op``; data movement
-    moves bytes (``MPI.BYTE``), so every dtype works."""
+    moves bytes (``MPI.BYTE``: the buffer as it is, its bytes counted by mpi4py), so every
+    dtype works."""
     MPI = _mpi()
     collective, comm = call.collective, call.ctx.comm
     x = call.x.flat
@@ -89,12 +89,12 @@ def arguments(call) -> tuple[str, tuple]:
     if collective == "barrier":
         return "Barrier", ()
     if collective == "broadcast":
-        return "Bcast", ([out.view(np.uint8), MPI.BYTE], call.root)
+        return "Bcast", ([out, MPI.BYTE], call.root)
     if collective in ("allreduce", "reduce", "reduce_scatter"):
-        mpitype, mpiop = mpi_type_op(call.op)
+        mpitype, mpiop = call.op.mpi or mpi_type_op(call.op)
         if collective == "allreduce":
-            return "Allreduce", (_send(out if call.inplace else x, out, mpitype),
-                                 [out, out.shape[0], mpitype], mpiop)
+            return "Allreduce", (MPI.IN_PLACE if call.inplace else [x, mpitype],
+                                 [out, mpitype], mpiop)
         if collective == "reduce":
             if out is None:  # a non-root rank: nothing received
                 return "Reduce", ([x, x.shape[0], mpitype], None, mpiop, call.root)
@@ -107,33 +107,33 @@ def arguments(call) -> tuple[str, tuple]:
             # older releases as the whole buffer's; from the buffer alone, both take its length
             return "Reduce_scatter_block", ([x, mpitype], recv, mpiop)
         return "Reduce_scatter", ([x, sum(counts), mpitype], recv, counts, mpiop)
-    send = [x.view(np.uint8), MPI.BYTE]
+    send = [x, MPI.BYTE]
     if collective == "allgather":
         # Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, 1.3-2x
         # slower for equal counts (docs/performance.md).
         if _even(call.counts):
-            return "Allgather", (send, [out.view(np.uint8), MPI.BYTE])
-        return "Allgatherv", (send, [out.view(np.uint8), _layout(call.counts,
+            return "Allgather", (send, [out, MPI.BYTE])
+        return "Allgatherv", (send, [out, _layout(call.counts,
                                                                  out.dtype.itemsize), MPI.BYTE])
     if collective == "alltoall":
         sends, recvs = call.counts[0], call.counts[1]
         if _even(sends) and _even(recvs) and sends[0] == recvs[0]:
-            return "Alltoall", (send, [out.view(np.uint8), MPI.BYTE])
+            return "Alltoall", (send, [out, MPI.BYTE])
         return "Alltoallv", (
-            [x.view(np.uint8), _layout(tuple(sends), x.dtype.itemsize), MPI.BYTE],
-            [out.view(np.uint8), _layout(tuple(recvs), out.dtype.itemsize), MPI.BYTE])
+            [x, _layout(tuple(sends), x.dtype.itemsize), MPI.BYTE],
+            [out, _layout(tuple(recvs), out.dtype.itemsize), MPI.BYTE])
     even = _even(call.counts)
     is_root = comm.Get_rank() == call.root
     if collective == "gather":  # out is only written on the root
-        recv = None if not is_root else [out.view(np.uint8), MPI.BYTE] if even else \
-            [out.view(np.uint8), _layout(tuple(call.counts), out.dtype.itemsize), MPI.BYTE]
+        recv = None if not is_root else [out, MPI.BYTE] if even else \
+            [out, _layout(tuple(call.counts), out.dtype.itemsize), MPI.BYTE]
         return ("Gather" if even else "Gatherv"), (send, recv, call.root)
     if collective == "scatter":
         # x is only read on the root. Always the vector form: a rank given out knows only its
         # own block (api.scatter), so the ranks could not agree on the block form.
         sent = None if not is_root else \
-            [x.view(np.uint8), _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
-        return "Scatterv", (sent, [out.view(np.uint8), MPI.BYTE], call.root)
+            [x, _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
+        return "Scatterv", (sent, [out, MPI.BYTE], call.root)
     raise ValueError(f"no native {collective}")
 
 

@@ -14,9 +14,10 @@ MPI-4's persistent collectives (``MPI_Allreduce_init`` and its siblings) are how
 The arguments are checked (across ranks too, with ``check=True`` or ``COLLECTIVES_CHECK``)
 and the algorithm chosen once, when the request is made. Where the choice is the MPI library's
 own collective, the library's persistent request is made once too (where the library offers
-it) and each ``start()`` is one ``MPI_Start``; any other algorithm is started as a
-non-blocking call of the chosen algorithm, skipping the checks and the choice. Every start is
-numbered on the communicator and watched by the watchdog like any collective. The request holds
+it) and each ``start()`` is one ``MPI_Start`` (``wait()`` one ``MPI_Wait``, watched by the
+watchdog as a blocking call is); any other algorithm is started as a non-blocking call of the
+chosen algorithm, skipping the checks and the choice. Every start is numbered on the
+communicator. The request holds
 its buffers (it was made for them) until ``free()``. Every start gives the same bits for the same
 inputs on every rank; MPI's persistent collective may add floating values in another order than
 its blocking one, so a persistent sum can differ from the ordinary call's in the last bits.
@@ -28,7 +29,6 @@ from . import config, dispatch, native, ops, select
 from . import watchdog as _watchdog
 from .call import Call, make_call
 from .errors import network_error
-from .progress import NativeWork, Request
 
 __all__ = ["Persistent"]
 
@@ -45,12 +45,12 @@ class Persistent:
     """A persistent collective request: ``start()`` runs the call, ``wait()`` returns its
     result, ``test()`` polls; start again once it is complete. ``free()`` lets go of it."""
 
-    __slots__ = ("_call", "_result", "_algo", "_mpi", "_entry", "_request", "_mean",
+    __slots__ = ("_call", "_result", "_algo", "_mpi", "_request", "_mean",
                  "_scratch", "description")
 
     def __init__(self, call: Call, algorithm, check, result, algo=None):
         ctx, collective = call.ctx, call.collective
-        self._result, self._request, self._entry, self._mpi = result, None, None, None
+        self._result, self._request, self._mpi = result, None, None
         if algo is None and algorithm != "auto":
             try:
                 algo = select.get(collective, algorithm)
@@ -102,34 +102,44 @@ class Persistent:
         ctx.seq += 1
         if ctx.pending:
             dispatch.drain(ctx)
-        entry = _watchdog.watch(ctx, call) if _watchdog.enabled() else None
         try:
             self._mpi.Start()
         except BaseException as exc:
-            if entry is not None:
-                _watchdog.unwatch(entry, exc)
             raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
-        work = NativeWork(self._mpi, call.describe())
-        if entry is not None:
-            entry.attach(work)
-        self._request = Request(work, self._result, description=call.describe(),
-                                release=None if entry is None else entry.finished)
+        self._request = self._mpi
 
     def wait(self):
-        """Block until the started call completes; returns its result (as the call would)."""
+        """Block until the started call completes; returns its result (as the call would).
+        A rank waiting here is watched like a blocking collective (``COLLECTIVES_TIMEOUT``)."""
         request = self._request
         if request is None:
             raise RuntimeError(f"{self.description}: wait() without start()")
-        try:
+        self._request = None
+        if request is not self._mpi:
             return request.wait()
-        finally:
-            self._request = None
+        call = self._call
+        entry = _watchdog.enter(call.ctx, call)
+        try:
+            request.Wait()
+        except BaseException as exc:
+            if entry is not None:
+                _watchdog.unwatch(entry, exc)
+            raise network_error(exc, f"rank {call.ctx.rank}: {call.describe()}")
+        if entry is not None:
+            entry.release()
+        return self._result
 
     def test(self) -> bool:
         """True once the started call is complete (then ``wait()`` returns at once)."""
-        if self._request is None:
+        request = self._request
+        if request is None:
             raise RuntimeError(f"{self.description}: test() without start()")
-        return self._request.test()
+        if request is not self._mpi:
+            return request.test()
+        try:
+            return bool(request.Test())
+        except BaseException as exc:
+            raise network_error(exc, f"rank {self._call.ctx.rank}: {self._call.describe()}")
 
     def free(self) -> None:
         """Let go of the request (and of its buffers): after the last ``wait()``."""

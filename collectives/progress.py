@@ -22,7 +22,7 @@ import threading
 from . import config
 from .errors import network_error
 
-__all__ = ["Request", "Done", "NativeWork", "Worker", "use_thread"]
+__all__ = ["Request", "Done", "DONE", "NativeWork", "Worker", "use_thread"]
 
 
 def _local_ranks() -> int | None:
@@ -94,6 +94,9 @@ class Done:
 
     def waiting_for(self) -> str:
         return "nothing"
+
+
+DONE = Done()  # stateless: one serves every call that completed at once
 
 
 class NativeWork:

@@ -61,6 +61,7 @@ class Algorithm:
     agree: Callable | None = None   # agree(call, nbytes) -> plan or None (see the module doc)
     prefers: tuple[str, ...] = ()   # the collectives whose ``auto`` tries ``agree`` first
     averages: bool = False          # divides each input of ``op="avg"`` first itself
+    agree_above: int = 0            # bytes per rank up to which ``agree`` is not asked
     registered: bool = False        # runs on registered buffers only (``coll.empty``)
     counts: str = ANY_COUNTS        # alltoall: the counts it takes (ANY_COUNTS, EQUAL, MATRIX)
 

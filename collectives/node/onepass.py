@@ -381,4 +381,5 @@ def _launch_nodes(call, agreed, step) -> ShmWork:
 
 # By name: allreduce on one node. As ``auto``'s preference: every collective of COLLECTIVES.
 ALGORITHM = Algorithm("onepass", DIRECT, ("allreduce",), launch=launch, needs=ONE_NODE,
-                      agree=agree, prefers=COLLECTIVES, averages=True, registered=True)
+                      agree=agree, prefers=COLLECTIVES, averages=True, agree_above=THRESHOLD,
+                      registered=True)
