@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import collectives as coll
 
+from .. import p2p
 from ..progress import Worker
 from .functional import equal_blocks, op_name, unpack_into
 
@@ -292,14 +293,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._submit(opts, [coll.ibarrier(self._comm)], [])
 
     def send(self, tensors, dst, tag=0):
-        from collectives.buffers import wrap
-        reqs = [self._p2p.Isend(wrap(t).flat.view("u1"), dst, tag) for t in tensors]
-        return self._submit(None, [_MPIWait(r) for r in reqs], tensors)
+        reqs = [p2p.isend(self._p2p, t, dst, tag) for t in tensors]
+        return self._submit(None, [_P2PWait(r, self._p2p, f"dist.send to rank {dst} (tag {tag})")
+                                   for r in reqs], tensors)
 
     def recv(self, tensors, src, tag=0):
-        from collectives.buffers import wrap
-        reqs = [self._p2p.Irecv(wrap(t).flat.view("u1"), src, tag) for t in tensors]
-        return self._submit(None, [_MPIWait(r) for r in reqs], tensors)
+        reqs = [p2p.irecv(self._p2p, t, src, tag) for t in tensors]
+        return self._submit(None, [_P2PWait(r, self._p2p,
+                                            f"dist.recv from rank {src} (tag {tag})")
+                                   for r in reqs], tensors)
 
 
 def _apart(x, out):
@@ -312,14 +314,17 @@ def _apart(x, out):
     return x
 
 
-class _MPIWait:
-    __slots__ = ("request",)
+class _P2PWait:
+    """A point-to-point request of ``send``/``recv``, waited for in p2p's watched wait (the
+    watchdog names it where a rank waits too long)."""
 
-    def __init__(self, request):
-        self.request = request
+    __slots__ = ("request", "comm", "what")
+
+    def __init__(self, request, comm, what):
+        self.request, self.comm, self.what = request, comm, what
 
     def wait(self):
-        self.request.Wait()
+        p2p.wait_all([self.request], self.what, self.comm)
 
 
 def _create(dist_opts, backend_options=None):
