@@ -10,7 +10,8 @@ computations of it (one process, and the ranks with their own orders and kernels
 most twice that: ``agree(n, scale)``.
 
 SGD turns such a bound on gradients into one on parameters, since its step is proportional to
-the gradient: ``sgd_parameters(lr, n, gradient_scales, parameter_scale)``. Adam's is not: its
+the gradient: ``sgd_parameters(lr, n, gradient_scales, parameter_scale, momentum)`` (a momentum
+buffer is a linear combination of the gradients, so the bound carries over). Adam's is not: its
 step is about ``lr`` whatever the gradient's size, so a last-bit difference in a gradient near
 zero moves a weight by up to ``2 lr``, and no bound tighter than ``2 lr`` per step holds; tests
 that compare parameters after Adam steps with tolerances far below that pass or fail by the
@@ -35,11 +36,20 @@ def agree(n: int, scale: float) -> float:
     return 2 * gamma(n) * scale
 
 
-def sgd_parameters(lr: float, n: int, gradient_scales, parameter_scale: float) -> float:
-    """How far one parameter tensor may differ between two runs of plain SGD (``p -= lr * g``)
-    from the same start, given the largest gradient of each step (``gradient_scales``), the
-    largest parameter (``parameter_scale``) and the gradients' reduction length ``n``: each
-    step adds ``lr`` times the gradients' disagreement, and each run rounds every update once
-    (``lr * g``, then ``p - lr * g``: ``U (p + 2 lr g)`` in each run)."""
-    return sum(lr * agree(n, g) + 2 * U * (parameter_scale + 2 * lr * g)
-               for g in gradient_scales)
+def sgd_parameters(lr: float, n: int, gradient_scales, parameter_scale: float,
+                   momentum: float = 0.0) -> float:
+    """How far one parameter tensor may differ between two runs of SGD (``p -= lr * g``, or
+    with ``momentum`` torch's ``b = momentum * b + g; p -= lr * b``) from the same start, given
+    the largest gradient of each step (``gradient_scales``), the largest parameter
+    (``parameter_scale``) and the gradients' reduction length ``n``: each step adds ``lr``
+    times the buffers' disagreement (the gradients', plus ``momentum`` times the last one's, plus
+    the buffer's two roundings ``2 U |b|`` in each run from the second step on), and each run
+    rounds every update once (``lr * b``, then ``p - lr * b``: ``U (p + 2 lr b)`` in each
+    run)."""
+    bound, differ, buffer = 0.0, 0.0, 0.0
+    for step, g in enumerate(gradient_scales):
+        buffer = momentum * buffer + g
+        rounded = 2 * 2 * U * buffer if momentum and step else 0.0
+        differ = momentum * differ + agree(n, g) + rounded
+        bound += lr * differ + 2 * U * (parameter_scale + 2 * lr * buffer)
+    return bound
