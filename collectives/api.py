@@ -46,13 +46,6 @@ def algorithms(collective: str) -> tuple[str, ...]:
     return select.algorithms(collective)
 
 
-def _go(call: Call, mode: str, algorithm, check, result, algo=None):
-    """Run the prepared ``call`` as ``mode`` says."""
-    if mode is PERSISTENT:
-        return Persistent(call, algorithm, check, result, algo)
-    return start(call, algorithm, check, result, algo)
-
-
 # -- checks and buffers ------------------------------------------------------------------------
 def _address(buf: Buffer) -> tuple[int, int]:
     iface = getattr(buf.flat, "__cuda_array_interface__", None) or \
@@ -109,7 +102,8 @@ def _allreduce(x, op, out, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allreduce", check, exc)
     call = make_call("allreduce", ctx, xb, outb, opr, 0, None, inplace, mode is BLOCKING)
-    return _go(call, mode, algorithm, check, outb.obj)
+    return start(call, algorithm, check, outb.obj) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, outb.obj)
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
@@ -144,7 +138,8 @@ def _reduce(x, op, root, out, comm, algorithm, check, mode):
     else:  # out is ignored (never written) off the root
         outb, inplace, result = None, False, None
     call = make_call("reduce", ctx, xb, outb, opr, root, None, inplace, mode is BLOCKING)
-    return _go(call, mode, algorithm, check, result)
+    return start(call, algorithm, check, result) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, result)
 
 
 def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
@@ -182,7 +177,8 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "reduce_scatter", check, exc)
     call = make_call("reduce_scatter", ctx, xb, outb, opr, 0, counts, False, mode is BLOCKING)
-    return _go(call, mode, algorithm, check, outb.obj)
+    return start(call, algorithm, check, outb.obj) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, outb.obj)
 
 
 def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
@@ -215,7 +211,8 @@ def _broadcast(x, root, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "broadcast", check, exc)
     call = make_call("broadcast", ctx, xb, xb, None, root, None, True, mode is BLOCKING)
-    return _go(call, mode, algorithm, check, xb.obj)
+    return start(call, algorithm, check, xb.obj) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, xb.obj)
 
 
 def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
@@ -244,7 +241,8 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allgather", check, exc)
     call = make_call("allgather", ctx, xb, outb, None, 0, counts, False, mode is BLOCKING)
-    return _go(call, mode, algorithm, check, outb.obj)
+    return start(call, algorithm, check, outb.obj) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, outb.obj)
 
 
 def allgather(x, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -304,7 +302,8 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, mode is BLOCKING)
     # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
     algo = REGISTRY["alltoall"][NATIVE] if matrix is None and algorithm == "auto" else None
-    return _go(call, mode, algorithm, check, outb.obj, algo)
+    return start(call, algorithm, check, outb.obj, algo) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, outb.obj, algo)
 
 
 def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
@@ -346,7 +345,8 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
             raise _check.failed(ctx, "gather", check, exc)
         result = outb.obj
     call = make_call("gather", ctx, xb, outb, None, root, counts, False, mode is BLOCKING)
-    return _go(call, mode, algorithm, check, result)
+    return start(call, algorithm, check, result) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, result)
 
 
 def gather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -405,7 +405,8 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
     # Without the header, the ranks other than the root may know only their own block: auto
     # cannot size the call alike on every rank, so MPI's own (MPI_Scatterv) runs.
     algo = REGISTRY["scatter"][NATIVE] if known and algorithm == "auto" else None
-    return _go(call, mode, algorithm, check, outb.obj, algo)
+    return start(call, algorithm, check, outb.obj, algo) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, outb.obj, algo)
 
 
 def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -438,7 +439,8 @@ def _barrier(comm, algorithm, check, mode):
     ctx = comm_context(comm, "barrier")
     call = make_call("barrier", ctx, _NOTHING, _NOTHING, None, 0, None, False,
                      mode is BLOCKING)
-    return _go(call, mode, algorithm, check, None)
+    return start(call, algorithm, check, None) if mode is not PERSISTENT else \
+        Persistent(call, algorithm, check, None)
 
 
 def barrier(comm=None, *, algorithm="auto", check=None) -> None:
