@@ -87,7 +87,7 @@ COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather"
 KINDS = {
     "same": "the same x and out every call",
     "fresh": "a fresh x every call (the bare call too)",
-    "no out": "no out: the API allocates the result (the bare call allocates its out)",
+    "no out": "the API allocates the result (the bare call allocates its out)",
     "list": "counts given as a list",
     "learned": "no counts: learned with one exchange (the bare row adds one MPI_Allgather of "
                "the counts)",

@@ -591,6 +591,31 @@ def test_overhead_under_mpi(tmp_path):
         assert {r["size"] for r in data["rows"]} == {8, 64 << 10}
 
 
+@pytest.mark.mpi
+def test_overhead_of_every_collective_under_mpi():
+    """``bench overhead --collectives``: every collective, every kind of call that applies to it
+    (a row pair each: bare and API), the gap computed from the medians, the same figures on
+    every rank, and the persistent requests freed (none left for MPI_Finalize)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rows = overhead.measure_collectives(comm, rounds=2, calls=5)
+    pairs = {(r["collective"], r["kind"]) for r in rows}
+    kinds = {c: {k for c2, k in pairs if c2 == c} for c in overhead.COLLECTIVES}
+    assert len(rows) == 2 * len(pairs)
+    assert all({"same", "persistent"} <= kinds[c] for c in overhead.COLLECTIVES)
+    assert {"fresh", "no out"} <= kinds["allreduce"] and {"list", "learned"} <= kinds["allgather"]
+    for r in rows:
+        bare = next(q for q in rows if (q["collective"], q["kind"], q["row"]) ==
+                    (r["collective"], r["kind"], "bare"))
+        assert r["time"] > 0 and r["over_bare"] == pytest.approx(r["time"] - bare["time"])
+    assert comm.allgather([r["time"] for r in rows]) == [[r["time"] for r in rows]] * \
+        comm.Get_size()
+    text = overhead.format_collectives(rows, {"ranks": comm.Get_size(), "host": "h",
+                                              "mpi": "MPICH", "rounds": 2, "calls": 5})
+    assert "| allreduce | 8 | persistent | comm.Allreduce_init |" in text
+    assert "- learned: " in text
+
+
 # -- the command line -----------------------------------------------------------------------------
 def test_validation_markdown():
     from bench.model import markdown
