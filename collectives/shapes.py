@@ -18,8 +18,8 @@ from . import p2p as _p2p
 from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
 
-__all__ = ["balanced", "counts_of", "CountBuffers", "allgather_counts", "gathered", "elements",
-           "alltoall_counts", "row_counts", "rows_of", "MAX_AXES", "scatter_header",
+__all__ = ["balanced", "counts_of", "CountBuffers", "MatrixBuffers", "allgather_counts",
+           "gathered", "elements", "alltoall_counts", "row_counts", "rows_of", "MAX_AXES", "scatter_header",
            "scatter_known"]
 
 
@@ -39,6 +39,33 @@ def counts_of(counts, size: int) -> tuple[int, ...]:
         raise ValueError(f"counts must be {size} non-negative integers (one per rank), got "
                          f"{counts!r}")
     return tuple(int(c) for c in values)
+
+
+class _Exchange:
+    """A small exchange before a collective's data moves, as the watchdog sees it: the
+    communicator's reused blocking entry (``watchdog.enter``), described only when a report
+    needs it."""
+
+    __slots__ = ("collective", "seq", "how")
+
+    def __init__(self, collective: str, seq: int, how: str):
+        self.collective, self.seq, self.how = collective, seq, how
+
+    def describe(self) -> str:
+        return f"{self.collective} #{self.seq} ({self.how})"
+
+
+def _exchange(ctx, collective: str, how: str, run) -> None:
+    """``run()``, an exchange every rank of ``ctx`` joins, watched like a blocking collective."""
+    entry = _watchdog.enter(ctx, _Exchange(collective, ctx.seq, how)) if ctx.size > 1 else None
+    try:
+        run()
+    except BaseException as exc:
+        if entry is not None:
+            _watchdog.unwatch(entry, exc)
+        raise
+    if entry is not None:
+        entry.release()
 
 
 class CountBuffers:
@@ -65,13 +92,12 @@ def allgather_counts(ctx, xb: Buffer | None, error=None,
     # against 3 us for the MPI_Allgather.
     rows = -1 if xb is None else shape[0] if shape else 1
     row = -1 if xb is None else math.prod(shape[1:]) if shape else 1
-    bufs = ctx.slot(CountBuffers)
+    bufs = ctx.slots.get(CountBuffers) or ctx.slot(CountBuffers)
     mine, table, send, recv = bufs.mine, bufs.table, bufs.send, bufs.recv
     mine[0] = rows
     mine[1] = row
-    with _watchdog.watching(ctx, f"{collective} #{ctx.seq} (exchanging row counts: "
-                                 f"MPI_Allgather)"):
-        ctx.comm.Allgather(send, recv)
+    _exchange(ctx, collective, "exchanging row counts: MPI_Allgather",
+              lambda: ctx.comm.Allgather(send, recv))
     every_rows, every_row = table.T.tolist()
     if min(every_rows) < 0:
         _check.settle(ctx.comm, collective, error)
@@ -113,21 +139,37 @@ def alltoall_counts(ctx, xb, send, recv, error):
     every rank's (elements per row, send counts), which also gives every rank the whole
     ``matrix`` (rank i's send counts in row i). A rank whose arguments were refused joins with
     -1, so that every rank raises (``check.settle``) instead of the others waiting."""
-    size = ctx.size
-    mine = np.full(size + 1, -1, np.int64)
+    bufs = ctx.slots.get(MatrixBuffers) or ctx.slot(MatrixBuffers)
+    mine, table = bufs.mine, bufs.table
     if error is None:
         mine[0] = rows_of(xb)[1]
         mine[1:] = send
-    table = np.empty((size, size + 1), np.int64)
-    with _watchdog.watching(ctx, f"alltoall #{ctx.seq} (exchanging counts: MPI_Allgather)"):
-        ctx.comm.Allgather(mine, table)
-    if table[:, 0].min() < 0:
+    else:
+        mine.fill(-1)
+    _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather",
+              lambda: ctx.comm.Allgather(bufs.send, bufs.recv))
+    rows = table.tolist()  # plain ints: numpy's reductions on a few counts cost more
+    row = rows[ctx.rank][0]
+    if min(r[0] for r in rows) < 0:
         _check.settle(ctx.comm, "alltoall", error)
-    if (table[:, 0] != mine[0]).any():
-        shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(table[:, 0].tolist()))
+    if any(r[0] != row for r in rows):
+        shapes = ", ".join(f"rank {j}: {r[0]} per row" for j, r in enumerate(rows))
         raise ValueError(f"alltoall: x's trailing axes must agree on every rank ({shapes})")
-    matrix = table[:, 1:]
-    return tuple(matrix[:, ctx.rank].tolist()), tuple(map(tuple, matrix.tolist()))
+    matrix = tuple(tuple(r[1:]) for r in rows)
+    return tuple(r[1 + ctx.rank] for r in rows), matrix
+
+
+class MatrixBuffers:
+    """One communicator's buffers for the all-to-all count exchange (``alltoall_counts``):
+    this rank's (elements per row, send counts), and every rank's."""
+
+    __slots__ = ("mine", "table", "send", "recv")
+
+    def __init__(self, ctx):
+        from mpi4py import MPI
+        size = ctx.size
+        self.mine, self.table = np.empty(size + 1, np.int64), np.empty((size, size + 1), np.int64)
+        self.send, self.recv = [self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]
 
 
 def row_counts(collective: str, rows: int, counts, size: int) -> tuple[int, ...]:
@@ -172,8 +214,7 @@ def scatter_header(ctx, root, x, counts):
             head[0] = 1
         except (TypeError, ValueError) as exc:
             error = exc
-    with _watchdog.watching(ctx, f"scatter #{ctx.seq} (the root's counts: MPI_Bcast)"):
-        ctx.comm.Bcast(head, root)
+    _exchange(ctx, "scatter", "the root's counts: MPI_Bcast", lambda: ctx.comm.Bcast(head, root))
     if error is not None:
         raise error
     if head[0] != 1:

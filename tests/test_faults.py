@@ -107,6 +107,15 @@ def test_skipped_collective_is_named(algorithm, mode):
         assert "recv from rank 2" in job.err and "schedule ops done" in job.err, job
 
 
+def test_skipped_count_exchange_is_named():
+    """A rank skips an allgather whose row counts are learned: the others wait in the small
+    exchange before the data, and the watchdog says so."""
+    job = launch("skip.py", "exchange", "blocking")
+    watchdog_ended(job)
+    assert "allgather #1 (exchanging row counts: MPI_Allgather)" in job.err, job
+    assert "rank 2 never joined #1" in job.err, job
+
+
 def test_skipped_collective_with_checking_on():
     job = launch("skip.py", "ring", "blocking", check=True)
     watchdog_ended(job)

@@ -5,6 +5,9 @@ watchdog (run with COLLECTIVES_TIMEOUT=3) prints what every rank waits for, name
 the rank that never joined, and aborts the job (mpiexec exits with 124).
 
     mpiexec -n 3 python tests/faults/skip.py [algorithm] [blocking|nonblocking]
+
+With ``exchange`` for the algorithm, #1 is an allgather without counts: the ranks wait in its
+exchange of row counts, and the watchdog names that.
 """
 import sys
 
@@ -18,8 +21,10 @@ blocking = (sys.argv[2] if len(sys.argv) > 2 else "blocking") == "blocking"
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
 x = np.arange(1000, dtype=np.float32)
-coll.allreduce(x, algorithm=algorithm)          # #0: every rank
-if rank != 2:                                   # #1: rank 2 skips it
+coll.allreduce(x, algorithm="ring" if algorithm == "exchange" else algorithm)  # #0: every rank
+if rank != 2 and algorithm == "exchange":      # #1: rank 2 skips the count exchange
+    coll.allgather(x)
+elif rank != 2:                                 # #1: rank 2 skips it
     if blocking:
         coll.allreduce(x, algorithm=algorithm)
     else:
