@@ -67,7 +67,7 @@ def mpi_type_op(op: Op):
 def launch(call):
     """Start ``call`` (a ``collectives.dispatch.Call`` on host buffers) with the MPI library's own
     collective: done at once when it blocks, else the library's request as work."""
-    name, args = arguments(call)
+    name, args = _ARGUMENTS[call.collective](call, _mpi())
     comm = call.ctx.comm
     if call.blocking:
         getattr(comm, name)(*args)
@@ -82,66 +82,88 @@ def arguments(call) -> tuple[str, tuple]:
     (bytes) otherwise. Reductions use the (type, op) pair of ``mpi_type_op``; data movement
     moves bytes (``MPI.BYTE``: the buffer as it is, its bytes counted by mpi4py), so every
     dtype works."""
-    MPI = _mpi()
-    collective, comm = call.collective, call.ctx.comm
+    return _ARGUMENTS[call.collective](call, _mpi())
+
+
+def _barrier(call, MPI):
+    return "Barrier", ()
+
+
+def _broadcast(call, MPI):
+    return "Bcast", ([call.out.flat, MPI.BYTE], call.root)
+
+
+def _allreduce(call, MPI):
+    mpitype, mpiop = call.op.mpi or mpi_type_op(call.op)
+    out = call.out.flat
+    return "Allreduce", (MPI.IN_PLACE if call.inplace else [call.x.flat, mpitype],
+                         [out, mpitype], mpiop)
+
+
+def _reduce(call, MPI):
+    mpitype, mpiop = call.op.mpi or mpi_type_op(call.op)
     x = call.x.flat
-    out = None if call.out is None else call.out.flat
-    if collective == "barrier":
-        return "Barrier", ()
-    if collective == "broadcast":
-        return "Bcast", ([out, MPI.BYTE], call.root)
-    if collective in ("allreduce", "reduce", "reduce_scatter"):
-        mpitype, mpiop = call.op.mpi or mpi_type_op(call.op)
-        if collective == "allreduce":
-            return "Allreduce", (MPI.IN_PLACE if call.inplace else [x, mpitype],
-                                 [out, mpitype], mpiop)
-        if collective == "reduce":
-            if out is None:  # a non-root rank: nothing received
-                return "Reduce", ([x, x.shape[0], mpitype], None, mpiop, call.root)
-            return "Reduce", (_send(out if call.inplace else x, out, mpitype),
-                              [out, out.shape[0], mpitype], mpiop, call.root)
-        counts = call.counts
-        recv = [out, counts[comm.Get_rank()], mpitype]
-        if _even(counts):
-            # the send buffer without a count: mpi4py 4 reads a count here as one block's,
-            # older releases as the whole buffer's; from the buffer alone, both take its length
-            return "Reduce_scatter_block", ([x, mpitype], recv, mpiop)
-        return "Reduce_scatter", ([x, sum(counts), mpitype], recv, counts, mpiop)
-    send = [x, MPI.BYTE]
-    if collective == "allgather":
-        # Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, 1.3-2x
-        # slower for equal counts (docs/performance.md).
-        if _even(call.counts):
-            return "Allgather", (send, [out, MPI.BYTE])
-        return "Allgatherv", (send, [out, _layout(call.counts,
-                                                                 out.dtype.itemsize), MPI.BYTE])
-    if collective == "alltoall":
-        sends, recvs = call.counts[0], call.counts[1]
-        if _even(sends) and _even(recvs) and sends[0] == recvs[0]:
-            return "Alltoall", (send, [out, MPI.BYTE])
-        return "Alltoallv", (
-            [x, _layout(tuple(sends), x.dtype.itemsize), MPI.BYTE],
-            [out, _layout(tuple(recvs), out.dtype.itemsize), MPI.BYTE])
-    even = _even(call.counts)
-    is_root = comm.Get_rank() == call.root
-    if collective == "gather":  # out is only written on the root
-        recv = None if not is_root else [out, MPI.BYTE] if even else \
-            [out, _layout(tuple(call.counts), out.dtype.itemsize), MPI.BYTE]
-        return ("Gather" if even else "Gatherv"), (send, recv, call.root)
-    if collective == "scatter":
-        # x is only read on the root. Always the vector form: a rank given out knows only its
-        # own block (api.scatter), so the ranks could not agree on the block form.
-        sent = None if not is_root else \
-            [x, _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
-        return "Scatterv", (sent, [out, MPI.BYTE], call.root)
-    raise ValueError(f"no native {collective}")
+    if call.out is None:  # a non-root rank: nothing received
+        return "Reduce", ([x, mpitype], None, mpiop, call.root)
+    return "Reduce", (MPI.IN_PLACE if call.inplace else [x, mpitype],
+                      [call.out.flat, mpitype], mpiop, call.root)
 
 
-def _send(x, out, mpitype):
-    """The send argument: ``MPI.IN_PLACE`` when x and out are one array."""
-    if x is out:
-        return _mpi().IN_PLACE
-    return [x, x.shape[0], mpitype]
+def _reduce_scatter(call, MPI):
+    mpitype, mpiop = call.op.mpi or mpi_type_op(call.op)
+    x, counts = call.x.flat, call.counts
+    recv = [call.out.flat, counts[call.ctx.rank], mpitype]
+    if _even(counts):
+        # the send buffer without a count: mpi4py 4 reads a count here as one block's,
+        # older releases as the whole buffer's; from the buffer alone, both take its length
+        return "Reduce_scatter_block", ([x, mpitype], recv, mpiop)
+    return "Reduce_scatter", ([x, sum(counts), mpitype], recv, counts, mpiop)
+
+
+def _allgather(call, MPI):
+    out = call.out.flat
+    # Not Allgatherv for all: MPICH runs it by other algorithms than Allgather, 1.3-2x slower
+    # for equal counts (docs/performance.md).
+    if _even(call.counts):
+        return "Allgather", ([call.x.flat, MPI.BYTE], [out, MPI.BYTE])
+    return "Allgatherv", ([call.x.flat, MPI.BYTE],
+                          [out, _layout(call.counts, out.dtype.itemsize), MPI.BYTE])
+
+
+def _alltoall(call, MPI):
+    x, out = call.x.flat, call.out.flat
+    sends, recvs = call.counts[0], call.counts[1]
+    if _even(sends) and _even(recvs) and sends[0] == recvs[0]:
+        return "Alltoall", ([x, MPI.BYTE], [out, MPI.BYTE])
+    return "Alltoallv", ([x, _layout(tuple(sends), x.dtype.itemsize), MPI.BYTE],
+                         [out, _layout(tuple(recvs), out.dtype.itemsize), MPI.BYTE])
+
+
+def _gather(call, MPI):
+    send = [call.x.flat, MPI.BYTE]
+    even = _even(call.counts)  # known alike on every rank: the same form everywhere
+    if call.ctx.rank != call.root:  # out is only written on the root
+        return ("Gather" if even else "Gatherv"), (send, None, call.root)
+    out = call.out.flat
+    if even:
+        return "Gather", (send, [out, MPI.BYTE], call.root)
+    return "Gatherv", (send, [out, _layout(tuple(call.counts), out.dtype.itemsize), MPI.BYTE],
+                       call.root)
+
+
+def _scatter(call, MPI):
+    # x is only read on the root. Always the vector form: a rank given out knows only its own
+    # block (api.scatter), so the ranks could not agree on the block form.
+    x = call.x.flat
+    sent = None if call.ctx.rank != call.root else \
+        [x, _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
+    return "Scatterv", (sent, [call.out.flat, MPI.BYTE], call.root)
+
+
+# collective -> (call, mpi4py.MPI) -> (the blocking mpi4py method's name, its arguments)
+_ARGUMENTS = {"barrier": _barrier, "broadcast": _broadcast, "allreduce": _allreduce,
+              "reduce": _reduce, "reduce_scatter": _reduce_scatter, "allgather": _allgather,
+              "alltoall": _alltoall, "gather": _gather, "scatter": _scatter}
 
 
 _MPI: list = []  # mpi4py.MPI, imported by the first call (not by importing the package)
