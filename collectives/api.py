@@ -64,8 +64,8 @@ def _output(x: Buffer, out, shape, what="out") -> tuple[Buffer, bool]:
         return x, x.count > 0
     if type(out) is np.ndarray and x.kind == "numpy" and out.dtype == x.dtype and \
             out.shape == shape and (flags := out.flags).c_contiguous and flags.writeable and \
-            ((out.base is None and x.obj.base is None) or  # two arrays owning their memory
-             not np.may_share_memory(x.flat, out)):
+            ((out.base is None and x.obj.base is None and out is not x.obj) or  # two arrays
+             not np.may_share_memory(x.flat, out)):  # owning their memory are apart
         return numpy_buffer(out), False  # the common case, checked at once
     o = wrap(out, what)
     if o.kind != x.kind or o.dtype != x.dtype or o.device != x.device:
