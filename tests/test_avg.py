@@ -46,11 +46,19 @@ def _same_everywhere(comm, result) -> bool:
     return bool(np.array_equal(raw, first))
 
 
-def _check(comm, got, want, bound, what):
+def _close(got, want, bound):
+    """``(finite and within bound of want, the largest error or "inf")``."""
     got64 = np.asarray(got).astype(np.float64)
-    ok = bool(np.isfinite(got64).all()) and float(np.abs(got64 - want).max(initial=0)) <= bound
+    if not np.isfinite(got64).all():
+        return False, "inf"
+    worst = float(np.abs(got64 - want).max(initial=0))
+    return worst <= bound, worst
+
+
+def _check(comm, got, want, bound, what):
+    """Finite, within ``bound`` of ``want`` and the same bits on every rank."""
+    ok, worst = _close(got, want, bound)
     same = _same_everywhere(comm, got)
-    worst = float(np.abs(got64 - want).max(initial=0)) if np.isfinite(got64).all() else "inf"
     assert_all(ok and same, f"{what}: largest error {worst} against {bound}; same bits on "
                             f"every rank: {same}")
 
@@ -86,10 +94,8 @@ def test_reduce_scatter_avg_near_the_largest_value(dtype, algorithm):
     x = every[r].copy()
     got = coll.reduce_scatter(x, "avg", counts=counts, algorithm=algorithm)
     assert_all(np.array_equal(x, every[r]), "x was modified")
-    got64 = got.astype(np.float64)
-    ok = bool(np.isfinite(got64).all()) and \
-        float(np.abs(got64 - want[lo:lo + counts[r]]).max(initial=0)) <= _bound(dtype, n, every)
-    assert_all(ok, f"reduce_scatter {algorithm}: {got64[:4]} against {want[lo:lo + 4]}")
+    ok, worst = _close(got, want[lo:lo + counts[r]], _bound(dtype, n, every))
+    assert_all(ok, f"reduce_scatter {algorithm}: largest error {worst}")
 
 
 @pytest.mark.mpi
@@ -103,13 +109,8 @@ def test_reduce_avg_near_the_largest_value(dtype, algorithm):
     x = every[r].copy()
     got = coll.reduce(x, "avg", root=n - 1, algorithm=algorithm)
     assert_all(np.array_equal(x, every[r]), "x was modified")
-    if r == n - 1:
-        got64 = got.astype(np.float64)
-        ok = bool(np.isfinite(got64).all()) and \
-            float(np.abs(got64 - want).max()) <= _bound(dtype, n, every)
-    else:
-        ok = got is None
-    assert_all(ok, f"reduce {algorithm}: {got}")
+    ok, worst = _close(got, want, _bound(dtype, n, every)) if r == n - 1 else (got is None, got)
+    assert_all(ok, f"reduce {algorithm}: largest error {worst}")
 
 
 @pytest.mark.mpi
