@@ -19,21 +19,31 @@ CPU's kernels, not by the code's correctness.
 """
 from __future__ import annotations
 
-__all__ = ["U", "gamma", "agree", "sgd_parameters"]
+__all__ = ["U", "BF16_U", "gamma", "agree", "average", "sgd_parameters"]
 
 U = 2.0 ** -24
+BF16_U = 2.0 ** -8   # bfloat16's unit roundoff (8 significant bits)
 
 
-def gamma(n: int) -> float:
-    """``n U / (1 - n U)``: the relative error of a sum of ``n`` terms in float32."""
-    assert n * U < 1, n
-    return n * U / (1 - n * U)
+def gamma(n: int, unit: float = U) -> float:
+    """``n U / (1 - n U)``: the relative error of a sum of ``n`` terms in float32 (in another
+    format with its unit roundoff ``unit``)."""
+    assert n * unit < 1, n
+    return n * unit / (1 - n * unit)
 
 
 def agree(n: int, scale: float) -> float:
     """How far two float32 computations of a value through reductions of ``n`` terms in all
     may differ, where ``scale`` bounds the terms' magnitude."""
     return 2 * gamma(n) * scale
+
+
+def average(n: int, scale, unit: float = U):
+    """How far a mean over ``n`` ranks, each input divided by ``n`` and the quotients summed in
+    any order (``op="avg"``: ``n`` roundings), may lie from the exact mean, where ``scale``
+    (a number, or an array for element-wise bounds) is the mean of the inputs' magnitudes:
+    ``gamma(n + 1) * scale``, one rounding to spare for a float64 reference's own."""
+    return gamma(n + 1, unit) * scale
 
 
 def sgd_parameters(lr: float, n: int, gradient_scales, parameter_scale: float,
