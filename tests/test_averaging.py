@@ -5,7 +5,10 @@ byte formula and checkpoints; MPI tests (``mpiexec -n 2``, ``3``; every n passes
 every averaging round with a mean taken by hand from every rank's tensors, check that the
 ranks hold bitwise the same parameters and buffers after it and different ones between
 rounds, that period 1 gives DDP's parameters, and that a setting that differs across ranks is
-a ValueError on every rank.
+a ValueError on every rank. Every tolerance is float32's rounding of the arithmetic compared
+(``rounding``): a mean over n ranks within ``rounding.average``, element-wise; SGD's steps
+within ``rounding.sgd_parameters``; DiLoCo's outer Nesterov step carried through its momentum
+(``_nesterov_bound``).
 """
 import numpy as np
 import pytest
@@ -18,6 +21,8 @@ from collectives.torch import averaging  # noqa: E402
 from collectives.torch.averaging import (DiLoCo, Hierarchical, Periodic,  # noqa: E402
                                          bandwidth_bytes, pick_level)
 from mpiutil import assert_all, world  # noqa: E402
+
+import rounding  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -70,9 +75,21 @@ def _stepped(net, opt, avg, comm, rank, step):
     return before, comm.allgather(_state(net))
 
 
+def _ratio(diff, bound) -> float:
+    """The largest ``|diff| / bound``, element-wise (infinite where a zero bound is missed)."""
+    diff, bound = np.abs(np.asarray(diff, np.float64)), np.asarray(bound, np.float64)
+    over = diff > bound
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1), np.where(over, np.inf, 0))
+    return float(ratio.max()) if ratio.size else 0.0
+
+
 def _off_mean(mine, before) -> float:
-    """How far ``mine`` is from the mean of ``before`` (the states averaged by hand)."""
-    return float(np.abs(mine - _mean(before)).max())
+    """How far ``mine`` is from the mean of ``before`` (the states averaged by hand), as the
+    largest ratio to float32's rounding of a mean over ``len(before)`` ranks (element-wise
+    ``rounding.average`` of the inputs' mean magnitude): at most 1 for a true average."""
+    scale = np.mean([np.abs(a.astype(np.float64)) for a in before], axis=0)
+    return _ratio(mine - _mean(before), rounding.average(len(before), scale))
 
 
 # -- in-process ----------------------------------------------------------------------------------
@@ -200,35 +217,62 @@ def test_state_dict_round_trip():
 
 
 def test_diloco_with_plain_sgd_and_lr_one_is_averaging():
-    """outer='sgd', outer_lr=1: global - (global - mean) is the mean (here, one rank's)."""
+    """outer='sgd', outer_lr=1: global - (global - mean) is the mean (here, one rank's), to
+    float32's two roundings: s = (g - x)(1 + e1), then (g - s)(1 + e2) = (x - (g - x) e1)
+    (1 + e2), within gamma(2) (|g - x| + |x|) of x; the buffers are copied, exactly."""
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     avg = DiLoCo(net, opt, outer="sgd", outer_lr=1.0, period=2)
     for step in range(4):
         _train(net, opt, 0, step)
+        glob = avg.global_state()
+        g = np.concatenate([glob[k].detach().double().reshape(-1).numpy()
+                            for k, _ in net.named_parameters()])
         before = _state(net)
         avg.step()
-        np.testing.assert_allclose(_state(net), before, rtol=1e-6, atol=1e-6)
+        x = before[:g.size].astype(np.float64)
+        bound = np.concatenate([rounding.gamma(2) * (np.abs(g - x) + np.abs(x)),
+                                np.zeros(before.size - g.size)])
+        err = _ratio(_state(net) - before.astype(np.float64), bound)
+        assert err <= 1, f"step {step}: {err} times float32's rounding from the local values"
 
 
 # -- MPI -----------------------------------------------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_period_one_gives_ddp_parameters():
+    """Momentum SGD is linear in the gradients, so averaging the parameters after every local
+    step is DDP's step on the averaged gradients, to float32's rounding: the gradients' (the
+    layers' sums over IN + 1 and HIDDEN + 1, the loss's mean over BATCH x OUT, retraced
+    backward, a weight's gradient summing BATCH rows, the mean over n ranks), carried through
+    the steps by rounding.sgd_parameters from the largest local gradient of every rank, plus
+    each step's parameter average (rounding.average of the largest parameter)."""
     comm = world()
-    r = comm.Get_rank()
+    n, r = comm.Get_size(), comm.Get_rank()
+    lr, mu = 0.1, 0.9
     ddp = DDP(_net(seed=r, bn=False))       # both start from rank 0's values
     plain = _net(seed=r, bn=False)
-    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=mu)
+    opt = torch.optim.SGD(plain.parameters(), lr=lr, momentum=mu)
     avg = Periodic(plain, period=1)
+    terms = 2 * (IN + 1 + HIDDEN + 1 + BATCH * OUT + n) + BATCH + n
+    grads = [[] for _ in plain.parameters()]
+    largest = [float(q.detach().abs().max()) for q in plain.parameters()]
     for step in range(5):
         _train(ddp, opt_ddp, r, step)
         _train(plain, opt, r, step)
+        for seen, q in zip(grads, plain.parameters()):
+            seen.append(max(comm.allgather(float(q.grad.abs().max()))))
         avg.step()
-        a, b = _state(ddp.module), _state(plain)
-        assert_all(np.allclose(a, b, rtol=1e-5, atol=1e-6),
-                   f"step {step}: max difference {np.abs(a - b).max()}")
+        largest = [max(m, *comm.allgather(float(q.detach().abs().max())))
+                   for m, q in zip(largest, plain.parameters())]
+        ratios = [float((a - b).detach().abs().max()) /
+                  (rounding.sgd_parameters(lr, terms, g, m, mu)
+                   + (step + 1) * rounding.average(n, m))
+                  for a, b, g, m in zip(ddp.module.parameters(), plain.parameters(), grads,
+                                        largest)]
+        assert_all(max(ratios) <= 1, f"step {step}: differences / float32's rounding "
+                                     f"{ratios}")
 
 
 @pytest.mark.mpi
@@ -245,7 +289,8 @@ def test_period_k_averages_parameters_and_buffers_as_by_hand():
         if (step + 1) % 3 == 0:
             assert_all(_same(after), f"step {step + 1}: ranks differ after averaging")
             err = _off_mean(after[r], before)
-            assert_all(err < 1e-6, f"step {step + 1}: {err} from the mean by hand")
+            assert_all(err <= 1, f"step {step + 1}: {err} times float32's rounding from the "
+                                 f"mean by hand")
         else:
             assert_all(np.array_equal(after[r], before[r]), f"step {step + 1} averaged")
             assert_all(n == 1 or not _same(after), f"step {step + 1}: ranks agree")
@@ -275,9 +320,13 @@ def test_each_dtype_is_averaged_in_its_own_buffer():
     avg.step()
     ok = True
     for k, t in enumerate(tensors):
+        # each rank's quotient and their sum round within rounding.average of the mean (the
+        # inputs are positive), with the dtype's unit roundoff
         want = (n + 1) / 2 * (k + 1) + torch.arange(t.numel()) % 3
-        tol = 0.02 * float(want.abs().max()) if t.dtype == torch.bfloat16 else 1e-12
-        ok &= float((t.detach().double().reshape(-1) - want).abs().max()) <= tol
+        unit = {torch.bfloat16: rounding.BF16_U, torch.float32: rounding.U,
+                torch.float64: 2.0 ** -53}[t.dtype]
+        tol = rounding.average(n, want.abs(), unit)
+        ok &= bool(((t.detach().double().reshape(-1) - want).abs() <= tol).all())
         ok &= _same(comm.allgather(t.detach().float().numpy().copy()))
     assert_all(ok, "a tensor is not the mean, or differs across ranks")
     assert_all([g.flat.dtype for g in avg.groups] ==
@@ -299,7 +348,8 @@ def test_warmup_of_a_module_averages_every_step_then_periodically():
         before, after = _stepped(net, opt, avg, comm, r, t)
         if t <= 3 or (t - 3) % 2 == 0:
             err = _off_mean(after[r], before)
-            assert_all(_same(after) and err < 1e-6, f"step {t}: not averaged ({err})")
+            assert_all(_same(after) and err <= 1, f"step {t}: not averaged ({err} times "
+                                                  f"float32's rounding from the mean)")
         else:
             assert_all(n == 1 or not _same(after), f"step {t}: averaged in local SGD")
     assert_all(avg.rounds == 5, f"{avg.rounds} rounds")
@@ -326,7 +376,8 @@ def test_warmup_of_a_ddp_allreduces_gradients_then_stops():
                        f"step {t}: warm-up")
         elif t == 5:
             err = _off_mean(both[r], before)
-            assert_all(_same(both) and err < 1e-6, f"step {t}: not averaged ({err})")
+            assert_all(_same(both) and err <= 1, f"step {t}: not averaged ({err} times "
+                                                 f"float32's rounding from the mean)")
         else:
             assert_all(n == 1 or not _same(params), f"step {t}: ranks agree in local SGD")
     per_step = grads[0]
@@ -354,8 +405,9 @@ def test_hierarchical_over_pairs_and_world_matches_hand_reference():
             before, after = _stepped(net, opt, avg, comm, r, t)
             group = range(n) if t % 4 == 0 else mates if t % 2 == 0 else [r]
             err = _off_mean(after[r], [before[q] for q in group])
-            assert_all(_same([after[q] for q in group]) and err < 1e-6,
-                       f"step {t}: over ranks {list(group)}: {err} from the mean by hand")
+            assert_all(_same([after[q] for q in group]) and err <= 1,
+                       f"step {t}: over ranks {list(group)}: {err} times float32's rounding "
+                       f"from the mean by hand")
             if t % 2:
                 assert_all(np.array_equal(after[r], before[r]), f"step {t} averaged")
         one = 4 * _averaged_elements(net)
@@ -388,9 +440,41 @@ def test_hierarchical_communicators_must_nest():
         parity.Free()
 
 
+def _nesterov_bound(n, lr, mu, glob, local, delta, momentum, before, error):
+    """How far DiLoCo's float32 outer step may lie from the hand's float64 one, element-wise,
+    and the momentum buffer's bound to carry into the next round. ``glob``: the global copy
+    before the round; ``local``: every rank's parameters; ``delta``, ``momentum``: the hand's
+    averaged pseudo-gradient and buffer; ``before``, ``error``: the hand's last buffer and the
+    float32 one's bound (None in the first round). Each rank rounds g - x once, divides it by
+    n and the quotients are summed (``op="avg"``: n + 1 roundings of terms of mean magnitude
+    mean |g - x_r|, one to spare for the hand's mean: gamma(n + 2)); torch's SGD then rounds
+    b = mu b + d (mu's float32 value and the product: gamma(2) mu |b|, the sum: U), the
+    Nesterov gradient d + mu b the same way, and p = g - lr (d + mu b) (lr's float32 value and
+    the product: gamma(2) lr |G|, the difference: U |p|); the hand's float64 roundings, a few
+    of 2^-53 each, lie within 2^-50 of the magnitudes."""
+    u = rounding.gamma(1)
+    e_d = rounding.gamma(n + 2) * sum((glob - x).abs() for x in local) / len(local)
+    if before is None:
+        e_b = e_d
+    else:
+        pre = mu * error + e_d + rounding.gamma(2) * mu * (before.abs() + error)
+        e_b = pre + u * (momentum.abs() + pre)
+    grad = delta + mu * momentum
+    pre = e_d + mu * e_b + rounding.gamma(2) * mu * (momentum.abs() + e_b)
+    e_g = pre + u * (grad.abs() + pre)
+    step = lr * e_g + rounding.gamma(2) * lr * (grad.abs() + e_g)
+    e_p = step + u * ((glob - lr * grad).abs() + step) + \
+        2.0 ** -50 * (glob.abs() + lr * (grad.abs() + e_g))
+    return e_p, e_b
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_diloco_outer_step_is_nesterov_on_the_averaged_delta():
+    """Each round's parameters are the outer Nesterov step by hand (float64, from the global
+    copy and every rank's parameters), within float32's rounding of the average, the momentum
+    buffer (carried through the rounds) and the step (``_nesterov_bound``); the buffers within
+    rounding.average of their mean. AdamW trains inside: the hand starts from what it gave."""
     comm = world()
     r = comm.Get_rank()
     net = _net(seed=r)
@@ -399,7 +483,7 @@ def test_diloco_outer_step_is_nesterov_on_the_averaged_delta():
     avg = DiLoCo(net, opt, outer="nesterov", outer_lr=lr, period=2)
     names = [n for n, _ in net.named_parameters()]
     buffer_names = [n for n, b in net.named_buffers() if b.is_floating_point()]
-    momentum = None
+    momentum = error = None
     for t in range(1, 7):
         _train(net, opt, r, t)
         if t % 2:
@@ -409,13 +493,23 @@ def test_diloco_outer_step_is_nesterov_on_the_averaged_delta():
         local = comm.allgather({k: v.detach().clone() for k, v in net.state_dict().items()})
         avg.step()
         delta = {k: glob[k] - sum(d[k].double() for d in local) / len(local) for k in names}
+        last = momentum
         momentum = delta if momentum is None else {k: mu * momentum[k] + delta[k]
                                                    for k in names}
         hand = {k: glob[k] - lr * (delta[k] + mu * momentum[k]) for k in names}
         hand.update({k: sum(d[k].double() for d in local) / len(local) for k in buffer_names})
+        bound, error = {}, {} if error is None else error
+        for k in names:
+            bound[k], error[k] = _nesterov_bound(
+                len(local), lr, mu, glob[k], [d[k].double() for d in local], delta[k],
+                momentum[k], None if last is None else last[k], error.get(k))
+        for k in buffer_names:
+            bound[k] = rounding.average(len(local), sum(d[k].double().abs() for d in local)
+                                        / len(local))
         now = net.state_dict()
-        err = max(float((now[k].double() - hand[k]).abs().max()) for k in hand)
-        assert_all(err < 1e-5, f"step {t}: {err} from the Nesterov step by hand")
+        err = max(_ratio(now[k].double() - hand[k], bound[k]) for k in hand)
+        assert_all(err <= 1, f"step {t}: {err} times float32's rounding from the Nesterov "
+                             f"step by hand")
         assert_all(all(torch.equal(now[k], v) for k, v in avg.global_state().items()),
                    "parameters are not the global copy")
         assert_all(_same(comm.allgather(_state(net))), f"step {t}: ranks differ")
