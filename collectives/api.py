@@ -297,8 +297,10 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
             raise ValueError("alltoall cannot run in place: out must not be x")
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "alltoall", check, exc)
-    counts_e = (shapes.elements(send, row), shapes.elements(recv, row),
-                None if matrix is None else tuple(shapes.elements(r, row) for r in matrix))
+    send_e = shapes.elements(send, row)
+    counts_e = (send_e, shapes.elements(recv, row),
+                None if matrix is None else (send_e,) * size if recv is send else
+                tuple(shapes.elements(r, row) for r in matrix))
     call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, mode is BLOCKING)
     # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
     algo = REGISTRY["alltoall"][NATIVE] if matrix is None and algorithm == "auto" else None

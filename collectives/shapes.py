@@ -30,6 +30,11 @@ def balanced(count: int, size: int) -> tuple[int, ...]:
 
 def counts_of(counts, size: int) -> tuple[int, ...]:
     """``counts`` as a tuple of ``size`` non-negative ints, or a ValueError saying why not."""
+    if type(counts) is tuple or type(counts) is list:  # plain ints: no numpy for a few counts
+        values = tuple(counts)
+        if len(values) == size and all(type(c) is int for c in values) and \
+                (not values or min(values) >= 0):
+            return values
     try:
         values = np.asarray(counts)
     except Exception:  # noqa: BLE001 - anything numpy cannot read is not a counts list
