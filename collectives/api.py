@@ -391,9 +391,9 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
             if xb.dtype != dtype or tuple(xb.shape[1:]) != trailing:
                 raise TypeError(f"scatter: x on rank {ctx.rank} is {xb.describe()}; the root "
                                 f"scatters {dtype.name} rows of shape {list(trailing)}")
-            xb = xb.new((0,) + trailing)
+            xb = wrap(x[:0], "x") if xb.shape else xb.new((0,) + trailing)  # no allocation
         elif out is not None:
-            xb = wrap(out, "out").new((0,) + trailing)
+            xb = wrap(out[:0], "out")
         else:
             xb = wrap(np.empty((0,) + trailing, dtype), "x")
         outb, inplace = _output(xb, out, (counts[ctx.rank],) + trailing)
