@@ -257,8 +257,9 @@ def _one_call(collective, name, dtype, ref_op, op, count, counts, root, inplace,
     total = sum(counts) if collective == "reduce_scatter" else count
     ins = [_rank_input(seed, r, dtype, ref_op, total) for r in range(size)]
     want = reference(ins, dtype, ref_op)
-    match = same
-    if op == "avg":
+    if op != "avg":
+        match = same
+    else:
         # every input divided by the rank count, then summed (ops.mean_first): each quotient
         # and each of the n - 1 partial sums rounded once, so within n * eps * max|x| of the
         # exact mean (a bound on the arithmetic, not on one machine's rounding)

@@ -46,7 +46,7 @@ import collectives as coll
 from collectives import p2p
 from collectives.errors import CollectiveError
 
-from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule
+from .schedules import B, F, RECV_F, SEND_B, SEND_F, W, Schedule
 from .verify import verify
 
 __all__ = ["Pipeline", "PipelineError"]
