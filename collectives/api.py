@@ -373,8 +373,9 @@ def gather_init(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto"
 
 def _scatter(x, root, counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "scatter")
-    # With out on every rank, each rank knows what it receives (as MPI_Scatterv): no header.
-    known = out is not None
+    # With out on every rank, each rank knows what it receives (as MPI_Scatterv): no header
+    # for MPI's own. A toolkit algorithm (a tree) needs every rank's counts: the header then.
+    known = out is not None and (algorithm == "auto" or algorithm == NATIVE)
     try:
         root = _root(root, ctx.size)
         if known:
@@ -414,10 +415,10 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
 def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
     """This rank's block of root's ``x``, split on axis 0 in equal blocks or by ``counts``
     (given on the root); ``x`` is read on the root only (None elsewhere is fine). ``out``,
-    given on every rank or on none: with it, each rank receives ``out``'s rows and nothing
-    moves but the data (as ``MPI_Scatterv``; a named algorithm other than ``native`` then
-    needs ``counts`` on every rank for a ragged split); without it, the root's dtype,
-    trailing shape and counts reach the others in one small header first."""
+    given on every rank or on none: with it (and ``auto`` or ``native``), each rank receives
+    ``out``'s rows and nothing moves but the data (as ``MPI_Scatterv``); without it, or for
+    another algorithm named (which needs every rank's counts), the root's dtype, trailing
+    shape and counts reach the others in one small header first."""
     return _scatter(x, root, counts, out, comm, algorithm, check, BLOCKING)
 
 
