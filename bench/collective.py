@@ -18,7 +18,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency of the toolkit
     pass
 
-__all__ = ["Collective", "BUSBW", "busbw_factor", "rank_data", "expected_reduce"]
+__all__ = ["Collective", "BUSBW", "busbw_factor", "rank_data", "expected_reduce", "AVG_BOUND"]
 
 BUSBW = {
     "allreduce": lambda n: 2 * (n - 1) / n,
@@ -59,16 +59,26 @@ def rank_data(rank: int, count: int, dtype, op: str | None = "sum") -> np.ndarra
     return vals.astype(dtype)
 
 
+AVG_BOUND = "avg bound"  # expected_reduce's op for how far an avg may lie from the exact mean
+
+
 def expected_reduce(n: int, count: int, dtype, op: str) -> np.ndarray:
-    """The reduction of ``rank_data`` over ``n`` ranks, as the toolkit computes it (``avg`` is
-    the sum divided by n in the dtype)."""
+    """The reduction of ``rank_data`` over ``n`` ranks, exactly: in the dtype for every op but
+    ``avg``, whose result is the float64 mean (the toolkit divides each input by n, then sums in
+    its algorithm's order, so an avg is checked within ``AVG_BOUND``: (n + 1) roundings of
+    terms of the inputs' mean magnitude, in the dtype's unit roundoff)."""
+    if op in ("avg", AVG_BOUND):
+        data = np.stack([rank_data(r, count, dtype, "avg").astype(np.float64)
+                         for r in range(n)])
+        if op == "avg":
+            return data.mean(0)
+        k = (n + 1) * float(np.finfo(dtype).eps) / 2
+        return k / (1 - k) * np.abs(data).mean(0)
     from collectives.ops import resolve
     opr = resolve(op, dtype)
     acc = rank_data(0, count, dtype, op)
     for r in range(1, n):
         opr.reduce(acc, acc, rank_data(r, count, dtype, op))
-    if op == "avg":
-        np.divide(acc, n, out=acc)
     return acc
 
 

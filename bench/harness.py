@@ -32,7 +32,7 @@ import traceback
 
 import numpy as np
 
-from bench.collective import Collective, busbw_factor, rank_data
+from bench.collective import AVG_BOUND, Collective, busbw_factor, rank_data
 from bench.stats import Result
 from bench.units import format_size
 
@@ -303,15 +303,20 @@ class Sweep:
     def _check(self, calls, results, cin: int) -> None:
         """One call of each on exact data, wrong elements counted over ranks; then in-place
         buffers zeroed for the timed calls."""
-        want = None
+        want = bound = None
         if self.check:
             want = self.spec.expected(self.rank, self.n, cin, self.dtype, self.op,
                                       max(self.root, 0))
+            if self.op == "avg" and want is not None:  # within the rounding of divide-then-sum
+                bound = self.spec.expected(self.rank, self.n, cin, self.dtype, AVG_BOUND,
+                                           max(self.root, 0))
         for key, (fn, res, reset) in calls.items():
             if self.check:
                 reset()
                 fn()
-                bad = 0 if want is None else int(np.count_nonzero(res != want))
+                bad = 0 if want is None else int(np.count_nonzero(res != want)) \
+                    if bound is None else \
+                    int(np.count_nonzero(np.abs(res.astype(np.float64) - want) > bound))
                 results[key].wrong = _sum(self.comm, bad)
             reset(zero=key[1] == "in")
 

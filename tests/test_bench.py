@@ -14,7 +14,7 @@ import pytest
 from bench import harness, overhead, report, stats, tune, units
 from bench.allgather import Allgather
 from bench.allreduce import Allreduce
-from bench.collective import busbw_factor, expected_reduce, rank_data
+from bench.collective import AVG_BOUND, busbw_factor, expected_reduce, rank_data
 from bench.reduce_scatter import ReduceScatter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,10 +113,16 @@ def test_expected_reduce_is_exact(op, dtype):
     n, count = 5, 23
     got = expected_reduce(n, count, dtype, op)
     data = np.stack([rank_data(r, count, dtype, op).astype(np.float64) for r in range(n)])
-    ref = {"sum": data.sum(0), "avg": data.sum(0), "prod": data.prod(0), "min": data.min(0),
+    ref = {"sum": data.sum(0), "avg": data.mean(0), "prod": data.prod(0), "min": data.min(0),
            "max": data.max(0)}[op]
-    if op == "avg":
-        ref = (ref.astype(dtype) / np.asarray(n, dtype)).astype(np.float64)
+    if op == "avg":  # the exact mean, and (n + 1) roundings of the mean magnitude around it
+        assert got.dtype == np.float64 and (got == ref).all()
+        unit = float(np.finfo(dtype).eps) / 2
+        bound = expected_reduce(n, count, dtype, AVG_BOUND)
+        assert np.allclose(bound, (n + 1) * unit / (1 - (n + 1) * unit) * np.abs(data).mean(0),
+                           rtol=1e-12, atol=0)
+        assert (bound > 0).any()
+        return
     assert got.dtype == np.dtype(dtype)
     assert (got.astype(np.float64) == ref).all()
     # rank-dependent: two ranks' data differ
