@@ -382,6 +382,9 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
             dtype, trailing, counts = shapes.scatter_known(ctx, root, x, out, counts)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "scatter", check, exc)
+    if ctx.size > 1 and _check.enabled(check):  # out on some ranks only: said, not a hang
+        _check.verify(ctx.comm, collective="scatter", root=root, sequence=ctx.seq,
+                      algorithm=f"{algorithm}, out {'given' if out is not None else 'none'}")
     if not known:
         dtype, trailing, counts = shapes.scatter_header(ctx, root, x, counts)
     try:

@@ -336,3 +336,18 @@ def test_persistent_request_bad_arguments_raise_on_every_rank():
         coll.allreduce_init(np.ones(3), out=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="unknown algorithm|algorithm"):
         coll.allreduce_init(np.ones(3), out=np.zeros(3), algorithm="nonesuch")
+
+
+@pytest.mark.mpi
+def test_scatter_with_out_on_some_ranks_only_is_named_when_checked():
+    """``out`` given on some ranks only: with ``check=True`` a ``MismatchError`` on every rank
+    (no rank waits for a header the others do not send)."""
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    x = np.arange(2.0 * n) if r == 0 else None
+    with pytest.raises(coll.MismatchError, match="out"):
+        coll.scatter(x, root=0, out=None if r == 0 else np.zeros(2), check=True)
+    got = coll.scatter(x, root=0, out=np.zeros(2), check=True)  # and the call goes on
+    assert_all(np.array_equal(got, np.arange(2.0 * r, 2.0 * r + 2)), f"{got}")
