@@ -9,6 +9,7 @@ so that every rank raises instead of the others waiting.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -23,9 +24,12 @@ __all__ = ["balanced", "counts_of", "CountBuffers", "MatrixBuffers", "allgather_
            "scatter_known"]
 
 
+@functools.lru_cache(maxsize=1024)
 def balanced(count: int, size: int) -> tuple[int, ...]:
+    """``numpy.array_split``'s sizes of ``count`` over ``size`` ranks (a program's few lengths
+    repeat: cached, as the tuple costs more than a small call's MPI)."""
     q, r = divmod(count, size)
-    return tuple(q + 1 if k < r else q for k in range(size))
+    return (q + 1,) * r + (q,) * (size - r)
 
 
 def counts_of(counts, size: int) -> tuple[int, ...]:
