@@ -32,15 +32,6 @@ from .errors import network_error
 
 __all__ = ["Persistent"]
 
-# The blocking mpi4py method of ``native.arguments`` -> its persistent form.
-_INIT = {"Allreduce": "Allreduce_init", "Reduce": "Reduce_init", "Bcast": "Bcast_init",
-         "Reduce_scatter_block": "Reduce_scatter_block_init",
-         "Reduce_scatter": "Reduce_scatter_init", "Allgather": "Allgather_init",
-         "Allgatherv": "Allgatherv_init", "Alltoall": "Alltoall_init",
-         "Alltoallv": "Alltoallv_init", "Gather": "Gather_init", "Gatherv": "Gatherv_init",
-         "Scatterv": "Scatterv_init", "Barrier": "Barrier_init"}
-
-
 class Persistent:
     """A persistent collective request: ``start()`` runs the call, ``wait()`` returns its
     result, ``test()`` polls; start again once it is complete. ``free()`` lets go of it."""
@@ -76,7 +67,7 @@ class Persistent:
         if algo is not None and algo.kind is select.NATIVE and ctx.size > 1 and \
                 not call.x.is_device and not dispatch.nothing_to_move(call):
             name, args = native.arguments(call)
-            init = getattr(ctx.comm, _INIT.get(name, ""), None)
+            init = getattr(ctx.comm, name + "_init", None)  # MPI-4: MPI_Allreduce_init, ...
             if init is not None:
                 try:
                     self._mpi = init(*args)
