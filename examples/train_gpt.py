@@ -45,23 +45,43 @@ from torch import nn  # noqa: E402
 __all__ = ["GPT", "plan", "corpus", "batch", "build", "train", "pipelined", "main"]
 
 
+class AttentionCore(nn.Module):
+    """``softmax(q k^T / sqrt(d)) v`` under a causal mask, per head: torch's fused kernel
+    (``"sdpa"``, which keeps no scores for backward) or written out (``"math"``, which keeps the
+    softmax, ``b a s^2`` elements per layer: what selective recompute removes)."""
+
+    def __init__(self, kind: str = "sdpa"):
+        super().__init__()
+        if kind not in ("sdpa", "math"):
+            raise ValueError(f"attention {kind!r}: expected 'sdpa' or 'math'")
+        self.kind = kind
+
+    def forward(self, q, k, v):
+        if self.kind == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu_(1)
+        return scores.masked_fill_(mask, float("-inf")).softmax(dim=-1) @ v
+
+
 class Attention(nn.Module):
     """Causal self-attention; q/k/v rows grouped by head."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, attention: str = "sdpa"):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} is not divisible by heads {heads}")
         self.head_dim = dim // heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.core = AttentionCore(attention)
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
         qkv = self.qkv(x)
         b, t, f = qkv.shape  # t is the whole sequence, f this rank's heads' q, k and v
         q, k, v = qkv.view(b, t, f // (3 * self.head_dim), 3, self.head_dim).unbind(3)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -80,10 +100,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, attention: str = "sdpa"):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn, self.mlp = Attention(dim, heads), MLP(dim)
+        self.attn, self.mlp = Attention(dim, heads, attention), MLP(dim)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -93,12 +113,12 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token embedding, blocks, final norm, head tied to the embedding."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, attention: str = "sdpa"):
         super().__init__()
         self.heads = heads
         self.embed = nn.Embedding(vocab, dim)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, attention) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
@@ -110,15 +130,18 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def plan(model: GPT, sequence_parallel: bool) -> dict:
+def plan(model: GPT, sequence_parallel: bool, recompute: str = "none") -> dict:
     """The tensor-parallel plan of ``GPT``: attention heads and MLP columns split, vocabulary
-    split, norms marked for sequence parallelism."""
+    split, norms marked for sequence parallelism, the modules ``recompute`` names (none,
+    selective: the attention core, full: whole blocks) marked for activation checkpointing."""
+    from collectives.torch.checkpoint import GPT_POLICIES
     hd = model.blocks[0].attn.head_dim
     out = {"embed": "vocab", "head": "colwise",
            "blocks.*.attn.qkv": f"colwise:{3 * hd}", "blocks.*.attn.proj": f"rowwise:{hd}",
            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
     if sequence_parallel:
         out.update({"blocks.*.norm*": "sequence", "norm": "sequence"})
+    out.update({p: "recompute" for p in GPT_POLICIES[recompute]})
     return out
 
 
@@ -149,9 +172,12 @@ def build(args, mesh=None):
     loss function)."""
     from collectives.torch import DistributedDataParallel, ShardedDataParallel
     from collectives.torch import tensor_parallel as tp
+    from collectives.torch import checkpoint
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.dim, args.heads, args.layers)
+    model = GPT(args.vocab, args.dim, args.heads, args.layers, args.attention)
     if mesh is None:
+        if args.recompute != "none":
+            checkpoint.recompute(model, checkpoint.GPT_POLICIES[args.recompute])
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         return model, model, opt, lambda logits, y: F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -159,7 +185,7 @@ def build(args, mesh=None):
     if args.heads % tp_comm.Get_size():
         # the plan's unit says the same for blocks.*.attn.qkv; this names the model's setting
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {tp_comm.Get_size()}")
-    tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel))
+    tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel, args.recompute))
     if args.zero:
         wrapped = ShardedDataParallel(model, stage=args.zero, comm=dp_comm)
     else:
@@ -214,6 +240,12 @@ def parser():
     # weight after the embedding's forward: stage 3 does not support a shared weight
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2),
                    help="data parallelism: 0 DistributedDataParallel, 1-2 ZeRO stage (0)")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation checkpointing: none, selective (the attention core), "
+                        "full (whole blocks) (none)")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "math"),
+                   help="attention core: torch's fused kernel, or written out, keeping its "
+                        "b a s^2 scores for backward (sdpa)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=264, help="byte vocabulary, padded (264)")
@@ -274,8 +306,8 @@ def pipelined(args, mesh):
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} is not divisible by --dp {dp}")
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.dim, args.heads, args.layers)
-    tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel))
+    model = GPT(args.vocab, args.dim, args.heads, args.layers, args.attention)
+    tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel, args.recompute))
     job = pgpt.PipelinedGPT(model, mesh, schedule=args.schedule, microbatches=args.microbatches,
                             loss_fn=lambda z, y: tp.vocab_parallel_cross_entropy(z, y, tp_comm),
                             zero=args.zero)

@@ -23,7 +23,8 @@ unit), which is all an optimizer sees.
    one transient flat buffer, reduce-scatter it into the shard's gradient and drop the full
    ones.
    Stage 3 re-gathers a layer before its backward (a hook on the layer's outputs) and frees it
-   once its gradients are launched. At the end of backward, units with unused parameters are
+   once its gradients are launched. A layer run again by activation checkpointing
+   (``collectives.torch.checkpoint``) is gathered for its recompute and kept until then. At the end of backward, units with unused parameters are
    launched with zeros for them, and every launch is waited. Every average is the core's
    ``op="avg"``, which cannot overflow where the mean does not (float16, bfloat16).
 3. *State.* ``full_state_dict`` gathers full tensors (names of ``module.state_dict()``);
@@ -54,6 +55,7 @@ import torch
 from . import functional
 from .agreement import same_parameters
 from .backward import Launcher, hook_parameters, hooks_removed_with
+from .checkpoint import recomputing
 from .buckets import assign
 from .flat import FlatBuffer
 from .memory import flat_zeros, register_on
@@ -268,11 +270,18 @@ class ShardedDataParallel(torch.nn.Module):
         unit.gathered = False
 
     def _before_forward(self, unit) -> None:
+        if recomputing():  # inside backward: gather this layer, prefetch nothing
+            self._ensure_gathered(unit)
+            return
         # Prefetch what followed this layer in the previous forward (the same on every rank).
         self._forward_seen.append(unit)
         self._ensure_gathered(unit, self._next_in_forward.get(unit.index))
 
     def _after_forward(self, unit, out) -> None:
+        if recomputing():
+            # The recomputed forward handed autograd this layer's parameters for the backward
+            # about to run: it stays gathered until its gradients are launched (_launch frees).
+            return
         self._free(unit)
         if not torch.is_grad_enabled():
             return

@@ -40,7 +40,9 @@ name matches a pattern (``fnmatch`` per name segment: ``*`` is one segment) is r
 parallel layer, whose shard is sliced from the module's full weight (every rank must hold the
 same full weights: the same seed, or a loaded checkpoint). Styles: ``colwise[:unit]``,
 ``rowwise[:unit]``, ``vocab``, ``sequence`` (a norm under sequence parallelism; any
-``sequence`` entry turns sequence parallelism on for every layer of the plan). A weight shared by
+``sequence`` entry turns sequence parallelism on for every layer of the plan), ``recompute``
+(activation checkpointing of the module, ``collectives.torch.checkpoint``: ``"blocks.*"`` full,
+``"blocks.*.attn.core"`` selective; its collectives run again in backward). A weight shared by
 two layers (an output head tied to the embedding) stays shared when both split it the same way.
 Before any other collective, the ranks agree (``agreement.agree``: one small allreduce of a
 digest) on every planned layer's name, style and shape; a disagreement, a pattern that names no
@@ -57,6 +59,7 @@ from torch import nn
 
 import collectives as coll
 
+from . import checkpoint
 from .agreement import agree
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -65,7 +68,7 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "reduce_from_region", "gather_along", "reduce_scatter_along", "STYLES", "Traffic",
            "traffic"]
 
-STYLES = ("colwise", "rowwise", "vocab", "sequence")
+STYLES = ("colwise", "rowwise", "vocab", "sequence", "recompute")
 
 
 # --- the collectives along a dimension -------------------------------------------------------
@@ -449,7 +452,9 @@ def _resolve(module: nn.Module, plan: dict) -> list[tuple[str, nn.Module, str, i
         if want is not None and type(m) is not want:
             raise ValueError(f"{name}: style {style!r} converts a {want.__name__}, this is a "
                              f"{type(m).__name__}")
-        if style == "sequence" and not list(m.parameters(recurse=False)):
+        if style == "recompute":
+            pass
+        elif style == "sequence" and not list(m.parameters(recurse=False)):
             raise ValueError(f"{name}: style 'sequence' marks a norm layer, this "
                              f"{type(m).__name__} has no parameters of its own")
         found.append((name, m, style, unit))
@@ -520,6 +525,8 @@ def parallelize(module: nn.Module, comm, plan: dict, *, seq_dim: int = 1) -> nn.
                                  f"max_norm or sparse")
     for name, m, style, unit in found:
         kw = {"comm": comm, "sequence_parallel": sequence, "seq_dim": seq_dim, "name": name}
+        if style == "recompute":
+            continue
         if style == "sequence":
             if sequence:
                 for p in m.parameters(recurse=False):
@@ -543,6 +550,9 @@ def parallelize(module: nn.Module, comm, plan: dict, *, seq_dim: int = 1) -> nn.
                 _sync_grad(new.bias, comm)
         new.to(m.weight.device)
         _set(module, name, new)
+    marked = [name for name, _, style, _ in found if style == "recompute"]
+    if marked:  # after the conversion: the marks go on the modules that stay
+        checkpoint.recompute(module, marked)
     return module
 
 

@@ -12,6 +12,11 @@ as evenly as they go (earlier stages take the extra ones). Rank (pp = k) keeps t
 ``schedule.local_stages(k)``; what it does not keep it never uses, and its parameters are
 never trained there.
 
+Activation checkpointing: ``recompute="full"`` (every block keeps its input only) or
+``"selective"`` (the attention core) marks the model's modules before it is cut
+(``collectives.torch.checkpoint``); a stage's backward recomputes them, in whatever order its
+schedule runs the backwards (a split backward's B and W each recompute what they need).
+
 Data parallelism: each stage module is wrapped in the toolkit's ``DistributedDataParallel``
 (``zero=0``) or ``ShardedDataParallel`` stage 1 (``zero=1``) over ``mesh.comm("dp")``; the
 runner runs every backward but a stage's last under ``no_sync()``, so the gradients are
@@ -93,8 +98,13 @@ class PipelinedGPT:
     the tied embedding kept in step."""
 
     def __init__(self, model: nn.Module, mesh, schedule: str = "1f1b", microbatches: int = 4,
-                 virtual: int = 1, loss_fn=None, zero: int = 0):
+                 virtual: int = 1, loss_fn=None, zero: int = 0, recompute: str = "none"):
         from collectives.torch import DistributedDataParallel, ShardedDataParallel
+        from collectives.torch.checkpoint import GPT_POLICIES, recompute as mark
+        if recompute not in GPT_POLICIES:
+            raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(GPT_POLICIES)}")
+        if GPT_POLICIES[recompute]:
+            mark(model, GPT_POLICIES[recompute])
         pp_comm, dp_comm = mesh.comm("pp"), mesh.comm("dp")
         p, k = pp_comm.Get_size(), pp_comm.Get_rank()
         self.schedule = make_schedule(schedule, p, microbatches, virtual)
