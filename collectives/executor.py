@@ -29,9 +29,11 @@ point through which the API and the composite algorithms run a schedule.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
+import weakref
 from collections import deque
 
 import numpy as np
@@ -125,6 +127,25 @@ class Context:
 
 _KEYVAL = None
 _KEYVAL_LOCK = threading.Lock()
+# Every live context, in the order they were made (the same on every rank of a communicator:
+# making one is a collective ``Dup``).
+_LIVE: list = []
+
+
+@atexit.register
+def _free_at_exit() -> None:
+    """Free every live context (its shared windows, sub-communicators and ``Dup``), in the
+    order they were made, before mpi4py finalizes MPI (mpi4py finalizes after the interpreter's
+    ``atexit`` hooks). A window still open at ``MPI_Finalize`` makes MPICH's OFI netmod fail
+    it ("fabricclose ... Device or resource busy") when ranks talk over a network."""
+    from mpi4py import MPI
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    for ref in _LIVE:
+        ctx = ref()
+        if ctx is not None:
+            _delete_context(None, None, ctx)
+    _LIVE.clear()
 
 
 def _delete_context(comm, keyval, ctx):
@@ -154,6 +175,8 @@ def context(comm) -> Context:
         if ctx is None:
             ctx = Context(comm)
             comm.Set_attr(_KEYVAL, ctx)
+            _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
+            _LIVE.append(weakref.ref(ctx))
     return ctx
 
 
