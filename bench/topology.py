@@ -11,7 +11,6 @@ the busiest rank's and the sum over all ranks.
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 
@@ -60,20 +59,11 @@ def main(argv=None, comm=None) -> int:
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
-    from collectives.topology import topology
+    from collectives.topology.__main__ import report
     comm = comm or MPI.COMM_WORLD
-    topo = topology(comm)
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = []
-    rows = comm.gather((comm.Get_rank(), MPI.Get_processor_name(), cpus), root=0)
-    if comm.Get_rank() == 0:
-        print(topo.describe())
-        for r, host, cpu in rows:
-            print(f"  rank {r}: host {host}, node {topo.node[r]}, local rank "
-                  f"{topo.local_rank(r)}/{topo.local_size(r)}, numa {topo.numa[r]}, cpus "
-                  f"{','.join(map(str, cpu))}")
+    text = report(comm)
+    if text is not None:
+        print(text)
     if args.traffic is None:
         return 0
     table = traffic_table(comm, int(args.traffic * (1 << 20)), args.algorithms.split(","))

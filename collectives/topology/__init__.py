@@ -34,7 +34,7 @@ node's size simply have fewer peers), ``numa`` and ``leaders`` (the lowest rank 
 ``COMM_NULL`` elsewhere).
 
 The bytes a rank sends per link class are counted by ``collectives.traffic``; run
-``mpiexec -n 4 python -m bench topology`` to print what a job sees.
+``mpiexec -n 4 python -m collectives.topology`` to print what a job sees.
 """
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ import re
 
 import numpy as np
 
-from . import config
+from .. import config
 
 __all__ = ["Topology", "topology", "simulated", "communicators", "Communicators", "node_comm",
            "SAME_NUMA", "SAME_NODE", "OTHER_NODE", "LINK_NAMES", "numa_of_cpus", "discover",
-           "context_of"]
+           "context_of", "derived", "forget"]
 
 SAME_NUMA, SAME_NODE, OTHER_NODE = 0, 1, 2
 LINK_NAMES = ("same_numa", "same_node", "other_node")
@@ -353,7 +353,7 @@ def topology(comm=None) -> Topology:
 def context_of(comm):
     """The executor's ``Context`` of ``comm`` (``COMM_WORLD`` when None; a ``Context`` is
     its own)."""
-    from .executor import Context, context
+    from ..executor import Context, context
     if isinstance(comm, Context):
         return comm
     if comm is None:
@@ -405,3 +405,32 @@ def node_comm(comm=None):
     share a node", simulated ones (``COLLECTIVES_RANKS_PER_NODE``) included. Cached with the
     other sub-communicators (collective on first use); the caller must not free it."""
     return communicators(comm).node
+
+
+# -- when a communicator is lost ------------------------------------------------------------
+def derived(comm) -> list:
+    """The communicators the toolkit made for ``comm`` and still holds (its context's private
+    Dup and the sub-communicators), never making one: what must be revoked with ``comm`` when
+    a process of it fails, so that no rank stays blocked on them."""
+    from mpi4py import MPI
+    from ..executor import cached_context
+    ctx = cached_context(comm)
+    if ctx is None:
+        return []
+    out = [ctx.comm]
+    known = ctx.slots.get(_Known)
+    if known is not None and known.comms is not None:
+        c = known.comms
+        out += [x for x in (c.node, c.cross, c.numa, c.leaders)
+                if x is not None and x != MPI.COMM_NULL]
+    return out
+
+
+def forget(comm) -> None:
+    """Drop what the toolkit caches for ``comm`` (its context: the private Dup, the watchdog's
+    side channel, scratch, topology and sub-communicators), so that nothing runs on it again;
+    never collective. For a communicator that lost a process (revoked): its MPI objects are
+    freed locally, which ULFM allows on a revoked communicator."""
+    from ..executor import _KEYVAL, cached_context
+    if cached_context(comm) is not None:
+        comm.Delete_attr(_KEYVAL)
