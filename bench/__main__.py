@@ -9,8 +9,8 @@ without mpiexec), ``tune`` (measure and write the table ``auto`` reads), ``calib
 ``model`` (the alpha-beta-gamma cost model), ``plot`` (redraw JSON results), ``docs``
 (regenerate the documentation's sample outputs), ``topology`` (what a job sees of nodes and NUMA
 domains, and the bytes each algorithm sends per link class), ``net`` (run a command on a
-rate-limited network) and ``wall`` (the communication study on that network; it launches its
-jobs).
+rate-limited network), ``cluster`` (run a job on hosts built on this machine) and ``wall``
+(the communication study on that network; it launches its jobs).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ COMMANDS = {
     "pipeline": "pipeline schedules: step, bubble, activations beside pp.simulate and torch's",
     "topology": "the nodes and NUMA domains a job sees; --traffic: bytes per link class",
     "net": "run any command over MPI's TCP transport on a rate-limited loopback (needs root)",
+    "cluster": "run an MPI job on hosts built on this machine, linked at a rate (needs root)",
     "wall": "communication study on a rate-limited network: time to target per method",
 }
 

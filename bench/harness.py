@@ -169,12 +169,27 @@ class Sweep:
         self.factor = busbw_factor(collective.name, self.n)
         self.out = out  # out(results of one size[, late=True]) as each size is done
         self.notes: list[str] = []
+        if not algorithms:
+            self._drop_one_node()
         self._gloo = None  # the process group, started after every other row (``run``)
         if "gloo" in self.algorithms:
             why = self._no_gloo()
             if why:
                 self.notes.append(f"{why}, skipped")
                 self.algorithms.remove("gloo")
+
+    def _drop_one_node(self) -> None:
+        """Leave out the algorithms that need every rank on one node where ranks span nodes."""
+        from collectives.registry import ONE_NODE, get
+        from collectives.topology import topology
+        if topology(self.comm).single_node:
+            return
+        names = [a for a in self.algorithms if a not in ("auto", "gloo")
+                 and get(self.spec.name, a).needs is ONE_NODE]
+        if names:
+            self.algorithms = [a for a in self.algorithms if a not in names]
+            self.notes.append(f"{', '.join(names)}: one node only, and ranks span nodes; "
+                              f"skipped")
 
     def _no_gloo(self) -> str | None:
         """Why gloo cannot run this sweep, or None."""

@@ -19,7 +19,8 @@ the same before, during and after, even when the runner is killed. The job canno
 runner: the runner's death kills ``unshare`` (parent-death signal), whose death kills the
 namespace's first process (``--kill-child``), whose death kills every process in the PID
 namespace. SIGINT and SIGTERM are forwarded to the job's process group; the runner then waits
-for the job and exits with its status (128 + signal for a job ended by a signal). When standard
+for the job (at most ``GRACE_S`` seconds, then it kills the namespace) and exits with its status
+(128 + signal for a job ended by a signal). When standard
 input is a terminal the job does not read it (it runs in its own process group, which would be
 stopped by a read).
 
@@ -45,7 +46,7 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["TCP_ENV", "NODE_ENV", "check_available", "Network", "parse_rate", "main"]
+__all__ = ["TCP_ENV", "NODE_ENV", "check_available", "Network", "parse_rate", "execute", "main"]
 
 # MPI between ranks of one machine over TCP, not shared memory. MPICH: no local (shm) path, the
 # OFI netmod on libfabric's tcp provider. Open MPI: the tcp and self BTLs only, on the loopback
@@ -191,48 +192,82 @@ class Network:
             raise SystemExit(128 + signum)
         return done
 
-    def _execute(self, argv, env, timeout, capture):
-        """(CompletedProcess, the signal passed on or None)."""
+    def environment(self, env=None) -> dict:
+        """``env`` (default ``os.environ``) with ``TCP_ENV`` and, unless set, ``NODE_ENV``."""
         full = dict(os.environ if env is None else env)
         full.update(TCP_ENV)
         for name, value in NODE_ENV.items():  # the caller's choice wins
             full.setdefault(name, value)
-        stdin = subprocess.DEVNULL if _tty_stdin() else None
-        proc = subprocess.Popen(self.argv(argv), env=full, stdin=stdin, preexec_fn=_start_child,
-                                stdout=subprocess.PIPE if capture else None,
-                                stderr=subprocess.PIPE if capture else None,
-                                text=True if capture else None)
-        received = []
+        return full
 
-        def forward(signum, frame):
-            received.append(signum)
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+    def _execute(self, argv, env, timeout, capture):
+        """(CompletedProcess, the signal passed on or None)."""
+        return execute(self.argv(argv), list(argv), self.environment(env), timeout, capture)
 
-        main = threading.current_thread() is threading.main_thread()
-        saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if main else {}
+
+def execute(full_argv, argv, env, timeout, capture):
+    """Run ``full_argv`` (an ``unshare`` line that holds the job ``argv``) in a process group of
+    its own that dies with this process; SIGINT and SIGTERM are passed on to it. Returns
+    (CompletedProcess, the signal passed on or None); on ``timeout`` the whole group is killed
+    and ``subprocess.TimeoutExpired`` raised."""
+    stdin = subprocess.DEVNULL if _tty_stdin() else None
+    proc = subprocess.Popen(full_argv, env=env, stdin=stdin, preexec_fn=_start_child,
+                            stdout=subprocess.PIPE if capture else None,
+                            stderr=subprocess.PIPE if capture else None,
+                            text=True if capture else None)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
         try:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill(proc)
-                out, err = proc.communicate()
-                raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
-            except BaseException:
-                _kill(proc)
-                proc.wait()
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if main else {}
+    try:
+        try:
+            out, err = _communicate(proc, timeout, received)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+        except BaseException:
+            _kill(proc)
+            proc.wait()
+            raise
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    code = proc.returncode
+    if code < 0:  # unshare itself ended by a signal
+        code = 128 - code
+    return subprocess.CompletedProcess(list(argv), code, out, err), \
+        (received[0] if received else None)
+
+
+# How long a job may take to end after a SIGINT or SIGTERM was passed on to it, before the
+# whole namespace is killed (a rank that ignores the signal must not keep the runner waiting).
+GRACE_S = 10.0
+
+
+def _communicate(proc, timeout, received):
+    """``proc.communicate(timeout)``, killing the job ``GRACE_S`` after a signal arrived."""
+    import time
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = GRACE_S if received else 0.5
+        if deadline is not None:
+            step = min(step, max(0.0, deadline - time.monotonic()))
+        try:
+            return proc.communicate(timeout=step)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise
-        finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
-        code = proc.returncode
-        if code < 0:  # unshare itself ended by a signal
-            code = 128 - code
-        return subprocess.CompletedProcess(list(argv), code, out, err), \
-            (received[0] if received else None)
+            if received and step == GRACE_S:
+                _kill(proc)
 
 
 def _tty_stdin() -> bool:
