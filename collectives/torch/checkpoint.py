@@ -24,8 +24,8 @@ freeing it after the recomputed forward.
 
 ``saved_bytes(fn)`` runs ``fn`` under saved-tensor hooks and counts the bytes autograd keeps:
 every saved tensor's storage once, parameters and views of them excluded, since the model holds
-them anyway; a recomputed module's inputs, which the checkpoint keeps outside autograd, included. It is the profiling pass the planner's activation formulas are
-checked against.
+them anyway; a recomputed module's inputs, which the checkpoint keeps outside autograd,
+included. It is the profiling pass the planner's activation formulas are checked against.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def recomputed(module: nn.Module) -> list[str]:
 
 def saved_bytes(fn) -> tuple[int, object]:
     """(bytes autograd saves for backward while ``fn()`` runs, ``fn()``'s result): each saved
-    storage counted once, parameters excluded."""
+    storage counted once, parameters excluded, recomputed modules' inputs included."""
     global _counting
     seen: dict = {}
 

@@ -1,0 +1,172 @@
+"""Predicted peak memory per rank of a plan: model states by ZeRO stage, activations by recompute
+policy and pipeline schedule, the transients around them.
+
+Activations of one block for one micro-batch, per rank, in elements of ``e`` bytes (``n = b s``
+tokens, ``n' = n / t`` under sequence parallelism else ``n``, ``t`` the tensor-parallel size,
+``f`` the MLP width): what autograd saves for the toolkit's layers (examples/train_gpt.py's
+``Block`` on ``tensor_parallel``'s layers), tensor by tensor:
+
+    the block's input (norm1's input)        n' h      norm1's mean and 1/std     2 n' (fp32)
+    q/k/v's input (gathered under sp)        n h       q, k, v                    3 n h / t
+    the core's output (the projection's in)  n h / t   norm2's input              n' h
+    norm2's mean and 1/std                   2 n' (fp32)
+    fc1's input (gathered under sp)          n h       GELU's input and output    2 n f / t
+    the core: sdpa  log-sum-exp             b a s / t (fp32)
+              math  softmax                  b a s^2 / t,   the causal mask  s^2 (bool)
+
+    none       all of the above: e (2 n' h + 2 n h + 4 n h / t + 2 n f / t) + 16 n' + core
+    selective  the core's own terms dropped (its inputs and output are kept by the layers
+               around it)
+    full       the block's input only: e n' h; one block's "none" is live again while it is
+               recomputed in backward
+
+(Korthikanti et al. count 34 s b h + 5 a s^2 b bytes for Megatron's fp16 layers with dropout;
+this table is the toolkit's float32 layers without dropout, checked tensor by tensor against
+``collectives.torch.checkpoint.saved_bytes`` in the tests.)
+
+The first stage adds the embedding's saved ids and masks (9 n bytes); the last stage the final
+norm (``e n' h + 8 n'``), the head's input (``e n h``) and the vocabulary-parallel
+cross-entropy's softmax, target and mask (``e n V / t + 9 n``).
+
+The fullest rank is the pipeline's first (the most blocks, in-flight micro-batches and the
+embedding) or its last (the head and the loss): those two are priced. In-flight micro-batches
+per pipeline rank come from the schedule itself: the most
+(micro-batch, stage) pairs a rank holds between F and the end of its backward, walked from
+``pp.SCHEDULES``' compute order of that rank (GPipe m, 1F1B min(p - r, m), interleaved and zero
+bubble as they are built).
+
+Model states per rank (``P`` the rank's parameters: its stages' blocks, its tensor-parallel
+shards, the norms whole): parameters ``P wp`` (ZeRO-3: ``P wp / dp`` plus the layers gathered
+at once: two, or a whole block while it is recomputed), gradients ``P wg`` (ZeRO-2 and 3:
+``/ dp`` plus the unit being reduce-scattered), optimizer state ``P wo`` (ZeRO 1-3: ``/ dp``);
+ZeRO 1-2 also keep a scratch shard.
+
+Transients. End of forward on the last stage: the logits, their shifted copy and the softmax
+(``3 e n V / t``); in backward: a gradient of the logits' size and two of the hidden state's
+(``e (n V / t + 2 n h)``) on the last stage, three hidden-state gradients elsewhere; the
+optimizer step: one float32 temporary of its parameters (AdamW's ``foreach`` square root).
+The peak is the larger of (states + activations + backward transient) and (states + optimizer
+temporary).
+"""
+from __future__ import annotations
+
+import functools
+
+from .model import GPTShape
+from .record import Plan
+
+__all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "BUCKET_BYTES"]
+
+BUCKET_BYTES = 25 << 20  # DistributedDataParallel's and ZeRO's bucket_cap_mb
+
+
+def layer_activations(model: GPTShape, b: int, tp: int, sp: bool, recompute: str) -> int:
+    """Bytes one block saves for backward on one micro-batch of ``b`` sequences, per rank."""
+    e = model.bytes[3]
+    s, h, f, a = model.seq, model.dim, model.ffn, model.heads
+    n = b * s
+    nl = n // tp if sp else n
+    if recompute == "full":
+        return e * nl * h
+    kept = e * (2 * nl * h + 2 * n * h + 4 * n * h // tp + 2 * n * f // tp) + 16 * nl
+    if recompute == "selective":
+        return kept
+    if model.attention == "math":
+        return kept + e * b * (a // tp) * s * s + s * s
+    return kept + 4 * b * (a // tp) * s
+
+
+def _edge_activations(model: GPTShape, b: int, tp: int, sp: bool, first: bool,
+                      last: bool) -> int:
+    e, n, h = model.bytes[3], b * model.seq, model.dim
+    nl = n // tp if sp else n
+    out = 9 * n if first else 0
+    if last:
+        out += e * nl * h + 8 * nl + e * n * h + e * n * model.vocab // tp + 9 * n
+    return out
+
+
+def stage_layers(layers: int, stages: int) -> list[int]:
+    """Blocks per stage as ``pipeline.gpt.stages`` deals them (earlier stages the extra)."""
+    per, extra = divmod(layers, stages)
+    return [per + (k < extra) for k in range(stages)]
+
+
+@functools.lru_cache(maxsize=16384)
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
+    """The most (micro-batch, stage) pairs pipeline rank ``rank`` holds at once, walked from
+    its compute order: ``((stage, count), ...)`` at that moment."""
+    from collectives.torch.pipeline.schedules import B, F, SCHEDULES, W
+    order, split, _ = SCHEDULES[schedule]
+    last = W if split else B
+    live: dict = {}
+    total = best = 0
+    best_live: dict = {}
+    for kind, _mb, s in order(rank, p, m, v):
+        if kind == F:
+            live[s] = live.get(s, 0) + 1
+            total += 1
+            if total > best:
+                best, best_live = total, dict(live)
+        elif kind == last:
+            live[s] -= 1
+            total -= 1
+    return tuple(sorted(best_live.items()))
+
+
+def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -> dict:
+    wp, wg, wo, _ = model.bytes
+    t, dp = plan.tp, plan.dp
+    h = model.dim
+    sharded_layer = 4 * h * h + 2 * h * model.ffn
+    per_layer = sharded_layer // t + 4 * h
+    params = blocks * per_layer
+    if first:
+        params += model.vocab * h // t
+    if last:
+        params += 2 * h + (model.vocab * h // t if (plan.pp > 1 or not model.tied) else 0)
+    out = {"params": params * wp, "grads": params * wg, "optimizer": params * wo}
+    if plan.zero >= 1:
+        out["optimizer"] = -(-params * wo // dp)
+    if plan.zero >= 2:
+        out["grads"] = -(-params * wg // dp) + min(BUCKET_BYTES, params * wg)
+    if plan.zero == 3:
+        # the layer being used and the one prefetched (a whole block while it is recomputed)
+        biggest = max(h * model.ffn // t, model.vocab * h // t if first or last else 0)
+        gathered = max(2 * biggest, per_layer if plan.recompute == "full" else 0) * wp
+        out["params"] = -(-params * wp // dp) + gathered
+    if plan.zero in (1, 2) and dp > 1:
+        out["scratch"] = min(BUCKET_BYTES, params * wp) // dp
+    return out
+
+
+def memory(model: GPTShape, plan: Plan) -> tuple[int, dict]:
+    """(predicted peak bytes on the fullest rank, its terms)."""
+    p, v, b = plan.pp, plan.virtual, plan.micro_batch
+    t, sp = plan.tp, plan.sequence_parallel
+    e, n, h = model.bytes[3], b * model.seq, model.dim
+    S = p * v
+    counts = stage_layers(model.layers, S)
+    per_layer = layer_activations(model, b, t, sp, plan.recompute)
+    recompute_live = (layer_activations(model, b, t, sp, "none") - per_layer
+                      if plan.recompute != "none" else 0)
+    best, terms = -1, {}
+    for r in sorted({0, p - 1}):  # the most in-flight and the embedding; the head
+        stages = list(range(r, S, p))
+        first, last = 0 in stages, S - 1 in stages
+        states = _states(model, plan, sum(counts[s] for s in stages), first, last)
+        held = in_flight(plan.schedule, p, plan.microbatches, v, r) if p > 1 else ((0, 1),)
+        acts = sum(k * (counts[s] * per_layer + _edge_activations(model, b, t, sp, s == 0,
+                                                                  s == S - 1))
+                   for s, k in held)
+        backward = e * (n * model.vocab // t + 2 * n * h) if last else 3 * e * n * h
+        if last:
+            backward = max(backward, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
+        transient = backward + recompute_live
+        optimizer = 4 * (states["optimizer"] // max(model.bytes[2], 1))
+        total = sum(states.values()) + max(acts + transient, optimizer)
+        if total > best:
+            best = total
+            terms = dict(states, activations=acts, transient=max(transient, optimizer - acts),
+                         rank=r)
+    return best, terms

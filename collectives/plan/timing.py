@@ -1,0 +1,332 @@
+"""Predicted step time of a plan: compute per block (measured once, or from a FLOP rate), every
+collective priced on the link class its mesh axis crosses, the pipeline by ``pp.simulate``.
+
+1. *Compute.* ``Measured`` runs one block (and the head with its loss) forward and backward on
+   this machine at the micro-batch size and the tensor-parallel rank's share of the layers (the
+   q/k/v, projection and MLP widths divided by tp; the collectives left out), once per (micro-batch,
+   tp, sequence parallelism, recompute), median of a few runs. ``FlopRate`` divides
+   ``GPTShape.layer_flops`` by a rate for a machine that is not here. A recomputed block's
+   backward includes its forward again (full) or its attention core's (selective).
+2. *Collectives* (``Network``: the calibrated ``CostModel``, ranks per node): bandwidth-optimal
+   rings priced with the model's alpha, beta and gamma of the link class the axis crosses. A
+   mesh ``(pp, dp, tp)`` lays tp fastest: an axis of stride ``k`` (tp 1, dp tp, pp dp tp) and
+   size ``n`` stays inside a node when ``k n`` ranks fit in one, else it crosses the network.
+   Per block and micro-batch: two allreduces of the hidden state forward and two backward (with
+   sequence parallelism two all-gathers and two reduce-scatters each way); full recompute runs
+   the forward's again in backward. Pipeline messages: one hidden state (its sequence share under
+   sp) per micro-batch and direction. Data parallelism: DDP an allreduce of the rank's gradients,
+   ZeRO-1 that and an all-gather of the parameters, ZeRO-2 a reduce-scatter and an all-gather,
+   ZeRO-3 a reduce-scatter and two all-gathers (forward, backward); ``overlap`` is the share of
+   the last micro-batch's backward that hides it (0 where the collectives and the compute share
+   the cores, 1 where a NIC moves the bytes).
+3. *Pipeline.* ``pp.simulate`` on per-stage forward, backward (and, for zero bubble, weight)
+   times with the message time as ``p2p``; the step is its makespan plus the exposed
+   data-parallel time plus the optimizer's step.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+from .memory import stage_layers
+from .model import GPTShape
+from .record import Plan
+
+__all__ = ["Network", "FlopRate", "Measured", "step_time", "lower_bound"]
+
+
+class Network:
+    """The cost model and the layout: ``ranks_per_node``; ``overlap`` (0..1) of data-parallel
+    communication with backward."""
+
+    __slots__ = ("model", "ranks_per_node", "overlap")
+
+    def __init__(self, model=None, ranks_per_node: int = 1, overlap: float = 0.0):
+        from collectives.costmodel import CostModel
+        self.model = model if model is not None else CostModel.load()
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        if not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"overlap must be within [0, 1], got {overlap}")
+        self.ranks_per_node, self.overlap = ranks_per_node, overlap
+
+    def link(self, stride: int, size: int) -> str:
+        """The link class a mesh axis of ``stride`` and ``size`` crosses."""
+        return "node" if stride * size <= self.ranks_per_node else "net"
+
+    def _ring(self, kind: str, nbytes: float, n: int, link: str) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        m = self.model
+        chunk = nbytes / n
+        step = m.alpha[link] + chunk * m.beta(link)
+        if kind == "allreduce":
+            return 2 * (n - 1) * step + (n - 1) * chunk * m.gamma + m.call
+        if kind == "reduce_scatter":
+            return (n - 1) * (step + chunk * m.gamma) + m.call
+        return (n - 1) * step + m.call  # allgather
+
+    def collective(self, kind: str, nbytes: float, n: int, stride: int) -> tuple[float, float]:
+        """(seconds, bytes this rank sends) of one ``kind`` of ``nbytes`` (the full buffer)
+        over an axis of ``n`` ranks and ``stride``."""
+        if n <= 1:
+            return 0.0, 0.0
+        sent = {"allreduce": 2, "reduce_scatter": 1, "allgather": 1}[kind] * (n - 1) * nbytes / n
+        return self._ring(kind, nbytes, n, self.link(stride, n)), sent
+
+    def message(self, nbytes: float, stride: int, size: int) -> float:
+        """Seconds of one point-to-point message along an axis."""
+        link = self.link(stride, size)
+        return self.model.alpha[link] + nbytes * self.model.beta(link)
+
+
+class FlopRate:
+    """Compute priced from floating-point operations: ``rate`` FLOP/s per rank; the optimizer
+    at ``optimizer_rate`` parameters per second."""
+
+    __slots__ = ("rate", "optimizer_rate")
+
+    def __init__(self, rate: float, optimizer_rate: float = 1e11):
+        self.rate, self.optimizer_rate = float(rate), float(optimizer_rate)
+
+    def layer(self, model: GPTShape, b: int, tp: int, sp: bool, recompute: str):
+        """(forward, backward) seconds of one block on one micro-batch."""
+        fwd = model.layer_flops(b) / tp / self.rate
+        extra = {"none": 0.0, "full": fwd,
+                 "selective": 4 * b * model.seq ** 2 * model.dim / tp / self.rate}[recompute]
+        return fwd, 2 * fwd + extra
+
+    def head(self, model: GPTShape, b: int, tp: int, sp: bool):
+        """(forward, backward) seconds of the head and its loss on one micro-batch."""
+        fwd = model.head_flops(b) / tp / self.rate
+        return fwd, 2 * fwd
+
+    def optimizer(self, params: int) -> float:
+        """Seconds of one optimizer step over ``params`` parameters."""
+        return params / self.optimizer_rate
+
+
+class Measured:
+    """Compute measured on this machine: ``block(model, tp)`` builds one block whose q/k/v,
+    projection and MLP are a tensor-parallel rank's share (examples/train_gpt.py's ``Block``
+    with narrowed linears), ``head(h, v_local)`` the norm, head and loss. Each
+    (micro-batch, tp, sp, recompute) is timed once: ``repeats`` forward + backward runs, the
+    median."""
+
+    def __init__(self, block, head, repeats: int = 5, threads: int = 1):
+        self._block, self._head = block, head
+        self.repeats, self.threads = repeats, threads
+        self._cache: dict = {}
+
+    def _timed(self, key, build, inputs):
+        if key in self._cache:
+            return self._cache[key]
+        import torch
+        old = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            module = build()
+            fw, bw = [], []
+            for _ in range(self.repeats + 1):
+                args = inputs()
+                t0 = time.perf_counter()
+                out = module(*args)
+                loss = out if out.dim() == 0 else out.float().pow(2).mean()
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+            result = (statistics.median(fw[1:]), statistics.median(bw[1:]))
+        finally:
+            torch.set_num_threads(old)
+        self._cache[key] = result
+        return result
+
+    def layer(self, model: GPTShape, b: int, tp: int, sp: bool, recompute: str):
+        """(forward, backward) seconds of one block on one micro-batch, measured."""
+        import torch
+
+        def build():
+            from collectives.torch import checkpoint
+            torch.manual_seed(0)
+            holder = torch.nn.Module()  # names the block as the policies do: "block", ...
+            holder.block = self._block(model, tp)
+            if recompute != "none":
+                checkpoint.recompute(holder, {"full": "block", "selective": "block.attn.core"}
+                                     [recompute])
+            return holder.block
+
+        return self._timed(("layer", b, tp, recompute), build, lambda: (
+            torch.randn(b, model.seq, model.dim, requires_grad=True),))
+
+    def head(self, model: GPTShape, b: int, tp: int, sp: bool):
+        """(forward, backward) seconds of the norm, head and loss on one micro-batch."""
+        import torch
+        v = model.vocab // tp
+        return self._timed(("head", b, tp), lambda: self._head(model.dim, v), lambda: (
+            torch.randn(b, model.seq, model.dim, requires_grad=True),
+            torch.randint(0, v, (b, model.seq))))
+
+    def optimizer(self, params: int) -> float:
+        """Seconds of one AdamW step over ``params`` float32 parameters, measured once per
+        size class."""
+        import torch
+        key = ("optimizer", params)
+        if key not in self._cache:
+            p = torch.nn.Parameter(torch.zeros(max(params, 1)))
+            p.grad = torch.ones_like(p)
+            opt = torch.optim.AdamW([p], lr=1e-3)
+            times = []
+            for _ in range(self.repeats + 1):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            self._cache[key] = statistics.median(times[1:])
+        return self._cache[key]
+
+
+def _layer_comm(net: Network, model: GPTShape, plan: Plan) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, bytes sent) of one block's tensor-parallel
+    collectives on one micro-batch."""
+    t = plan.tp
+    if t == 1:
+        return 0.0, 0.0, 0.0
+    x = model.bytes[3] * plan.micro_batch * model.seq * model.dim
+    if plan.sequence_parallel:
+        ag, s1 = net.collective("allgather", x, t, 1)
+        rs, s2 = net.collective("reduce_scatter", x, t, 1)
+        once, sent = 2 * (ag + rs), 2 * (s1 + s2)
+    else:
+        ar, s1 = net.collective("allreduce", x, t, 1)
+        once, sent = 2 * ar, 2 * s1
+    fwd, bwd = once / 2, once / 2
+    if plan.recompute == "full":
+        return fwd, bwd + fwd, sent * 1.5
+    return fwd, bwd, sent
+
+
+def _dp_comm(net: Network, model: GPTShape, plan: Plan, params: int) -> tuple[float, float]:
+    """(seconds, bytes sent) of one step's data-parallel collectives on a rank holding
+    ``params`` parameters."""
+    dp, stride = plan.dp, plan.tp
+    g, w = params * model.bytes[1], params * model.bytes[0]
+    ops = {0: [("allreduce", g)], 1: [("allreduce", g), ("allgather", w)],
+           2: [("reduce_scatter", g), ("allgather", w)],
+           3: [("reduce_scatter", g), ("allgather", w), ("allgather", w)]}[plan.zero]
+    secs = sent = 0.0
+    for kind, nbytes in ops:
+        s, b = net.collective(kind, nbytes, dp, stride)
+        secs, sent = secs + s, sent + b
+    return secs, sent
+
+
+def _stage_params(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -> int:
+    h, t = model.dim, plan.tp
+    out = blocks * ((4 * h * h + 2 * h * model.ffn) // t + 4 * h)
+    if first:
+        out += model.vocab * h // t
+    if last:
+        out += 2 * h + (model.vocab * h // t if (plan.pp > 1 or not model.tied) else 0)
+    return out
+
+
+def _stages(model: GPTShape, plan: Plan, net: Network, compute):
+    """Per stage (forward, backward, weight) seconds, and per rank its parameters."""
+    p, v, b, t, sp = plan.pp, plan.virtual, plan.micro_batch, plan.tp, plan.sequence_parallel
+    S = p * v
+    counts = stage_layers(model.layers, S)
+    lf, lb = compute.layer(model, b, t, sp, plan.recompute)
+    cf, cb, _ = _layer_comm(net, model, plan)
+    hf, hb = compute.head(model, b, t, sp)
+    x = model.bytes[3] * b * model.seq * model.dim
+    edge, _ = net.collective("allreduce", x, t, 1) if not sp else \
+        net.collective("reduce_scatter", x, t, 1)
+    fw, bw, ww = [], [], []
+    for s in range(S):
+        f = counts[s] * (lf + cf) + (edge if s == 0 else 0.0) + (hf if s == S - 1 else 0.0)
+        bk = counts[s] * (lb + cb) + (edge + hb if s == S - 1 else 0.0)
+        fw.append(f)
+        if plan.schedule == "zero_bubble" and p > 1:
+            # input and weight gradients split the matmuls' backward; a recompute runs in both
+            redo = counts[s] * (lb - 2 * lf) if plan.recompute != "none" else 0.0
+            bw.append((bk - redo) / 2 + redo)
+            ww.append((bk - redo) / 2 + redo)
+        else:
+            bw.append(bk)
+            ww.append(0.0)
+    params = [_stage_params(model, plan, sum(counts[s] for s in range(r, S, p)),
+                            r == 0, r == p - 1) for r in range(p)]
+    return fw, bw, ww, params
+
+
+def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
+    """A step time no schedule beats: on the pipeline's first and last ranks, the compute of
+    every micro-batch after the earliest its first forward can start, plus the first rank's
+    exposed data-parallel time and optimizer step. Closed forms over the ranks' block counts,
+    no per-stage lists."""
+    p, v, m, b, t, sp = (plan.pp, plan.virtual, plan.microbatches, plan.micro_batch, plan.tp,
+                         plan.sequence_parallel)
+    S = p * v
+    per, extra = divmod(model.layers, S)
+    lf, lb = compute.layer(model, b, t, sp, plan.recompute)
+    cf, cb, _ = _layer_comm(net, model, plan)
+    hf, hb = compute.head(model, b, t, sp)
+    layer = lf + cf + lb + cb
+    first_blocks = v * per + sum(1 for s in range(0, S, p) if s < extra)
+    last_blocks = v * per + sum(1 for s in range(p - 1, S, p) if s < extra)
+    first = m * first_blocks * layer
+    last = m * (last_blocks * layer + hf + hb) + (p - 1) * per * (lf + cf)
+    params = _stage_params(model, plan, first_blocks, True, p == 1)
+    dp_secs, _ = _dp_comm(net, model, plan, params)
+    backward = first_blocks * (lb + cb)
+    exposed = max(dp_secs - net.overlap * backward, 0.0)
+    return max(first, last) + exposed + \
+        compute.optimizer(-(-params // (plan.dp if plan.zero else 1)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(name, p, m, v):
+    from collectives.torch.pipeline import schedule
+    return schedule(name, p, m, v)
+
+
+@functools.lru_cache(maxsize=8192)
+def _simulated(name, p, m, v, fw, bw, ww, p2p):
+    from collectives.torch.pipeline import simulate
+    sim = simulate(_schedule(name, p, m, v), forward=list(fw), backward=list(bw),
+                   weight=list(ww), p2p=p2p)
+    return sim.step, sim.bubble
+
+
+def step_time(model: GPTShape, plan: Plan, net: Network, compute) -> tuple[float, float, dict,
+                                                                             dict]:
+    """(seconds per step, bubble, bytes sent per step by link class, the time's terms)."""
+    p, m, v, t, dp = plan.pp, plan.microbatches, plan.virtual, plan.tp, plan.dp
+    fw, bw, ww, params = _stages(model, plan, net, compute)
+    link_bytes = {"node": 0.0, "net": 0.0}
+    _, _, tp_sent = _layer_comm(net, model, plan)
+    counts = stage_layers(model.layers, p * v)
+    rank0_blocks = sum(counts[s] for s in range(0, p * v, p))
+    link_bytes[net.link(1, t)] += tp_sent * rank0_blocks * m
+    nl = plan.micro_batch * model.seq // (t if plan.sequence_parallel else 1)
+    msg = model.bytes[3] * nl * model.dim
+    if p > 1:
+        p2p = net.message(msg, dp * t, p)
+        # round to a microsecond so equal stages share one simulation
+        key = tuple(round(x, 6) for x in fw), tuple(round(x, 6) for x in bw), \
+            tuple(round(x, 6) for x in ww)
+        pipe, bubble = _simulated(plan.schedule, p, m, v, *key, round(p2p, 6))
+        link_bytes[net.link(dp * t, p)] += 2 * msg * m * v
+    else:
+        pipe, bubble = m * (fw[0] + bw[0]), 0.0
+    worst = max(range(p), key=lambda r: params[r])
+    dp_secs, dp_sent = _dp_comm(net, model, plan, params[worst])
+    link_bytes[net.link(t, dp)] += dp_sent
+    last_backward = bw[worst] + ww[worst]
+    exposed = max(dp_secs - net.overlap * last_backward, 0.0)
+    opt = compute.optimizer(-(-params[worst] // (dp if plan.zero else 1)))
+    total = pipe + exposed + opt
+    return total, bubble, {k: int(b) for k, b in link_bytes.items()}, \
+        {"pipeline": pipe, "dp_exposed": exposed, "optimizer": opt}

@@ -1,0 +1,165 @@
+"""collectives.plan: the activation formulas against what autograd saves (one process, and tp 2-3
+with and without sequence parallelism under MPI), in-flight micro-batches against the pipeline
+simulator, model states against Megatron's bytes per parameter, the search's pruning against
+pricing every plan, and the command line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+import train_gpt  # noqa: E402
+
+from collectives import plan  # noqa: E402
+from collectives.plan.record import Plan  # noqa: E402
+from collectives.torch import checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("b, s, h, a", [(2, 64, 96, 6), (3, 40, 48, 4), (1, 17, 24, 3)])
+def test_layer_activations_are_what_autograd_saves(attention, policy, b, s, h, a):
+    torch.manual_seed(0)
+    model = train_gpt.GPT(264, h, a, 1, attention)
+    if policy != "none":
+        checkpoint.recompute(model, checkpoint.GPT_POLICIES[policy])
+    x = torch.randn(b, s, h, requires_grad=True)
+    saved, _ = checkpoint.saved_bytes(lambda: model.blocks[0](x))
+    shape = plan.gpt(1, h, a, s, 264, attention=attention)
+    assert plan.layer_activations(shape, b, 1, False, policy) == saved
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp_size", [2, 3])
+@pytest.mark.parametrize("sp", [False, True])
+def test_layer_activations_under_tensor_parallelism(tp_size, sp):
+    """A parallelized block's saved bytes on every rank of the tp group (its input: this rank's
+    tokens under sequence parallelism) equal the formula at that tp."""
+    from mpi4py import MPI
+
+    from collectives.torch import tensor_parallel as tp
+    from mpiutil import assert_all
+    world = MPI.COMM_WORLD
+    if world.Get_size() < tp_size:
+        pytest.skip(f"needs {tp_size} ranks")
+    sub = world.Split(0 if world.Get_rank() < tp_size else MPI.UNDEFINED, world.Get_rank())
+    problems = []
+    if sub != MPI.COMM_NULL:
+        b, s, h, a = 2, 12, 24, 6
+        for attention in ("sdpa", "math"):
+            for policy in ("none", "selective", "full"):
+                torch.manual_seed(0)
+                model = train_gpt.GPT(264, h, a, 1, attention)
+                tp.parallelize(model, sub, train_gpt.plan(model, sp, policy))
+                x = torch.randn(b, s // tp_size if sp else s, h, requires_grad=True)
+                saved, y = checkpoint.saved_bytes(lambda: model.blocks[0](x))
+                y.sum().backward()   # the backward's collectives, on every rank alike
+                want = plan.layer_activations(plan.gpt(1, h, a, s, 264, attention=attention),
+                                              b, tp_size, sp, policy)
+                if saved != want:
+                    problems.append(f"{attention} {policy}: saved {saved}, formula {want}")
+        sub.Free()
+    assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
+                                     ("interleaved", 2)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 3), (3, 6)])
+def test_in_flight_is_the_simulators_peak(name, v, p, m):
+    from collectives.torch import pipeline as pp
+    try:
+        sched = pp.schedule(name, p, m, v)
+    except ValueError:
+        pytest.skip("schedule not defined for these sizes")
+    peak = pp.simulate(sched).peak
+    for r in range(p):
+        held = plan.in_flight(name, p, m, v, r)
+        assert sum(k for _, k in held) == peak[r]
+        assert all(s % p == r for s, _ in held)
+    if name == "gpipe":
+        assert peak == [m] * p
+    if name == "1f1b":
+        assert peak == [min(p - r, m) for r in range(p)]
+
+
+def test_model_states_are_megatrons_bytes_per_parameter():
+    """Mixed precision without activations' share: 18 bytes a parameter without ZeRO, 6 + 12/dp
+    with the optimizer sharded (Megatron's distributed optimizer), 4 + 2/dp + ... further."""
+    from collectives.plan.memory import _states
+    shape = plan.gpt(8, 256, 8, 128, 1024, precision="mixed", tied=False)
+    n = shape.params()
+    for zero, dp, per in [(0, 4, 18), (1, 4, 6 + 12 / 4), (1, 8, 6 + 12 / 8)]:
+        q = Plan(dp, 1, 1, False, "1f1b", 1, 1, zero, "none", 1)
+        states = _states(shape, q, shape.layers, True, True)
+        total = states["params"] + states["grads"] + states["optimizer"]
+        assert abs(total - per * n) <= 4 * 3, (zero, dp, total, per * n)
+
+
+def _search(top, budget=None):
+    shape = plan.gpt(8, 64, 4, 32, 256, attention="math")
+    return plan.search(shape, 8, 16, budget, ranks_per_node=4,
+                       network=plan.Network(ranks_per_node=4), compute=plan.FlopRate(1e9),
+                       top=top)
+
+
+def test_pruned_search_is_the_head_of_every_plan_priced():
+    every = _search(None)
+    assert len(every) == len(list(plan.candidates(plan.gpt(8, 64, 4, 32, 256,
+                                                           attention="math"), 8, 16, 4)))
+    times = [q.step_time for q in every]
+    assert times == sorted(times)
+    pruned = _search(7)
+    assert [(q.name(), q.step_time) for q in pruned] == \
+        [(q.name(), q.step_time) for q in every[:7]]
+
+
+def test_every_plan_listed_fits_the_budget():
+    every = _search(None)
+    budget = sorted(q.memory for q in every)[len(every) // 3]
+    fitting = _search(None, budget)
+    assert fitting and all(q.memory <= budget for q in fitting)
+    assert len(fitting) == sum(q.memory <= budget for q in every)
+    # recompute trades time for memory: full keeps no more than none for the same split (less
+    # wherever the blocks' activations, not the head or the optimizer, make the peak)
+    same = {}
+    for q in every:
+        same.setdefault((q.dp, q.tp, q.pp, q.sequence_parallel, q.schedule, q.virtual,
+                         q.microbatches, q.zero), {})[q.recompute] = q
+    for group in same.values():
+        assert group["full"].memory <= group["selective"].memory <= group["none"].memory
+        assert group["full"].step_time >= group["none"].step_time
+    assert any(g["full"].memory < g["selective"].memory < g["none"].memory
+               for g in same.values())
+
+
+def test_parse_bytes():
+    assert plan.parse_bytes("80GB") == 80 << 30
+    assert plan.parse_bytes("512M") == 512 << 20
+    assert plan.parse_bytes("1.5GiB") == 3 << 29
+    assert plan.parse_bytes(3000000) == 3000000
+    with pytest.raises(ValueError, match="expected bytes"):
+        plan.parse_bytes("lots")
+
+
+def test_command_line_json_and_table():
+    cmd = [sys.executable, "-m", "collectives.plan", "--layers", "8", "--dim", "64", "--heads",
+           "4", "--seq", "32", "--vocab", "256", "--ranks", "8", "--ranks-per-node", "4",
+           "--global-batch", "16", "--flops", "1e9", "--top", "5"]
+    out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=ROOT,
+                         check=True).stdout
+    plans = json.loads(out)
+    assert len(plans) == 5 and all(p["dp"] * p["tp"] * p["pp"] == 8 for p in plans)
+    assert [p["step_time"] for p in plans] == sorted(p["step_time"] for p in plans)
+    text = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert "| 1 | " in text and "planned in" in text
+    tight = subprocess.run(cmd + ["--memory-per-rank", "1K"], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert tight.returncode == 1 and "no plan fits" in tight.stdout
