@@ -18,7 +18,10 @@ last size it covers), in the JSON schema of ``collectives.select``::
 The last rule ends at the largest size measured: a file governs only the sizes it measured, and
 past them ``auto`` uses the built-in table.
 
-(allreduce in place is measured and ruled apart). The rules are stored for this communicator
+(allreduce in place is measured and ruled apart). Where the ranks span nodes of several ranks
+(``python -m bench cluster ... -- python -m bench tune``), the rules are the ``"multi-node"``
+ones and the incumbent the built-in multi-node pick; where every node holds one rank, the plain
+ones. The rules are stored for this communicator
 size, beside the other sizes already in the file when its signature matches (a file tuned on
 another machine is moved to ``.bak``), at ``-o``, else ``COLLECTIVES_TUNING``, else
 ``~/.cache/collectives/tuning.json``. The tuner never reads the table it writes: every
@@ -81,11 +84,12 @@ def signature(comm) -> str:
     return f"{cpu} | {os.cpu_count()} cores | {MPI.Get_library_version().splitlines()[0].strip()}"
 
 
-def builtin_pick(collective: str, nbytes: int, n: int, inplace: bool = False) -> str:
+def builtin_pick(collective: str, nbytes: int, n: int, inplace: bool = False,
+                 multi_node: bool = False) -> str:
     """The built-in table's algorithm for ``nbytes`` of per-rank input on ``n`` ranks (without
-    a tuning file)."""
+    a tuning file; ``multi_node``: ranks on several nodes of several ranks each)."""
     from collectives import select
-    return select.rule(select.DEFAULT_TABLE, collective, nbytes, n, inplace)
+    return select.rule(select.DEFAULT_TABLE, collective, nbytes, n, inplace, multi_node)
 
 
 def pick(row: list, incumbent: str | None, margin: float = MARGIN):
@@ -115,8 +119,9 @@ def rules(best: list[tuple]) -> list[list]:
 
 
 def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]:
-    """The file's content with ``new`` (``{collective or "collective in-place": rules}``)
-    stored for ``size`` ranks; and a note on what happened to an unusable old file."""
+    """The file's content with ``new`` (``{collective, "collective in-place" or "collective
+    multi-node": rules}``) stored for ``size`` ranks; and a note on what happened to an
+    unusable old file."""
     data, note = None, None
     if path.exists():
         try:
@@ -132,10 +137,10 @@ def merge(path: Path, sig: str, size: int, new: dict) -> tuple[dict, str | None]
     if data is None:
         data = {"version": 1, "signature": sig, "tables": {}}
     for key, table in new.items():
-        collective, _, inplace = key.partition(" ")
+        collective, _, section = key.partition(" ")
         tables = data["tables"].setdefault(collective, {})
-        if inplace:
-            tables = tables.setdefault("in-place", {})
+        if section:
+            tables = tables.setdefault(section, {})
         tables[str(size)] = table
     return data, note
 
@@ -155,11 +160,12 @@ def _algorithms(collective: str, one_node: bool) -> list[str]:
             and not select.get(collective, a).registered]
 
 
-def _modes(collective: str, modes) -> list[str]:
-    """The modes that get rules: the first, and in place where it has rules of its own."""
+def _modes(collective: str, modes, in_place: bool = True) -> list[str]:
+    """The modes that get rules: the first, and in place where it has rules of its own
+    (``in_place``: not for the multi-node rules, which hold for both)."""
     from collectives import select
-    return [m for m in modes
-            if m == modes[0] or (m == "in" and collective in select.IN_PLACE_RULES)]
+    return [m for m in modes if m == modes[0] or
+            (in_place and m == "in" and collective in select.IN_PLACE_RULES)]
 
 
 def main(argv=None) -> int:
@@ -199,9 +205,13 @@ def main(argv=None) -> int:
     for c in collectives:
         if c not in _SPECS:
             raise SystemExit(f"unknown collective {c!r}; expected some of {', '.join(_SPECS)}")
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    one_node = node.Get_size() == n
-    node.Free()
+    from collectives import select
+    from collectives.topology import topology
+    topo = topology(comm)
+    one_node = topo.single_node
+    # Nodes of several ranks get the multi-node rules; where every node holds one rank, the
+    # ranks are a flat network, which the other rules serve (as auto reads them).
+    several = not one_node and max(map(len, topo.nodes)) > 1
     path = output_path(args.output)
     # The tuner measures named algorithms only and compares with the built-in table: a
     # COLLECTIVES_TUNING that names the file about to be written must not be read.
@@ -211,7 +221,7 @@ def main(argv=None) -> int:
     for c in collectives:
         s = spec(c)
         algs = _algorithms(c, one_node)
-        modes = _modes(c, list(s.modes))
+        modes = _modes(c, list(s.modes), not several)
         if rank0:
             print(f"# tune {c} on {n} ranks: {', '.join(algs)} over {len(sizes)} sizes",
                   flush=True)
@@ -220,12 +230,12 @@ def main(argv=None) -> int:
         every += res
         for mode in modes:
             inplace = mode == "in" and mode != modes[0]
-            key = f"{c} in-place" if inplace else c
+            key = f"{c} in-place" if inplace else f"{c} {select.MULTI}" if several else c
             best = []
             for nbytes in _sizes(res, mode):
                 row = [r for r in res if r.mode == mode and r.nbytes == nbytes]
                 nin = _input_bytes(c, row[0])
-                now = builtin_pick(c, nin, n, inplace)
+                now = builtin_pick(c, nin, n, inplace, several)
                 win = pick(row, now)
                 best.append((nin, win.algorithm))
                 fastest = min((r for r in row if not r.wrong), key=lambda r: r.time)

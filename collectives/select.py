@@ -24,7 +24,9 @@ A communicator size without rules of its own uses the nearest smaller size that 
 one it has just written, and reading freshly written memory from another process costs more, so
 the crossovers move. A single-node algorithm picked for a communicator that spans nodes becomes
 its hierarchical counterpart (``MULTI_NODE``), and where every node holds one rank (a network
-between all ranks), the part of that across nodes (``ONE_RANK_A_NODE``). Sizes are the per-rank
+between all ranks), the part of that across nodes (``ONE_RANK_A_NODE``). Where the ranks span
+nodes of several ranks each, a collective's ``"multi-node"`` rules apply where it has some (for
+out-of-place and in-place calls alike), measured on hosts joined by a network. Sizes are the per-rank
 input's bytes (for allgather, whose ranks may differ in length, the mean).
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .registry import (ANY, ANY_COUNTS, COLLECTIVES, DIRECT, EQUAL, MATRIX, NATI
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
            "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY",
            "PREFERENCES", "register", "get", "algorithms", "auto", "rule", "load_table",
-           "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI_NODE", "ONE_RANK_A_NODE", "tuning_path",
+           "DEFAULT_TABLE", "IN_PLACE_RULES", "MULTI", "MULTI_NODE", "ONE_RANK_A_NODE", "tuning_path",
            "describe"]
 
 
@@ -84,6 +86,13 @@ def _register_builtin() -> None:
 _register_builtin()
 
 
+# The key of a collective's rules for communicators that span nodes of several ranks (per
+# communicator size, as the other rules). The built-in ones were measured on 2 hosts x 2 ranks
+# joined by 1 and 10 Gbit/s links (``python -m bench cluster``; docs/topology.md): MPI's own
+# for small messages, then the hierarchical composite, which sends each byte across a host's
+# link once each way.
+MULTI = "multi-node"
+
 # Measured on the CI machine kind (2 cores, MPICH from the package index, one node) at 2 and 3
 # ranks with `python -m bench tune` and the benchmarks; each rule is the algorithm that was the
 # fastest, or within the noise of the fastest, at that size in every run (docs/performance.md).
@@ -91,6 +100,7 @@ _register_builtin()
 # single-node communicator: `auto` swaps it for a hierarchical composite on several nodes.
 DEFAULT_TABLE = {
     "allreduce": {
+        MULTI: {"default": [[16 << 10, NATIVE], [None, "hierarchical"]]},
         "2": [[16 << 10, NATIVE], [8 << 20, "recursive_doubling"], [None, "ring"]],
         "3": [[32 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
         "in-place": {
@@ -100,10 +110,12 @@ DEFAULT_TABLE = {
         },
     },
     "reduce_scatter": {
+        MULTI: {"default": [[4 << 10, NATIVE], [None, "hierarchical"]]},
         "2": [[128 << 10, NATIVE], [512 << 10, "recursive_halving"], [None, "ring"]],
         "3": [[64 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
     },
     "allgather": {
+        MULTI: {"default": [[64 << 10, NATIVE], [None, "hierarchical"]]},
         "2": [[128 << 10, NATIVE], [4 << 20, "ring"], [None, NATIVE]],
         "3": [[None, NATIVE]],
     },
@@ -199,14 +211,18 @@ def _for_size(rules_by_size: dict, size: int):
     return rules
 
 
-def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = False) -> str:
+def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = False,
+         multi_node: bool = False) -> str:
     """The algorithm ``table`` (``DEFAULT_TABLE``'s shape) names for ``nbytes`` per rank on
-    ``size`` ranks (``inplace``: a call with ``out=x``), before ``MULTI_NODE``. Past the last
-    rule's ``max_bytes`` (a tuning file's rules end at the largest size ``bench tune``
+    ``size`` ranks (``inplace``: a call with ``out=x``; ``multi_node``: ranks on several nodes,
+    whose ``"multi-node"`` rules apply where there are some), before ``MULTI_NODE``. Past the
+    last rule's ``max_bytes`` (a tuning file's rules end at the largest size ``bench tune``
     measured), ``DEFAULT_TABLE``'s rules apply."""
     rules_by_size = table.get(collective, {})
     rules = None
-    if inplace and collective in IN_PLACE_RULES:
+    if multi_node:
+        rules = _for_size(rules_by_size.get(MULTI) or {}, size)
+    if rules is None and inplace and collective in IN_PLACE_RULES:
         rules = _for_size(rules_by_size.get("in-place") or {}, size)
     if rules is None:
         rules = _for_size(rules_by_size, size)
@@ -215,7 +231,7 @@ def rule(table: dict, collective: str, nbytes: int, size: int, inplace: bool = F
             return name
     # A tuning file governs only the sizes it measured.
     if table is not DEFAULT_TABLE:
-        return rule(DEFAULT_TABLE, collective, nbytes, size, inplace)
+        return rule(DEFAULT_TABLE, collective, nbytes, size, inplace, multi_node)
     return NATIVE
 
 
@@ -223,12 +239,24 @@ def auto(collective: str, nbytes: int, size: int, single_node=True, inplace=Fals
          alone=False) -> str:
     """The algorithm ``auto`` runs for ``nbytes`` per rank on ``size`` ranks (``inplace``: a
     call with ``out=x``). ``single_node`` (all ranks on one node) and ``alone`` (one rank on
-    every node): bools, or callables asked only when it matters."""
-    name = rule(load_table(), collective, nbytes, size, inplace)
+    every node): bools, or callables asked only when it matters (where the collective has
+    multi-node rules, or the rule names a single-node algorithm). The multi-node rules are for
+    nodes of several ranks; where every node holds one rank, the ranks are a flat network and
+    the other rules apply."""
+    def ask(flag):
+        return flag() if callable(flag) else flag
+
+    table = load_table()
+    spans = None  # whether the ranks span nodes, once asked
+    several = False
+    if size > 1 and table.get(collective, {}).get(MULTI):
+        spans = not ask(single_node)
+        several = spans and not ask(alone)
+    name = rule(table, collective, nbytes, size, inplace, several)
     swap = MULTI_NODE.get(name)
-    if swap is not None and not (single_node() if callable(single_node) else single_node):
+    if swap is not None and (spans if spans is not None else not ask(single_node)):
         name = swap.get(collective, swap["default"])
-        if alone() if callable(alone) else alone:
+        if ask(alone):
             name = ONE_RANK_A_NODE.get(name, name)
     return name if name in REGISTRY[collective] else NATIVE
 

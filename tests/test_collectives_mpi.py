@@ -18,13 +18,15 @@ pytestmark = pytest.mark.mpi
 
 def use_tuning(setting, tmp_path, name: str, rules: dict) -> None:
     """``COLLECTIVES_TUNING`` names a table of ``rules`` ({collective: rules}) for this
-    communicator's size and every other, one file a rank (``setting``: the conftest fixture)."""
+    communicator's size and every other, on one node and across nodes, one file a rank
+    (``setting``: the conftest fixture)."""
     import json
     comm = world()
     size = comm.Get_size()
     table = tmp_path / f"{name}-{comm.Get_rank()}.json"
     table.write_text(json.dumps({"version": 1, "tables": {
-        c: {"default": r, str(size): r} for c, r in rules.items()}}))
+        c: {"default": r, str(size): r, select.MULTI: {"default": r}}
+        for c, r in rules.items()}}))
     setting("COLLECTIVES_TUNING", str(table))
 
 
@@ -345,22 +347,28 @@ def test_auto_repeats_a_plan_only_for_a_call_like_it(setting, tmp_path):
 
 def test_auto_in_place_has_rules_of_its_own(setting, tmp_path):
     """An allreduce in place on every rank runs the table's in-place rule for its size, out of
-    place the other; both give the right sum."""
+    place the other; both give the right sum. Across nodes of several ranks the multi-node
+    rules hold for both."""
     import json
+
+    from collectives.topology import topology
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     table = tmp_path / f"inplace-{rank}.json"
     table.write_text(json.dumps({"version": 1, "tables": {"allreduce": {
         "default": [[None, "ring"]], str(size): [[None, "ring"]],
-        "in-place": {"default": [[None, "tree"]], str(size): [[None, "tree"]]}}}}))
+        "in-place": {"default": [[None, "tree"]], str(size): [[None, "tree"]]},
+        select.MULTI: {"default": [[None, "ring"]]}}}}))
     setting("COLLECTIVES_TUNING", str(table))
+    nodes = topology(comm).nodes
+    in_place = "ring" if len(nodes) > 1 and max(map(len, nodes)) > 1 else "tree"
     want = np.full(100, size * (size + 1) // 2)
     x = np.full(100, rank + 1, np.int64)
     out = coll.iallreduce(x)
     x2 = x.copy()
     inplace = coll.iallreduce(x2, out=x2)
     ok = np.array_equal(out.wait(), want) and np.array_equal(inplace.wait(), want)
-    ok &= "(ring," in out.description and "(tree," in inplace.description
+    ok &= "(ring," in out.description and f"({in_place}," in inplace.description
     assert_all(ok, f"auto ran {out.description} / {inplace.description}")
 
 

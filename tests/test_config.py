@@ -336,7 +336,8 @@ def test_single_node_algorithms_across_nodes(environ, tmp_path):
     part across nodes alone where every node holds one rank (no shared window to set up)."""
     table = tmp_path / "shm.json"
     table.write_text(json.dumps({"version": 1, "tables": {
-        "allreduce": {"default": [[None, "shm"]]}, "reduce": {"default": [[None, "shm"]]}}}))
+        "allreduce": {"default": [[None, "shm"]], select.MULTI: {"default": [[None, "shm"]]}},
+        "reduce": {"default": [[None, "shm"]]}}}))
     environ("COLLECTIVES_TUNING", str(table))
     assert select.auto("allreduce", 1 << 20, 3) == "shm"
     assert select.auto("allreduce", 1 << 20, 3, single_node=False) == "hierarchical_shm"

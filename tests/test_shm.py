@@ -429,7 +429,8 @@ def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
     table = tmp_path / f"tuning-{rank}.json"  # a table that says shm above 1 MiB
     rules = [[1 << 20, "native"], [None, "shm"]]
     table.write_text(json.dumps({"version": 1, "tables": {
-        c: {"default": rules, str(size): rules} for c in ("allreduce", "reduce_scatter")}}))
+        c: {"default": rules, str(size): rules, select.MULTI: {"default": rules}}
+        for c in ("allreduce", "reduce_scatter")}}))
     monkeypatch.setenv("COLLECTIVES_TUNING", str(table))
     alone = size == 2  # nodes of one rank; at 3 ranks and more, nodes of two
     monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1" if alone else "2")
