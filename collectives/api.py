@@ -29,6 +29,7 @@ from .ops import resolve
 from .persistent import Persistent
 from .progress import Request
 from .select import NATIVE, REGISTRY
+from .signature import APART, NONE, SAME, Plan, bind, counts_key, planned, result_of, where
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
            "gather", "scatter", "barrier", "iallreduce", "ireduce", "ibroadcast",
@@ -95,6 +96,12 @@ def _root(root, size) -> int:
 # -- reductions ---------------------------------------------------------------------------------
 def _allreduce(x, op, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "allreduce")
+    key = None
+    if mode is BLOCKING and type(x) is np.ndarray:
+        key = ("allreduce", algorithm, op, x.dtype, x.shape, where(x, out))
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+            return start(call, algorithm, check, call.out.obj, None, plan)
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -102,8 +109,12 @@ def _allreduce(x, op, out, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allreduce", check, exc)
     call = make_call("allreduce", ctx, xb, outb, opr, 0, None, inplace, mode is BLOCKING)
-    return start(call, algorithm, check, outb.obj) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, outb.obj)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, outb.obj)
+    plan = None
+    if key is not None and not (inplace and key[-1] is APART):  # same memory: full path
+        plan = Plan(key, ("allreduce", opr, 0, None, xb.shape, inplace, key[-1], True, None))
+    return start(call, algorithm, check, outb.obj, None, plan)
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
@@ -125,6 +136,13 @@ def allreduce_init(x, op="sum", *, out=None, comm=None, algorithm="auto",
 
 def _reduce(x, op, root, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "reduce")
+    key = None
+    if mode is BLOCKING and type(x) is np.ndarray and type(root) is int:
+        key = ("reduce", algorithm, op, root, x.dtype, x.shape, where(x, out))
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+            return start(call, algorithm, check, result_of(call), None, plan)
+    inplace = False
     try:
         root = _root(root, ctx.size)
         xb = wrap(x, "x")
@@ -133,13 +151,19 @@ def _reduce(x, op, root, out, comm, algorithm, check, mode):
             outb, inplace = _output(xb, out, xb.shape)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "reduce", check, exc)
+    plan = None
+    if key is not None and not (inplace and key[-1] is APART):  # same memory: full path
+        receives = ctx.rank == root
+        plan = Plan(key, ("reduce", opr, root, None, xb.shape, inplace and receives,
+                          key[-1] if receives or out is not None else NONE, receives, None))
     if ctx.rank == root:
         result = outb.obj
     else:  # out is ignored (never written) off the root
         outb, inplace, result = None, False, None
     call = make_call("reduce", ctx, xb, outb, opr, root, None, inplace, mode is BLOCKING)
-    return start(call, algorithm, check, result) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, result)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, result)
+    return start(call, algorithm, check, result, None, plan)
 
 
 def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
@@ -161,6 +185,12 @@ def reduce_init(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto",
 
 def _reduce_scatter(x, op, counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "reduce_scatter")
+    key = None
+    if mode is BLOCKING and type(x) is np.ndarray and (given := counts_key(counts)) is not False:
+        key = ("reduce_scatter", algorithm, op, x.dtype, x.shape, given, where(x, out))
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+            return start(call, algorithm, check, call.out.obj, None, plan)
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -177,8 +207,11 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "reduce_scatter", check, exc)
     call = make_call("reduce_scatter", ctx, xb, outb, opr, 0, counts, False, mode is BLOCKING)
-    return start(call, algorithm, check, outb.obj) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, outb.obj)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, outb.obj)
+    plan = None if key is None else Plan(key, ("reduce_scatter", opr, 0, counts, outb.shape,
+                                               False, key[-1], True, None))
+    return start(call, algorithm, check, outb.obj, None, plan)
 
 
 def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
@@ -202,6 +235,12 @@ def reduce_scatter_init(x, op="sum", *, counts=None, out=None, comm=None, algori
 # -- data movement ------------------------------------------------------------------------------
 def _broadcast(x, root, comm, algorithm, check, mode):
     ctx = comm_context(comm, "broadcast")
+    key = None
+    if mode is BLOCKING and type(x) is np.ndarray and type(root) is int:
+        key = ("broadcast", algorithm, root, x.dtype, x.shape)
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, x)) is not None:
+            return start(call, algorithm, check, x, None, plan)
     try:
         root = _root(root, ctx.size)
         xb = wrap(x, "x")
@@ -211,8 +250,11 @@ def _broadcast(x, root, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "broadcast", check, exc)
     call = make_call("broadcast", ctx, xb, xb, None, root, None, True, mode is BLOCKING)
-    return start(call, algorithm, check, xb.obj) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, xb.obj)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, xb.obj)
+    plan = None if key is None else Plan(key, ("broadcast", None, root, None, xb.shape, True,
+                                               SAME, True, None))
+    return start(call, algorithm, check, xb.obj, None, plan)
 
 
 def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
@@ -232,7 +274,19 @@ def broadcast_init(x, root=0, *, comm=None, algorithm="auto", check=None) -> Per
 
 def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     ctx = comm_context(comm, "allgather")
+    key = given = None
+    if mode is BLOCKING and type(x) is np.ndarray and (given := counts_key(rows)) is not False:
+        if given is not None:  # every rank's rows given: the signature is known before
+            key = ("allgather", algorithm, x.dtype, x.shape, given, where(x, out))
+            plan = planned(ctx, key)
+            if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+                return start(call, algorithm, check, call.out.obj, None, plan)
     xb, counts, rows = shapes.gathered(ctx, x, rows, check, "allgather")
+    if given is None and mode is BLOCKING and type(x) is np.ndarray:  # rows learned: after
+        key = ("allgather", algorithm, x.dtype, x.shape, "learned", counts, where(x, out))
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, out, xb)) is not None:
+            return start(call, algorithm, check, call.out.obj, None, plan)
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -241,8 +295,11 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "allgather", check, exc)
     call = make_call("allgather", ctx, xb, outb, None, 0, counts, False, mode is BLOCKING)
-    return start(call, algorithm, check, outb.obj) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, outb.obj)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, outb.obj)
+    plan = None if key is None else Plan(key, ("allgather", None, 0, counts, shape, False,
+                                               key[-1], True, None))
+    return start(call, algorithm, check, outb.obj, None, plan)
 
 
 def allgather(x, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -267,6 +324,15 @@ def allgather_init(x, *, counts=None, out=None, comm=None, algorithm="auto",
 def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "alltoall")
     size = ctx.size
+    key = None
+    numpy = mode is BLOCKING and type(x) is np.ndarray
+    if numpy and (counts is None or recv_counts is not None):  # nothing to learn
+        given, expected = counts_key(counts), counts_key(recv_counts)
+        if given is not False and expected is not False:
+            key = ("alltoall", algorithm, x.dtype, x.shape, given, expected, where(x, out))
+            plan = planned(ctx, key)
+            if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+                return start(call, algorithm, check, call.out.obj, None, plan)
     recv = matrix = error = xb = send = None
     try:
         xb = wrap(x, "x")
@@ -286,13 +352,19 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
         error = exc
     if counts is not None and recv_counts is None:  # ragged: learn what comes from whom
         recv, matrix = shapes.alltoall_counts(ctx, xb, send, recv, error)
+        if numpy:  # the signature, now that every rank's counts are known
+            key = ("alltoall", algorithm, x.dtype, x.shape, "learned", matrix, where(x, out))
+            plan = planned(ctx, key)
+            if plan is not None and (call := bind(ctx, plan, x, out, xb)) is not None:
+                return start(call, algorithm, check, call.out.obj, None, plan)
     elif error is not None:
         raise _check.failed(ctx, "alltoall", check, error)
     elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
         recv, matrix = send, (send,) * size
     row = shapes.rows_of(xb)[1]
+    shape = (sum(recv),) + tuple(xb.shape[1:])
     try:
-        outb, inplace = _output(xb, out, (sum(recv),) + tuple(xb.shape[1:]))
+        outb, inplace = _output(xb, out, shape)
         if inplace:
             raise ValueError("alltoall cannot run in place: out must not be x")
     except (TypeError, ValueError) as exc:
@@ -304,8 +376,11 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     call = make_call("alltoall", ctx, xb, outb, None, 0, counts_e, False, mode is BLOCKING)
     # Without the matrix, auto cannot size the call alike on every rank: MPI's own then.
     algo = REGISTRY["alltoall"][NATIVE] if matrix is None and algorithm == "auto" else None
-    return start(call, algorithm, check, outb.obj, algo) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, outb.obj, algo)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, outb.obj, algo)
+    plan = None if key is None else Plan(key, ("alltoall", None, 0, counts_e, shape, False,
+                                               key[-1], True, None))
+    return start(call, algorithm, check, outb.obj, algo, plan)
 
 
 def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
@@ -331,24 +406,43 @@ def alltoall_init(x, counts=None, *, recv_counts=None, out=None, comm=None, algo
 
 def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     ctx = comm_context(comm, "gather")
+    key = given = None
+    numpy = mode is BLOCKING and type(x) is np.ndarray and type(root) is int
+    if numpy and (given := counts_key(rows)) is not False:
+        if given is not None:  # every rank's rows given: the signature is known before
+            key = ("gather", algorithm, root, x.dtype, x.shape, given, where(x, out))
+            plan = planned(ctx, key)
+            if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+                return start(call, algorithm, check, result_of(call), None, plan)
     try:
         root = _root(root, ctx.size)
     except ValueError as exc:
         raise _check.failed(ctx, "gather", check, exc)
     xb, counts, rows = shapes.gathered(ctx, x, rows, check, "gather")
+    if numpy and given is None:  # rows learned: the signature, now that they are known
+        key = ("gather", algorithm, root, x.dtype, x.shape, "learned", counts, where(x, out))
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, out, xb)) is not None:
+            return start(call, algorithm, check, result_of(call), None, plan)
     outb, result = None, None
+    shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     if ctx.rank == root:
         try:
-            outb, inplace = _output(xb, out, (rows,) + tuple(xb.shape[1:]) if xb.shape
-                                    else (rows,))
+            outb, inplace = _output(xb, out, shape)
             if inplace:
                 raise ValueError("gather cannot run in place: out must not be x")
         except (TypeError, ValueError) as exc:
             raise _check.failed(ctx, "gather", check, exc)
         result = outb.obj
     call = make_call("gather", ctx, xb, outb, None, root, counts, False, mode is BLOCKING)
-    return start(call, algorithm, check, result) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, result)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, result)
+    plan = None
+    if key is not None:
+        receives = ctx.rank == root
+        plan = Plan(key, ("gather", None, root, counts, shape, False,
+                          key[-1] if receives else NONE, receives, None))
+    return start(call, algorithm, check, result, None, plan)
 
 
 def gather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -376,15 +470,24 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
     # With out on every rank, each rank knows what it receives (as MPI_Scatterv): no header
     # for MPI's own. A toolkit algorithm (a tree) needs every rank's counts: the header then.
     known = out is not None and (algorithm == "auto" or algorithm == NATIVE)
+    key = None
+    if mode is BLOCKING and known and type(out) is np.ndarray and type(root) is int and \
+            (x is None or type(x) is np.ndarray) and (given := counts_key(counts)) is not False:
+        key = ("scatter", algorithm, root, None if x is None else x.dtype,
+               None if x is None else x.shape, given, out.dtype, out.shape, where(x, out))
+        plan = planned(ctx, key)
+        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+            if ctx.size > 1 and _check.enabled(check):
+                _verify_scatter(ctx, root, algorithm, out)
+            return start(call, algorithm, check, call.out.obj, None, plan)
     try:
         root = _root(root, ctx.size)
         if known:
             dtype, trailing, counts = shapes.scatter_known(ctx, root, x, out, counts)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "scatter", check, exc)
-    if ctx.size > 1 and _check.enabled(check):  # out on some ranks only: said, not a hang
-        _check.verify(ctx.comm, collective="scatter", root=root, sequence=ctx.seq,
-                      algorithm=f"{algorithm}, out {'given' if out is not None else 'none'}")
+    if ctx.size > 1 and _check.enabled(check):
+        _verify_scatter(ctx, root, algorithm, out)
     if not known:
         dtype, trailing, counts = shapes.scatter_header(ctx, root, x, counts)
     try:
@@ -411,8 +514,21 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
     # Without the header, the ranks other than the root may know only their own block: auto
     # cannot size the call alike on every rank, so MPI's own (MPI_Scatterv) runs.
     algo = REGISTRY["scatter"][NATIVE] if known and algorithm == "auto" else None
-    return start(call, algorithm, check, outb.obj, algo) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, outb.obj, algo)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, outb.obj, algo)
+    plan = None
+    if key is not None:  # off the root, x stands in as an empty array of the root's rows
+        stand_in = None if ctx.rank == root else numpy_buffer(np.empty((0,) + trailing, dtype))
+        plan = Plan(key, ("scatter", None, root, call.counts, outb.shape, False, APART, True,
+                          stand_in))
+    return start(call, algorithm, check, outb.obj, algo, plan)
+
+
+def _verify_scatter(ctx, root, algorithm, out) -> None:
+    """The cross-rank check of a scatter, before its header: ranks given out on some ranks
+    only are told so, instead of a hang."""
+    _check.verify(ctx.comm, collective="scatter", root=root, sequence=ctx.seq,
+                  algorithm=f"{algorithm}, out {'given' if out is not None else 'none'}")
 
 
 def scatter(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -445,8 +561,11 @@ def _barrier(comm, algorithm, check, mode):
     ctx = comm_context(comm, "barrier")
     call = make_call("barrier", ctx, _NOTHING, _NOTHING, None, 0, None, False,
                      mode is BLOCKING)
-    return start(call, algorithm, check, None) if mode is not PERSISTENT else \
-        Persistent(call, algorithm, check, None)
+    if mode is PERSISTENT:
+        return Persistent(call, algorithm, check, None)
+    key = ("barrier", algorithm)
+    plan = None if mode is not BLOCKING else planned(ctx, key) or Plan(key)
+    return start(call, algorithm, check, None, None, plan)
 
 
 def barrier(comm=None, *, algorithm="auto", check=None) -> None:

@@ -19,7 +19,7 @@ while they run.
 from __future__ import annotations
 
 from . import check as _check
-from . import config, ops, select
+from . import config, native, ops, select
 from . import timeline as _timeline
 from . import watchdog as _watchdog
 from .call import Call, make_call
@@ -27,10 +27,11 @@ from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
 from .ops import resolve
 from .progress import DONE, Request
+from .signature import Plan, keep
 from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
-__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick", "mean_first", "verify", "preferred",
-           "auto_algorithm", "drain", "RAGGED",
+__all__ = ["Call", "make_call", "comm_context", "start", "auto_pick",
+           "mean_first", "verify", "preferred", "auto_algorithm", "drain", "RAGGED",
            "nothing_to_move"]
 
 
@@ -160,14 +161,19 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
 
 
 # -- validate, choose, run ---------------------------------------------------------------------
-def start(call: Call, algorithm, check, result, algo=None):
+def start(call: Call, algorithm, check, result, algo=None, plan: Plan | None = None):
     """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``;
     returns the result, or a ``Request`` for a non-blocking call. The one lifecycle of every
     call: number it, let the watchdog see it, check, average first (``op="avg"``), choose, run,
     release. The check comes before the choice: ranks whose arguments differ may choose
-    differently, and a choice may ask the topology (collective on first use)."""
+    differently, and a choice may ask the topology (collective on first use). ``plan``: the
+    call's signature's (``Plan``); a settled one has made the choice already, an unsettled one
+    is settled here and kept where the choice depended on the signature alone."""
     ctx, collective = call.ctx, call.collective
     finalize = _traced(call, _timeline.now()) if _timeline.on else None
+    run = None if plan is None else plan.run
+    if run is not None:
+        algo = plan.algo
     named = algo is None and algorithm != "auto"
     if named:  # an unknown name is this rank's own error, told to the others by the check
         try:
@@ -175,7 +181,7 @@ def start(call: Call, algorithm, check, result, algo=None):
         except (TypeError, ValueError) as exc:
             raise _check.failed(ctx, collective, check, exc)
     call.algorithm = algorithm if algo is None else algo.name
-    call.algo, plan = algo, None
+    call.algo = algo
     call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
     ctx.seq = seq + 1
     if ctx.pending:
@@ -193,28 +199,13 @@ def start(call: Call, algorithm, check, result, algo=None):
             verify(call, algorithm, seq)
             if entry is not None:
                 entry.checked()
-        nbytes = -1 if algo is not None else _auto_bytes(call)
-        prefs = PREFERENCES[collective]
-        if prefs and nbytes >= 0:  # buffer-dependent: they see the call as the caller made it
-            above = _AGREE_ABOVE.get(collective)
-            if above is None or above[0] is not prefs:
-                above = _AGREE_ABOVE[collective] = (prefs, min(r.agree_above for r in prefs))
-            if nbytes > above[1]:
-                algo, plan = preferred(call, nbytes) or (None, None)
-        if call.op is not None and call.op.is_avg and ctx.size > 1 and \
-                not (algo is not None and algo.averages):
-            mean_first(call)
-        if algo is None:
-            memo = ctx.slots.get(_AutoMemo)  # the memo's hit, inline: this runs on every call
-            algo = memo.picks.get((collective, nbytes, call.inplace)) if memo is not None and \
-                memo.setting is config.get("COLLECTIVES_TUNING") else None
-            if algo is None:
-                algo = _auto(ctx, collective, nbytes, call.inplace)
-        call.algorithm, call.algo = algo.name, algo
-        if named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
-            raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
-                             f"communicator of {ctx.size} ranks spans nodes")
-        work = _run(call, algo, plan)
+        if run is not None:  # the signature's choice, made
+            op = call.op
+            if op is not None and op.is_avg and ctx.size > 1 and not algo.averages:
+                mean_first(call)
+            work = run(call)
+        else:
+            work = _choose_and_run(call, algo, named, plan)
         if entry is not None and work is not DONE:
             entry.attach(work)  # what the watchdog asks where this rank waits
         if call.blocking:
@@ -234,6 +225,42 @@ def start(call: Call, algorithm, check, result, algo=None):
         return result
     return Request(work, result, finalize, description=call.describe(),
                    release=None if entry is None else entry.finished)
+
+
+def _choose_and_run(call: Call, algo, named: bool, plan: Plan | None):
+    """``start``'s steps from averaging to running, for a call without a settled plan: average
+    first, choose (``algo`` where given or named), run; settle ``plan`` where the choice read
+    the signature only."""
+    ctx, collective = call.ctx, call.collective
+    agreed = None
+    nbytes = -1 if algo is not None else _auto_bytes(call)
+    prefs = PREFERENCES[collective]
+    settles = plan is not None and call.blocking
+    if prefs and nbytes >= 0:  # buffer-dependent: they see the call as the caller made it
+        above = _AGREE_ABOVE.get(collective)
+        if above is None or above[0] is not prefs:
+            above = _AGREE_ABOVE[collective] = (prefs, min(r.agree_above for r in prefs))
+        if nbytes > above[1]:
+            settles = False
+            algo, agreed = preferred(call, nbytes) or (None, None)
+    if call.op is not None and call.op.is_avg and ctx.size > 1 and \
+            not (algo is not None and algo.averages):
+        mean_first(call)
+    if algo is None:
+        memo = ctx.slots.get(_AutoMemo)  # the memo's hit, inline
+        algo = memo.picks.get((collective, nbytes, call.inplace)) if memo is not None and \
+            memo.setting is config.get("COLLECTIVES_TUNING") else None
+        if algo is None:
+            algo = _auto(ctx, collective, nbytes, call.inplace)
+    call.algorithm, call.algo = algo.name, algo
+    if named and algo.needs is ONE_NODE and ctx.size > 1 and not _single_node(ctx):
+        raise ValueError(f"algorithm {algo.name!r} needs every rank on one node, but this "
+                         f"communicator of {ctx.size} ranks spans nodes")
+    work = _run(call, algo, agreed)
+    if settles:
+        plan.algo, plan.run = algo, _launcher(call, algo)
+        keep(ctx, plan)
+    return work
 
 
 def verify(call: Call, algorithm, seq: int) -> None:
@@ -301,21 +328,33 @@ def _traced(call: Call, t0: float):
     return record
 
 
-def _run(call: Call, algo: select.Algorithm, plan=None):
-    """Start ``call`` with ``algo``, by its kind: the one place that dispatches on it
-    (``plan``: what ``algo.agree`` agreed, for a record that agrees)."""
+def _run(call: Call, algo: select.Algorithm, agreed=None):
+    """Start ``call`` with ``algo`` (``agreed``: what ``algo.agree`` agreed, for a record that
+    agrees)."""
+    return _launcher(call, algo, agreed)(call)
+
+
+def _launcher(call: Call, algo: select.Algorithm, agreed=None):
+    """How ``algo`` starts ``call``, and every call of the same signature
+    (``Plan``): ``run(call) -> work``, by the record's kind, the one place that dispatches on
+    it. The MPI library's own collectives, blocking on host memory, have the method, datatypes
+    and layouts worked out once (``native.prepare``)."""
     ctx = call.ctx
     if ctx.size == 1 or ((call.counts is not None or not call.x.count) and
                          nothing_to_move(call)):
-        return _trivial(call)
+        return _trivial
     if algo.kind is SCHEDULE:
+        build = algo.build[call.collective]
         extra = _topology_kwargs(ctx) if algo.needs is TOPOLOGY else ()
-        return launch_schedule(call, schedule_for(call, algo.build[call.collective], extra))
+        return lambda call: launch_schedule(call, schedule_for(call, build, extra))
     if call.x.device != "cpu":  # straight to a CUDA-aware MPI, or staged through host memory
         from . import cuda_transport
-        return cuda_transport.native(call, algo.launch) if algo.kind is NATIVE else \
-            cuda_transport.staged(call, algo.launch)
-    return algo.launch(call) if algo.agree is None else algo.launch(call, plan)
+        if algo.kind is NATIVE:
+            return lambda call: cuda_transport.native(call, algo.launch)
+        return lambda call: cuda_transport.staged(call, algo.launch)
+    if algo.kind is NATIVE and algo.launch is native.launch and call.blocking:
+        return native.prepare(call)
+    return algo.launch if algo.agree is None else lambda call: algo.launch(call, agreed)
 
 
 def _topology_kwargs(ctx) -> tuple:

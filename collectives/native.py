@@ -15,7 +15,7 @@ import numpy as np
 from .ops import Op
 from .progress import DONE, NativeWork
 
-__all__ = ["launch", "arguments", "mpi_type_op"]
+__all__ = ["launch", "prepare", "arguments", "mpi_type_op"]
 
 _CACHE: dict = {}
 
@@ -158,6 +158,117 @@ def _scatter(call, MPI):
     sent = None if call.ctx.rank != call.root else \
         [x, _layout(tuple(call.counts), x.dtype.itemsize), MPI.BYTE]
     return "Scatterv", (sent, [call.out.flat, MPI.BYTE], call.root)
+
+
+def prepare(call):
+    """``launch`` for the blocking calls of ``call``'s signature (its collective, dtype,
+    shapes, op, root and counts: ``collectives.dispatch.Plan``): the mpi4py method, the
+    datatypes, op and layouts worked out once; each call passes only its buffers."""
+    MPI = _mpi()
+    name, args = _ARGUMENTS[call.collective](call, MPI)
+    return _PREPARE[call.collective](getattr(call.ctx.comm, name), args, MPI)
+
+
+def _prepared_barrier(method, args, MPI):
+    def run(call):
+        method()
+        return DONE
+    return run
+
+
+def _prepared_broadcast(method, args, MPI):
+    byte, root = MPI.BYTE, args[1]
+
+    def run(call):
+        method([call.out.flat, byte], root)
+        return DONE
+    return run
+
+
+def _prepared_allreduce(method, args, MPI):
+    (_, mpitype), mpiop, in_place = args[1], args[2], MPI.IN_PLACE
+
+    def run(call):
+        method(in_place if call.inplace else [call.x.flat, mpitype], [call.out.flat, mpitype],
+               mpiop)
+        return DONE
+    return run
+
+
+def _prepared_reduce(method, args, MPI):
+    sent, received, mpiop, root = args
+    mpitype, in_place = (sent if received is None else received)[-1], MPI.IN_PLACE
+
+    def run(call):
+        out = call.out
+        if out is None:
+            method([call.x.flat, mpitype], None, mpiop, root)
+        else:
+            method(in_place if call.inplace else [call.x.flat, mpitype], [out.flat, mpitype],
+                   mpiop, root)
+        return DONE
+    return run
+
+
+def _prepared_reduce_scatter(method, args, MPI):
+    if len(args) == 3:  # Reduce_scatter_block
+        (_, mpitype), (_, count, _), mpiop = args
+
+        def run(call):
+            method([call.x.flat, mpitype], [call.out.flat, count, mpitype], mpiop)
+            return DONE
+        return run
+    (_, total, mpitype), (_, count, _), counts, mpiop = args
+
+    def run(call):
+        method([call.x.flat, total, mpitype], [call.out.flat, count, mpitype], counts, mpiop)
+        return DONE
+    return run
+
+
+def _prepared_exchange(method, args, MPI):
+    """Allgather(v), Alltoall(v): what is sent and received, in bytes, each with its layout
+    where it has one."""
+    sent, received = args[0][1:], args[1][1:]
+    if len(sent) == len(received) == 1:  # the block forms
+        byte = MPI.BYTE
+
+        def run(call):
+            method([call.x.flat, byte], [call.out.flat, byte])
+            return DONE
+        return run
+
+    def run(call):
+        method([call.x.flat, *sent], [call.out.flat, *received])
+        return DONE
+    return run
+
+
+def _prepared_gather(method, args, MPI):
+    sent, received, root = args[0][1:], args[1] and args[1][1:], args[2]
+
+    def run(call):
+        out = call.out
+        method([call.x.flat, *sent], None if out is None else [out.flat, *received], root)
+        return DONE
+    return run
+
+
+def _prepared_scatter(method, args, MPI):
+    sent, received, root = args[0] and args[0][1:], args[1][1:], args[2]
+
+    def run(call):
+        method(None if sent is None else [call.x.flat, *sent], [call.out.flat, *received],
+               root)
+        return DONE
+    return run
+
+
+_PREPARE = {"barrier": _prepared_barrier, "broadcast": _prepared_broadcast,
+            "allreduce": _prepared_allreduce, "reduce": _prepared_reduce,
+            "reduce_scatter": _prepared_reduce_scatter, "allgather": _prepared_exchange,
+            "alltoall": _prepared_exchange, "gather": _prepared_gather,
+            "scatter": _prepared_scatter}
 
 
 # collective -> (call, mpi4py.MPI) -> (the blocking mpi4py method's name, its arguments)

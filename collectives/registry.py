@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 
 __all__ = ["Algorithm", "SCHEDULE", "DIRECT", "NATIVE", "ANY", "ONE_NODE", "TOPOLOGY",
            "ANY_COUNTS", "EQUAL", "MATRIX", "COLLECTIVES", "SHM_COLLECTIVES", "REGISTRY",
-           "PREFERENCES", "register", "get", "algorithms"]
+           "PREFERENCES", "CHANGES", "register", "get", "algorithms"]
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
                "gather", "scatter", "barrier")
@@ -77,6 +77,9 @@ class Algorithm:
 REGISTRY: dict[str, dict[str, Algorithm]] = {c: {} for c in COLLECTIVES}
 # {collective: (Algorithm, ...)}: the records ``auto`` asks to ``agree`` before its table.
 PREFERENCES: dict[str, tuple[Algorithm, ...]] = {c: () for c in COLLECTIVES}
+# [how many times ``register`` has changed the tables]: a choice made before a change may be
+# stale after it. A list of one, so that a reader on every call sees the count without a call.
+CHANGES: list = [0]
 
 
 def register(algorithm: Algorithm) -> None:
@@ -91,6 +94,7 @@ def register(algorithm: Algorithm) -> None:
         REGISTRY[collective][algorithm.name] = algorithm
     for collective in algorithm.prefers:
         PREFERENCES[collective] += (algorithm,)
+    CHANGES[0] += 1
 
 
 def get(collective: str, name: str) -> Algorithm:

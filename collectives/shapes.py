@@ -24,6 +24,9 @@ __all__ = ["balanced", "counts_of", "CountBuffers", "MatrixBuffers", "allgather_
            "scatter_known"]
 
 
+_INT = frozenset((int,))
+
+
 @functools.lru_cache(maxsize=1024)
 def balanced(count: int, size: int) -> tuple[int, ...]:
     """``numpy.array_split``'s sizes of ``count`` over ``size`` ranks (a program's few lengths
@@ -36,7 +39,7 @@ def counts_of(counts, size: int) -> tuple[int, ...]:
     """``counts`` as a tuple of ``size`` non-negative ints, or a ValueError saying why not."""
     if type(counts) is tuple or type(counts) is list:  # plain ints: no numpy for a few counts
         values = tuple(counts)
-        if len(values) == size and all(type(c) is int for c in values) and \
+        if len(values) == size and _INT.issuperset(map(type, values)) and \
                 (not values or min(values) >= 0):
             return values
     try:

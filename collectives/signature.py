@@ -1,0 +1,143 @@
+"""A blocking call's signature, and the plan that its first call settles.
+
+A blocking call on numpy arrays has a signature: every value that its argument checks and the
+choice of algorithm read (the collective, dtype, shapes, op, root, counts, algorithm, where out
+is), never an array. The first call of a signature takes the full path (``collectives.api``'s
+checks, then ``collectives.dispatch.start``'s choice) and leaves a ``Plan``: what the checks
+derived from those values, the record chosen and how it runs. A later call of the same
+signature repeats only the checks that read the arrays themselves (``bind``: layout,
+writability, overlap) and runs at once, inside the same lifecycle (``dispatch.start``). A
+value the signature cannot hold exactly (a float among counts, a bool root, a numpy array of
+counts) keeps the call on the full path, whose checks tell it apart. Plans are kept per
+communicator, bounded, and forgotten when the tuning table's setting or the registry
+changes; nothing in them refers to a caller's array.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import config
+from .buffers import Buffer, numpy_buffer
+from .call import Call, make_call
+from .registry import CHANGES
+
+__all__ = ["Plan", "Plans", "planned", "keep", "bind", "result_of", "where", "counts_key", "NEW",
+           "SAME", "APART", "NONE"]
+
+class Plan:
+    """What one signature of a blocking call settled, kept by its communicator: the API's
+    checks passed for it, the choice is made, and it runs at once.
+
+    ``key`` is the signature: the collective and every value that the API's checks and the
+    choice read (dtype, shapes, op, root, counts, algorithm, where out is), never an array, so
+    nothing of a caller's arrays outlives a call. ``derived`` is what the API worked out from
+    those values (the op's record, counts in elements, the output's shape); ``algo`` the
+    record chosen and ``run(call) -> work`` how the record runs a call of this signature.
+    A plan is made unsettled (``algo`` and ``run`` None) by the API for a call whose
+    signature has none yet; ``start`` settles and keeps it where the choice depended on the
+    signature alone (not on the buffers, as a preference's agreement does)."""
+
+    __slots__ = ("key", "derived", "algo", "run")
+
+    def __init__(self, key, derived=None):
+        self.key, self.derived, self.algo, self.run = key, derived, None, None
+
+
+# Where a call's out is: not given (the API makes it), x itself, an array apart from x, or
+# nothing to check (ignored on this rank).
+NEW, SAME, APART, NONE = "new", "same", "apart", "none"
+_INT = frozenset((int,))
+
+
+def where(x, out) -> str:
+    """Where ``out`` is, for a signature: ``NEW``, ``SAME`` or ``APART``."""
+    return NEW if out is None else SAME if out is x else APART
+
+
+def counts_key(counts):
+    """``counts`` as part of a signature: None, a tuple of plain ints, or False where it cannot
+    be one (floats, bools and numpy arrays take the full path, whose checks tell them apart)."""
+    if counts is None:
+        return None
+    if (type(counts) is tuple or type(counts) is list) and _INT.issuperset(map(type, counts)):
+        return tuple(counts)
+    return False
+
+
+def bind(ctx, plan: Plan, x, out, xb: Buffer | None = None) -> Call | None:
+    """The ``Call`` of a blocking call of ``plan``'s signature, with the checks that read the
+    arrays themselves made again (x C-contiguous; out writable, C-contiguous and apart from x),
+    or None where one fails: the full path then says why. ``plan.derived``: the collective,
+    op, root, counts, the output's shape, in place, where out is (``NEW``, ``SAME``,
+    ``APART``, ``NONE``), whether this rank receives into it, and the Buffer standing for x
+    where x is not read on this rank (or None)."""
+    collective, op, root, counts, shape, inplace, placed, receives, stand_in = plan.derived
+    if xb is None:
+        if stand_in is not None:
+            xb = stand_in
+        else:
+            flags = x.flags
+            if not flags.c_contiguous:
+                return None
+            xb = numpy_buffer(x, not flags.writeable)
+    if placed is APART:
+        if type(out) is not np.ndarray or out.shape != shape or \
+                (out.dtype is not xb.dtype and out.dtype != xb.dtype):
+            return None
+        flags = out.flags
+        if not (flags.c_contiguous and flags.writeable) or not (
+                (out.base is None and xb.obj.base is None) or
+                not np.may_share_memory(xb.flat, out)):
+            return None
+        outb = numpy_buffer(out)
+    elif placed is NEW:
+        outb = numpy_buffer(np.empty(shape, xb.dtype))
+    elif placed is SAME:
+        if xb.readonly:
+            return None
+        outb = xb
+    else:
+        outb = None
+    return make_call(collective, ctx, xb, outb if receives else None, op, root, counts, inplace,
+                     True)
+
+
+def result_of(call: Call):
+    """What a call returns on this rank: its output, or None where it has none."""
+    return None if call.out is None else call.out.obj
+
+
+_UNREAD = object()  # a setting not read yet
+
+
+class Plans:
+    """One communicator's settled plans, by key, for the tuning table and the registry they
+    were chosen under (a change of either forgets them)."""
+
+    __slots__ = ("table", "setting", "version")
+
+    def __init__(self, ctx):
+        self.table, self.setting, self.version = {}, _UNREAD, -1
+
+
+def planned(ctx, key) -> Plan | None:
+    """The settled plan of signature ``key`` on ``ctx``, or None (also where a value of the
+    key cannot be hashed: such a call has no plan)."""
+    plans = ctx.slots.get(Plans)
+    if plans is None or plans.version != CHANGES[0] or \
+            plans.setting is not config.get("COLLECTIVES_TUNING"):
+        return None
+    try:
+        return plans.table.get(key)
+    except TypeError:
+        return None
+
+
+def keep(ctx, plan: Plan) -> None:
+    """Keep ``plan``, settled, on ``ctx`` for the calls of its signature."""
+    plans = ctx.slot(Plans)
+    setting, version = config.get("COLLECTIVES_TUNING"), CHANGES[0]
+    if plans.setting is not setting or plans.version != version or len(plans.table) >= 1024:
+        # a program's signatures are few; a bound all the same
+        plans.table, plans.setting, plans.version = {}, setting, version
+    plans.table[plan.key] = plan
