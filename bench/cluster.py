@@ -8,7 +8,8 @@ Each host is a network namespace of its own (``n0``, ``n1``, ...) with its own l
 ``eth0``: one end of a veth pair whose other end sits on a bridge, as a host's NIC sits on a
 switch. The link is limited in both directions by a token-bucket filter (``tc ... tbf rate R``
 on ``eth0`` for what the host sends, on the bridge's end for what it receives), so a host
-sends and receives at most R at once, as on a full-duplex link of that rate. Every rank of a
+sends and receives at most R at once, as on a full-duplex link of that rate; its TCP buffers
+may grow to 64 MiB (``--tcp-buffer``), as on hosts tuned for fast links. Every rank of a
 host runs in its namespace, with a hostname of its own: MPI sees the hosts as nodes
 (``MPI_Comm_split_type(COMM_TYPE_SHARED)`` groups a host's ranks), moves bytes through shared
 memory inside a host and over TCP on ``eth0`` between hosts, and the toolkit's topology is the
@@ -66,10 +67,11 @@ CLUSTER_ENV: dict[str, str] = {
 _DROPPED = ("COLLECTIVES_RANKS_PER_NODE", "COLLECTIVES_RANKS_PER_NUMA", "MPIR_CVAR_NOLOCAL")
 
 # The namespace's first process (not exec'd into the job: as PID 1 it would ignore signals).
-# $1 ip, $2 tc, $3 hosts, $4 mtu, $5 the qdisc's parameters ("" for no limit), then the job.
+# $1 ip, $2 tc, $3 hosts, $4 mtu, $5 the qdisc's parameters ("" for no limit), $6 the largest
+# TCP buffer in bytes (0: the kernel's default), then the job.
 _SCRIPT = r'''
-ip=$1 tc=$2 hosts=$3 mtu=$4 qdisc=$5
-shift 5
+ip=$1 tc=$2 hosts=$3 mtu=$4 qdisc=$5 tcpmem=$6
+shift 6
 fail() { echo "bench cluster: $*" >&2; exit 125; }
 mount -t tmpfs cluster /run || fail "cannot mount a tmpfs on /run"
 mkdir -p /run/netns /run/cluster
@@ -91,6 +93,10 @@ while [ "$i" -lt "$hosts" ]; do
         "$tc" qdisc add dev "v$i" root tbf $qdisc || fail "$h: tc on the bridge's end"
         "$ip" netns exec "$h" "$tc" qdisc add dev eth0 root tbf $qdisc || fail "$h: tc on eth0"
     fi
+    if [ "$tcpmem" -gt 0 ]; then
+        "$ip" netns exec "$h" sh -c "echo 4096 131072 $tcpmem > /proc/sys/net/ipv4/tcp_rmem &&
+            echo 4096 16384 $tcpmem > /proc/sys/net/ipv4/tcp_wmem" || fail "$h: TCP buffers"
+    fi
     echo "SUBNET.$((i + 1)) $h" >> /run/cluster/hosts
     i=$((i + 1))
 done
@@ -107,6 +113,11 @@ chmod +x /run/cluster/ssh
 "$@"
 '''.replace("SUBNET", SUBNET)
 STANDIN = "/run/cluster/ssh"
+# The most a host's TCP socket buffers grow to (tcp_rmem/tcp_wmem's last field): 64 MiB, as
+# hosts on 10 Gbit/s links are tuned, so that bytes MPI has handed to the kernel keep the link
+# busy while the ranks compute (the kernel's default send buffer, 4 MiB, drains in 34 ms at
+# 1 Gbit/s).
+TCP_BUFFER = 64 << 20
 
 
 def _kind(mpiexec: str) -> str | None:
@@ -135,18 +146,19 @@ def check_available() -> str | None:
         return why.replace("bench net", "bench cluster").replace(
             "shape its loopback", "build hosts").replace("its loopback", "a host's link")
     probe = subprocess.run(_unshare(["true"], hosts=1, mtu=1500, qdisc="rate 1gbit burst 256kb "
-                                    "latency 100ms"), capture_output=True, text=True)
+                                    "latency 100ms", tcp_buffer=TCP_BUFFER),
+                           capture_output=True, text=True)
     if probe.returncode != 0:
         return (f"bench cluster could not build a host (a namespace, a bridge, a veth pair and "
                 f"a tbf qdisc; exit status {probe.returncode}): {probe.stderr.strip()[-400:]}")
     return None
 
 
-def _unshare(command, hosts: int, mtu: int, qdisc: str) -> list[str]:
+def _unshare(command, hosts: int, mtu: int, qdisc: str, tcp_buffer: int) -> list[str]:
     tools = net._tools()
     return [tools["unshare"] or "unshare", "--net", "--mount", "--pid", "--fork",
             "--kill-child", "sh", "-c", _SCRIPT, "sh", tools["ip"] or "ip", tools["tc"] or "tc",
-            str(hosts), str(mtu), qdisc, *command]
+            str(hosts), str(mtu), qdisc, str(tcp_buffer), *command]
 
 
 def link_bytes(iface: str = "eth0") -> tuple[int, int] | None:
@@ -166,18 +178,22 @@ class Cluster(net.Network):
 
     def __init__(self, nodes: int, ranks_per_node: int, rate: str | None = "1gbit",
                  burst: str | None = None, latency: str = "100ms", mtu: int = 9000,
-                 mpiexec: str | None = None):
+                 mpiexec: str | None = None, tcp_buffer: int = TCP_BUFFER):
         if nodes < 1 or ranks_per_node < 1:
             raise ValueError(f"a cluster needs at least one host of one rank "
                              f"(nodes={nodes}, ranks_per_node={ranks_per_node})")
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu {mtu}: expected 576..65535 (9000: jumbo frames)")
+        if tcp_buffer < 0:
+            raise ValueError(f"tcp_buffer {tcp_buffer}: expected bytes, or 0 for the kernel's "
+                             f"default")
         bits = net.parse_rate(rate)
         # The bucket holds 2 ms of the rate (at least 256 KiB): a smaller one caps the rate
         # below R at the kernel's timer granularity.
         burst = burst or f"{max(256 * 1024, int((bits or 0) / 8 * 0.002))}b"
         super().__init__(rate, burst, latency)
         self.nodes, self.ranks_per_node, self.mtu = nodes, ranks_per_node, mtu
+        self.tcp_buffer = tcp_buffer
         self.mpiexec = mpiexec or _default_mpiexec()
 
     @property
@@ -203,7 +219,8 @@ class Cluster(net.Network):
 
     def argv(self, command) -> list[str]:
         """The whole command line: build the cluster, then launch ``command`` on it."""
-        return _unshare(self.launcher(command), self.nodes, self.mtu, self.qdisc)
+        return _unshare(self.launcher(command), self.nodes, self.mtu, self.qdisc,
+                        self.tcp_buffer)
 
     def environment(self, env=None) -> dict:
         """``env`` (default ``os.environ``) with ``CLUSTER_ENV``, less whatever would make MPI
@@ -229,8 +246,10 @@ class Cluster(net.Network):
 
     def describe(self) -> str:
         rate = self.rate or "no limit"
+        tcp = f"TCP buffers up to {self.tcp_buffer >> 20} MiB" if self.tcp_buffer else \
+            "the kernel's TCP buffers"
         return (f"{self.nodes} hosts x {self.ranks_per_node} ranks, links of {rate} each way "
-                f"(tbf burst {self.burst}), MTU {self.mtu}")
+                f"(tbf burst {self.burst}), MTU {self.mtu}, {tcp}")
 
 
 def _parser():
@@ -249,6 +268,9 @@ def _parser():
     p.add_argument("--latency", default="100ms",
                    help="the longest a packet waits in the bucket's queue (default 100ms)")
     p.add_argument("--mtu", type=int, default=9000, help="the links' MTU (default 9000)")
+    p.add_argument("--tcp-buffer", type=int, default=TCP_BUFFER,
+                   help=f"the most a TCP socket's send or receive buffer grows to on a host, "
+                        f"bytes; 0: the kernel's default (default {TCP_BUFFER})")
     p.add_argument("--mpiexec", default=None,
                    help="MPICH's mpiexec or Open MPI's mpirun (default: beside this Python)")
     p.add_argument("--show", action="store_true",
@@ -274,7 +296,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cluster = Cluster(args.nodes, args.ranks_per_node, args.rate, args.burst, args.latency,
-                          args.mtu, args.mpiexec)
+                          args.mtu, args.mpiexec, args.tcp_buffer)
     except ValueError as exc:
         print(f"bench cluster: {exc}", file=sys.stderr)
         return 2

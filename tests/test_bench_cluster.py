@@ -58,7 +58,8 @@ comm.Barrier()
 after = link_bytes()
 rows = comm.gather({"rank": comm.Get_rank(), "host": socket.gethostname(),
                     "node_size": node.Get_size(), "sum": float(y[0]),
-                    "sent": after[0] - before[0], "received": after[1] - before[1]})
+                    "sent": after[0] - before[0], "received": after[1] - before[1],
+                    "tcp_wmem": open("/proc/sys/net/ipv4/tcp_wmem").read().split()})
 if rows:
     print(json.dumps(rows), flush=True)
 """
@@ -77,6 +78,7 @@ def test_ranks_on_hosts_see_nodes_and_cross_the_links(nodes, per):
     assert [r["host"] for r in rows] == [f"n{r // per}" for r in range(nodes * per)]
     assert all(r["node_size"] == per for r in rows)
     assert all(r["sum"] == nodes * per for r in rows)
+    assert all(int(r["tcp_wmem"][-1]) == cluster.TCP_BUFFER for r in rows)
     # Bytes crossed every host's link: at least a host's share of the sum of the others.
     for r in rows:
         assert r["sent"] >= (1 << 22) // per, r
