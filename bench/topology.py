@@ -6,7 +6,9 @@ Without options it prints the ``Topology`` of ``COMM_WORLD`` (``collectives.topo
 node, local rank, NUMA domain and CPUs. With ``--traffic MIB`` it also runs one float32
 allreduce of MIB per rank with each of ``--algorithms`` and prints the bytes every algorithm
 sent per link class, from the executor's counters (``collectives.traffic.count_traffic``):
-the busiest rank's and the sum over all ranks.
+the busiest rank's and the sum over all ranks. Where the ranks span nodes with a network
+interface ``eth0`` (``python -m bench cluster``), it also prints the bytes that crossed the
+network by the kernel's counters beside the cost model's count.
 """
 from __future__ import annotations
 
@@ -45,6 +47,42 @@ def traffic_table(comm, nbytes: int = 1 << 22, algorithms=("ring", "hierarchical
     return rows
 
 
+def network_table(comm, nbytes: int = 1 << 22, algorithms=("ring", "hierarchical"),
+                  collective: str = "allreduce", iface: str = "eth0") -> list[tuple]:
+    """Bytes that crossed the nodes' network links in one float32 call of each algorithm, as
+    the kernel counted them (``iface``'s transmit counter on every node, summed), beside the
+    cost model's count of the bytes its schedules send to other nodes (collective).
+
+    Returns, on every rank, rows ``(algorithm, kernel bytes, model bytes or None)``; None
+    where a node has no such interface to read."""
+    from mpi4py import MPI
+
+    import collectives as coll
+    from bench.cluster import link_bytes
+    from collectives import costmodel, select
+    from collectives.topology import OTHER_NODE, topology
+    topo = topology(comm)
+    leader = topo.local_rank(comm.Get_rank()) == 0
+    if not comm.allreduce(link_bytes(iface) is not None or not leader, op=MPI.LAND):
+        return None
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    run = getattr(coll, collective)
+    rows = []
+    for name in algorithms:
+        run(x, comm=comm, algorithm=name)  # connections, schedules, windows
+        comm.Barrier()
+        before = link_bytes(iface)[0] if leader else 0
+        run(x, comm=comm, algorithm=name)
+        comm.Barrier()
+        sent = comm.allreduce((link_bytes(iface)[0] - before) if leader else 0)
+        model = None
+        if select.get(collective, name).kind == select.SCHEDULE:
+            model = costmodel.link_bytes(collective, name, comm.Get_size(), x.nbytes,
+                                         topology=topo)[OTHER_NODE]
+        rows.append((name, sent, model))
+    return rows
+
+
 def main(argv=None, comm=None) -> int:
     """``mpiexec -n N python -m bench topology [--traffic MIB] [--algorithms a,b]``."""
     parser = argparse.ArgumentParser(
@@ -73,4 +111,22 @@ def main(argv=None, comm=None) -> int:
         print(f"  {'algorithm':>16} {'link':>11} {'max per rank':>14} {'all ranks':>14}")
         for name, link, most, total in table:
             print(f"  {name:>16} {link:>11} {most:14d} {total:14d}")
+    if topo_spans(comm):
+        wire = network_table(comm, int(args.traffic * (1 << 20)), args.algorithms.split(","))
+        if wire is not None and comm.Get_rank() == 0:
+            print("\nbytes across the network in the same call: the kernel's count (every "
+                  "node's eth0 transmit counter, summed: frames with their headers, and TCP's "
+                  "acknowledgements) beside the cost model's (its schedules' sends to other "
+                  "nodes)")
+            print(f"  {'algorithm':>16} {'kernel':>14} {'model':>14} {'kernel/model':>13}")
+            for name, sent, model in wire:
+                ratio = f"{sent / model:13.3f}" if model else f"{'-':>13}"
+                print(f"  {name:>16} {sent:14d} {model if model is not None else '-':>14} "
+                      f"{ratio}")
     return 0
+
+
+def topo_spans(comm) -> bool:
+    """Whether ``comm``'s ranks span nodes."""
+    from collectives.topology import topology
+    return not topology(comm).single_node

@@ -52,7 +52,7 @@ from .sim import Deadlock
 from .topology import OTHER_NODE, SAME_NODE, SAME_NUMA, Topology, simulated
 
 __all__ = ["LINKS", "CURVES", "CostModel", "DEFAULT_MODEL", "Prediction", "critical_path",
-           "link_classes", "predict", "build_schedule", "SYMMETRY_MIN"]
+           "link_classes", "link_bytes", "predict", "build_schedule", "SYMMETRY_MIN"]
 
 LINKS = ("numa", "node", "net")
 CURVES = ("node", "reduce", "copy")
@@ -645,3 +645,27 @@ def predict(collective: str, algorithm, size: int, nbytes: int, *, itemsize: int
     return Prediction(hi.time + (hi.time - lo.time) * scale, path,
                       round(hi.hops + (hi.hops - lo.hops) * scale), lo.ops + hi.ops, size,
                       f"extrapolated from {k1} and {k2} segments")
+
+
+def link_bytes(collective: str, algorithm, size: int, nbytes: int, *, itemsize: int = 4,
+               root: int = 0, topology: Topology | None = None,
+               seg_bytes: int | None = None) -> list[int]:
+    """The bytes every rank of ``algorithm``'s schedules sends, summed per link class
+    (``LINKS`` order: same NUMA domain, same node, other node), for the call ``predict`` would
+    model: the count the model's transfers are made of."""
+    from . import select
+    record = select.get(collective, algorithm)
+    if record.kind != select.SCHEDULE:
+        raise ValueError(f"{collective} {algorithm!r} is not a schedule algorithm: the cost "
+                         f"model cannot count its bytes")
+    topology = topology or simulated(size)
+    kwargs = dict(topology.kwargs()) if record.needs == select.TOPOLOGY else {}
+    seg = max(1, (seg_bytes or config.get("COLLECTIVES_SEGMENT_BYTES")) // itemsize)
+    out = [0, 0, 0]
+    for r in range(size):
+        s = build_schedule(collective, record.build[collective], r, size, nbytes // itemsize,
+                           root=root, seg=seg, **kwargs)
+        for op in s.ops:
+            if op[0] == SEND:
+                out[topology.link(r, op[1])] += op.nelems() * itemsize
+    return out
