@@ -19,6 +19,14 @@ them alike:
 - ``dtensor-ours``: the same DTensor model on a ``DeviceMesh`` of the toolkit's backend
   (``mesh.group("tp")``).
 
+With ``--tp T`` below n, the ranks form n / T tensor-parallel groups, each stepping the model
+on its own (the DTensor variants need T = n): ``ours`` on ``Mesh((n / T, T), ("dp", "tp"))``,
+whose groups are consecutive ranks (on one host, where a host holds T consecutive ranks), and
+``ours-across`` on ``Mesh((T, n / T), ("tp", "dp"))``, whose groups take every (n / T)-th rank
+(one a host on ``bench cluster --nodes T``): the placement is the mesh's axis order. Where the
+ranks' hosts have an ``eth0`` (``bench cluster``), the table also shows the bytes a step sent
+over the busiest host's link, by the kernel's counter.
+
 A step (forward, loss, backward, AdamW step, zero_grad) is timed as the slowest rank's. The
 table shows per variant the median step, the spread of the rounds (interquartile range over the
 median), the ratio to ``dtensor-gloo``, and the first step's loss (the same for every variant:
@@ -33,7 +41,7 @@ import time
 
 __all__ = ["main", "VARIANTS", "train_gpt_module"]
 
-VARIANTS = ("ours", "dtensor-gloo", "dtensor-ours")
+VARIANTS = ("ours", "dtensor-gloo", "dtensor-ours", "ours-across")
 
 
 def train_gpt_module():
@@ -78,7 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (3)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="ours with sequence parallelism (the DTensor variants without)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: the first "
+                        f"three at tp = n, ours and ours-across below)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel group size (n)")
     args = p.parse_args(argv)
     os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
     import torch
@@ -95,12 +106,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
-    names = [v for v in args.variants.split(",") if v]
+    size = args.tp or n
+    if size < 1 or n % size:
+        raise SystemExit(f"--tp {size} does not divide the {n} ranks")
+    default = VARIANTS[:3] if size == n else ("ours", "ours-across")
+    names = [v for v in (args.variants or ",".join(default)).split(",") if v]
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variants {bad}; choose from {list(VARIANTS)}")
+    if size != n and any(v.startswith("dtensor") for v in names):
+        raise SystemExit("the DTensor variants run on every rank (--tp n)")
     cb.init_process_group(store=cb.tcp_store())
-    mesh = Mesh((n,), ("tp",))
+    mesh = Mesh((n // size, size), ("dp", "tp"))
+    across = Mesh((size, n // size), ("tp", "dp"))
     gloo = dist.new_group(backend="gloo")
 
     def model():
@@ -110,9 +128,9 @@ def main(argv=None) -> int:
     runs = {}
     for v in names:
         net = model()
-        if v == "ours":
-            tp.parallelize(net, mesh.comm("tp"), train_gpt.plan(net, args.sequence_parallel))
-            tpc = mesh.comm("tp")
+        if v in ("ours", "ours-across"):
+            tpc = (mesh if v == "ours" else across).comm("tp")
+            tp.parallelize(net, tpc, train_gpt.plan(net, args.sequence_parallel))
 
             def loss_fn(logits, y, tpc=tpc):
                 return tp.vocab_parallel_cross_entropy(logits, y, tpc)
@@ -134,15 +152,27 @@ def main(argv=None) -> int:
     def step(v):
         net, opt, loss_fn, _, losses = runs[v]
         loss = loss_fn(net(x), y)
-        if v == "ours":
+        if v in ("ours", "ours-across"):
             loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor")
                             else loss.detach()))
 
+    from bench.cluster import link_bytes
+    from collectives.topology import topology
+    topo = topology(comm)
+    leader = topo.local_rank(comm.Get_rank()) == 0 and not topo.single_node
+    wire = {}
     for v in names:  # warm-up: optimizer state, first-call costs
         step(v)
+        comm.Barrier()
+        before = link_bytes() if leader else None
+        step(v)  # the bytes one step sends over its host's link
+        comm.Barrier()
+        after = link_bytes() if leader else None
+        sent = after[0] - before[0] if after and before else -1
+        wire[v] = comm.allreduce(sent, op=MPI.MAX)
     for _ in range(args.rounds):
         for v in names:
             for _ in range(args.steps):
@@ -153,17 +183,23 @@ def main(argv=None) -> int:
     if comm.Get_rank() == 0:
         base = statistics.median(runs["dtensor-gloo"][3]) if "dtensor-gloo" in runs else None
         params = sum(q.numel() for q in model().parameters())
-        print(f"# bench tp: n={n} (tp={n}), GPT dim {args.dim}, {args.heads} heads, "
+        print(f"# bench tp: n={n} (tp={size}), GPT dim {args.dim}, {args.heads} heads, "
               f"{args.layers} layers, vocab {args.vocab}, {params / 1e6:.2f}M parameters, "
               f"batch {args.batch} x seq {args.seq}, AdamW fp32, {args.rounds} rounds x "
               f"{args.steps} steps, medians; ours "
               f"{'with' if args.sequence_parallel else 'without'} sequence parallelism")
-        print(f"{'variant':<14} {'step ms':>9} {'spread':>7} {'x gloo':>7} {'loss0':>8}")
+        show = any(b >= 0 for b in wire.values())
+        print(f"{'variant':<14} {'step ms':>9} {'spread':>7} {'x gloo':>7} {'loss0':>8}"
+              + (f" {'link MB/step':>13}" if show else ""))
         for v in names:
             times, losses = runs[v][3], runs[v][4]
             t = statistics.median(times)
             ratio = f"{t / base:.2f}" if base else "-"
-            print(f"{v:<14} {t * 1e3:9.1f} {spread(times):7.2f} {ratio:>7} {losses[0]:8.4f}")
+            print(f"{v:<14} {t * 1e3:9.1f} {spread(times):7.2f} {ratio:>7} {losses[0]:8.4f}"
+                  + (f" {wire[v] / 1e6:13.2f}" if show else ""))
+        if show:
+            print("# link MB/step: bytes one step sent over the busiest host's eth0 (the "
+                  "kernel's counter)")
     dist.destroy_process_group()
     return 0
 
