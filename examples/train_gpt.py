@@ -42,7 +42,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-__all__ = ["GPT", "plan", "corpus", "batch", "build", "train", "pipelined", "main"]
+__all__ = ["GPT", "plan", "corpus", "batch", "build", "train", "pipelined", "measured_compute",
+           "shape", "node_layout", "choose", "run", "main"]
 
 
 class AttentionCore(nn.Module):
@@ -233,6 +234,15 @@ def parser():
     p.add_argument("--schedule", default="1f1b",
                    help="pipeline schedule: gpipe, 1f1b, interleaved, zero_bubble (1f1b)")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (4)")
+    p.add_argument("--virtual", type=int, default=1,
+                   help="pipeline stages per rank, for the interleaved schedule (1)")
+    p.add_argument("--plan", default=None, choices=("auto",),
+                   help="auto: run the fastest plan the planner (collectives.plan) finds for "
+                        "this model, the job's ranks and --memory-per-rank; overrides --dp, "
+                        "--tp, --pp, --schedule, --virtual, --microbatches, --zero, "
+                        "--recompute and --sequence-parallel")
+    p.add_argument("--memory-per-rank", default=None,
+                   help="bytes a rank may hold, with --plan auto (3000000, 512M, 2G)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (ranks / dp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (1)")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -259,47 +269,149 @@ def parser():
     return p
 
 
+def measured_compute(repeats: int = 5):
+    """The planner's compute for this model, measured on this machine: one ``Block`` with a
+    tensor-parallel rank's share of the heads and MLP columns, and the norm, head and loss."""
+    from collectives import plan as planner
+
+    def block(shape, tp):
+        blk = Block(shape.dim, shape.heads, shape.attention)
+        width = shape.dim // tp     # this rank's heads, whole
+        blk.attn.qkv = nn.Linear(shape.dim, 3 * width, bias=False)
+        blk.attn.proj = nn.Linear(width, shape.dim, bias=False)
+        blk.mlp.fc1 = nn.Linear(shape.dim, shape.ffn // tp, bias=False)
+        blk.mlp.fc2 = nn.Linear(shape.ffn // tp, shape.dim, bias=False)
+        return blk
+
+    class Head(nn.Module):
+        def __init__(self, dim, vocab):
+            super().__init__()
+            self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, x, y):
+            z = self.head(self.norm(x))
+            return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1))
+
+    return planner.Measured(block, Head, repeats=repeats)
+
+
+def shape(args):
+    """The planner's description of this model."""
+    from collectives import plan as planner
+    return planner.gpt(args.layers, args.dim, args.heads, args.seq, args.vocab,
+                       attention=args.attention)
+
+
+def node_layout(world) -> tuple[int, int]:
+    """(ranks on this node, cores this process may run on): what the planner prices."""
+    from mpi4py import MPI
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks = node.Get_size()
+    node.Free()
+    return ranks, len(os.sched_getaffinity(0))
+
+
+def choose(args, world, compute=None):
+    """``--plan auto``: the fastest plan this example runs on the job's ranks under
+    ``--memory-per-rank``. Every rank searches, so the block's compute is measured while all
+    of the node's ranks compute (the cores shared as in training); rank 0's choice is every
+    rank's. ``args`` is updated in place; returns the chosen ``Plan``."""
+    from collectives import plan as planner
+    ranks_per_node, _ = node_layout(world)
+    net = planner.calibrated(ranks_per_node=ranks_per_node)
+    plans = planner.search(shape(args), world.Get_size(), args.batch, args.memory_per_rank,
+                           ranks_per_node, net, compute or measured_compute(), top=1,
+                           runnable=True)
+    found = world.bcast(plans[0] if plans else None, root=0)
+    if found is None:
+        raise SystemExit(f"no plan of this model fits --memory-per-rank {args.memory_per_rank} "
+                         f"on {world.Get_size()} ranks")
+    args.dp, args.tp, args.pp, args.zero = found.dp, found.tp, found.pp, found.zero
+    args.recompute, args.sequence_parallel = found.recompute, found.sequence_parallel
+    args.schedule, args.virtual, args.microbatches = (found.schedule, found.virtual,
+                                                      found.microbatches)
+    return found
+
+
+def run(args, world, text, on_step=None) -> dict:
+    """Train by ``args`` on ``world``'s ranks; returns the summary (the same on every rank):
+    loss, step time, bytes, and ``peak_bytes``: the most any rank's resident set rose over what
+    it held before the model was built (``collectives.plan.measure``)."""
+    import gc
+
+    from mpi4py import MPI
+
+    from collectives import Mesh
+    from collectives.plan import measure
+    from collectives.torch import tensor_parallel as tp
+    tp_size = args.tp or world.Get_size() // (args.dp * args.pp)
+    gc.collect()
+    base = measure.reset_peak()
+    if args.pp > 1:
+        summary = pipelined(args, Mesh((args.pp, args.dp, tp_size), ("pp", "dp", "tp"),
+                                       comm=world), text, on_step)
+    else:
+        mesh = Mesh((args.dp, tp_size), ("dp", "tp"), comm=world)
+        tp.traffic.reset()
+        losses, times, model, inner = train(args, mesh, text, on_step)
+        here, full = tp.sharded_parameter_bytes(inner)
+        # DDP's allreduce, ZeRO's reduce-scatter plus all-gather: 2(dp-1)/dp of the gradients
+        grads = sum(p.numel() * p.element_size() for p in inner.parameters())
+        dp_bytes = 2 * (args.dp - 1) * grads // args.dp
+        median = statistics.median(times[1:] or times)
+        summary = {"tp": tp_size, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
+                   "zero": args.zero, "recompute": args.recompute, "steps": args.steps,
+                   "loss": round(losses[-1], 5), "losses": [round(x, 6) for x in losses],
+                   "tokens_per_s": round(args.batch * args.seq / median, 1),
+                   "step_ms": round(median * 1e3, 2),
+                   "tp_bytes_per_step": tp.traffic.total() // args.steps,
+                   "dp_bytes_per_step": dp_bytes,
+                   "tp_param_bytes_per_rank": here, "tp_param_bytes_full": full,
+                   "param_bytes_per_rank": sum(p.numel() * p.element_size()
+                                               for p in inner.parameters())}
+        del model, inner
+    summary["peak_bytes"] = world.allreduce(measure.peak() - base, op=MPI.MAX)
+    return summary
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     from mpi4py import MPI
 
-    from collectives import Mesh
-    from collectives.torch import tensor_parallel as tp
+    from collectives import plan as planner
+    from collectives.plan import measure
+    measure.steady_allocator()
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
-    tp_size = args.tp or world.Get_size() // (args.dp * args.pp)
-    if args.pp > 1:
-        return pipelined(args, Mesh((args.pp, args.dp, tp_size), ("pp", "dp", "tp")))
-    mesh = Mesh((args.dp, tp_size), ("dp", "tp"))
     rank0 = world.Get_rank() == 0
+    chosen = None
+    if args.plan == "auto":
+        chosen = choose(args, world)
+        if rank0:
+            print(f"plan: {chosen.name()} (predicted {chosen.memory} bytes a rank, "
+                  f"{chosen.step_time * 1e3:.1f} ms a step)", flush=True)
+    elif args.memory_per_rank is not None:
+        raise SystemExit("--memory-per-rank goes with --plan auto")
 
     def show(step, loss):
         if rank0:
             print(f"step {step}: loss {loss:.4f}", flush=True)
 
-    tp.traffic.reset()
-    losses, times, model, inner = train(args, mesh, on_step=show)
-    here, full = tp.sharded_parameter_bytes(inner)
-    # DDP's allreduce, ZeRO's reduce-scatter plus all-gather: 2(dp-1)/dp of the gradients
-    grads = sum(p.numel() * p.element_size() for p in inner.parameters())
-    dp_bytes = 2 * (args.dp - 1) * grads // args.dp
-    median = statistics.median(times[1:] or times)
-    summary = {"tp": tp_size, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
-               "zero": args.zero, "steps": args.steps, "loss": round(losses[-1], 5),
-               "tokens_per_s": round(args.batch * args.seq / median, 1),
-               "step_ms": round(median * 1e3, 2),
-               "tp_bytes_per_step": tp.traffic.total() // args.steps,
-               "dp_bytes_per_step": dp_bytes,
-               "tp_param_bytes_per_rank": here, "tp_param_bytes_full": full,
-               "param_bytes_per_rank": sum(p.numel() * p.element_size()
-                                           for p in inner.parameters())}
+    text = corpus(args.corpus_bytes)
+    summary = run(args, world, text, show)
+    if chosen is not None:
+        summary.update(plan=chosen.name(), predicted_peak_bytes=chosen.memory,
+                       predicted_step_ms=round(chosen.step_time * 1e3, 2),
+                       memory_per_rank=planner.parse_bytes(args.memory_per_rank)
+                       if args.memory_per_rank else None)
     if rank0:
         print(json.dumps(summary), flush=True)
 
 
-def pipelined(args, mesh):
+def pipelined(args, mesh, text=None, on_step=None) -> dict:
     """``--pp`` > 1: the model cut into pipeline stages (collectives.torch.pipeline.gpt), each
-    tensor-parallel over "tp" and data-parallel over "dp" (DDP, or ZeRO-1 with --zero 1)."""
+    tensor-parallel over "tp" and data-parallel over "dp" (DDP, or ZeRO-1 with --zero 1);
+    returns the summary."""
     from collectives.torch import tensor_parallel as tp
     from collectives.torch.pipeline import gpt as pgpt
     tp_comm, dp, me = mesh.comm("tp"), mesh.size("dp"), mesh.coord("dp")
@@ -309,27 +421,26 @@ def pipelined(args, mesh):
     model = GPT(args.vocab, args.dim, args.heads, args.layers, args.attention)
     tp.parallelize(model, tp_comm, plan(model, args.sequence_parallel, args.recompute))
     job = pgpt.PipelinedGPT(model, mesh, schedule=args.schedule, microbatches=args.microbatches,
+                            virtual=args.virtual,
                             loss_fn=lambda z, y: tp.vocab_parallel_cross_entropy(z, y, tp_comm),
                             zero=args.zero)
     opt = torch.optim.AdamW(list(job.parameters()), lr=args.lr)
-    text, rows = corpus(args.corpus_bytes), args.batch // dp
+    text = corpus(args.corpus_bytes) if text is None else text
+    rows = args.batch // dp
 
     def batches(step):
         x, y = batch(text, step, args.batch, args.seq, args.seed)
         return x[me * rows:(me + 1) * rows], y[me * rows:(me + 1) * rows]
 
-    def show(step, loss):
-        if mesh.rank == 0:
-            print(f"step {step}: loss {loss:.4f}", flush=True)
-
-    losses, times = pgpt.train(job, opt, batches, args.steps, mesh, on_step=show)
+    losses, times = pgpt.train(job, opt, batches, args.steps, mesh, on_step=on_step)
     median = statistics.median(times[1:] or times)
-    if mesh.rank == 0:
-        print(json.dumps({"pp": mesh.size("pp"), "tp": mesh.size("tp"), "dp": dp,
-                          "schedule": args.schedule, "microbatches": args.microbatches,
-                          "zero": args.zero, "steps": args.steps, "loss": round(losses[-1], 5),
-                          "tokens_per_s": round(args.batch * args.seq / median, 1),
-                          "step_ms": round(median * 1e3, 2)}), flush=True)
+    return {"pp": mesh.size("pp"), "tp": mesh.size("tp"), "dp": dp,
+            "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
+            "virtual": args.virtual, "microbatches": args.microbatches, "zero": args.zero,
+            "recompute": args.recompute, "steps": args.steps, "loss": round(losses[-1], 5),
+            "losses": [round(x, 6) for x in losses],
+            "tokens_per_s": round(args.batch * args.seq / median, 1),
+            "step_ms": round(median * 1e3, 2)}
 
 
 if __name__ == "__main__":

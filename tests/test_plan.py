@@ -3,6 +3,7 @@ with and without sequence parallelism under MPI), in-flight micro-batches agains
 simulator, model states against Megatron's bytes per parameter, the search's pruning against
 pricing every plan, and the command line."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -163,3 +164,42 @@ def test_command_line_json_and_table():
     tight = subprocess.run(cmd + ["--memory-per-rank", "1K"], capture_output=True, text=True,
                            cwd=ROOT)
     assert tight.returncode == 1 and "no plan fits" in tight.stdout
+
+
+@pytest.mark.timeout(600)
+def test_plan_auto_fits_a_budget_plain_data_parallelism_exceeds():
+    """``mpiexec -n 4 examples/train_gpt.py --plan auto --memory-per-rank B`` with B below what
+    plain data parallelism (dp 4, DDP, no recompute) is predicted to hold: the plan chosen is
+    predicted to fit, its measured peak is under B, and its first loss is one process's within
+    float32 rounding (after that, AdamW's steps bound nothing tighter than their size)."""
+    import rounding
+    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("mpiexec not found beside the interpreter")
+    flags = ["--dim", "128", "--heads", "4", "--layers", "4", "--seq", "64", "--batch", "16",
+             "--attention", "math", "--steps", "3"]
+    shape = plan.gpt(4, 128, 4, 64, 264, attention="math")
+    plain = Plan(4, 1, 1, False, "1f1b", 1, 1, 0, "none", 4)
+    budget = int(0.85 * plan.memory(shape, plain, 4)[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env.update(PYTHONUNBUFFERED="1", MPIEXEC_TIMEOUT="500")
+    out = {}
+    for n, extra in ((1, []), (4, ["--plan", "auto", "--memory-per-rank", str(budget)])):
+        done = subprocess.run([mpiexec, "-n", str(n), sys.executable,
+                               os.path.join(ROOT, "examples", "train_gpt.py")] + flags + extra,
+                              capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
+        assert done.returncode == 0, done.stdout + done.stderr
+        out[n] = json.loads(done.stdout.strip().splitlines()[-1])
+    one, auto = out[1], out[4]
+    assert auto["plan"] != plain.name()
+    assert auto["predicted_peak_bytes"] <= budget
+    assert auto["peak_bytes"] <= budget, (auto["peak_bytes"], budget, auto["plan"])
+    # the longest chain of sums in the GPT, forward (as test_tensor_parallel counts it)
+    terms = 2 * (4 * (8 * 128 + 128 // 4 + 2 * 64) + 2 * 128 + 264) + 16 * 64 + 4
+    # cross-entropy's terms: the log-sum-exp over the vocabulary (at most log V above the
+    # largest logit, and a fresh model's logits are far below 1) and the target's logit
+    scale = abs(one["losses"][0]) + math.log(264) + 1.0
+    assert abs(auto["losses"][0] - one["losses"][0]) <= rounding.agree(terms, scale), \
+        (auto["losses"], one["losses"])

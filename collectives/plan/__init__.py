@@ -8,8 +8,9 @@ ranks, drop what does not fit, rank the rest.
     best = plans[0]   # dp, tp, pp, schedule, virtual, microbatches, zero, recompute; .memory
 
 ``model`` (the shape), ``memory`` (the memory model), ``timing`` (compute, collectives and the
-pipeline priced), ``search`` (the enumeration), ``record`` (``Plan``); ``python -m
-collectives.plan`` prints the ranked table. docs/plan.md has the formulas and the validation.
+pipeline priced), ``search`` (the enumeration), ``record`` (``Plan``), ``measure`` (a process's
+resident set and its peak, for checking); ``python -m collectives.plan`` prints the ranked
+table. docs/plan.md has the formulas and the validation.
 """
 from .model import GPTShape, PRECISIONS, gpt
 from .memory import in_flight, layer_activations, memory
@@ -22,6 +23,7 @@ __all__ = ["GPTShape", "PRECISIONS", "gpt", "in_flight", "layer_activations", "m
            "lower_bound", "step_time", "calibrated"]
 
 
-def calibrated(ranks_per_node: int = 1, overlap: float = 0.0) -> Network:
+def calibrated(ranks_per_node: int = 1, overlap: float = 0.0, cores: int | None = None) \
+        -> Network:
     """The network of this machine's calibrated cost model (``python -m bench calibrate``)."""
-    return Network(ranks_per_node=ranks_per_node, overlap=overlap)
+    return Network(ranks_per_node=ranks_per_node, overlap=overlap, cores=cores)

@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
                    help="bytes/s of a reduction's result (the cost model's gamma)")
     c.add_argument("--call-overhead", type=float, default=None,
                    help="seconds of a collective call's fixed cost")
+    c.add_argument("--device", action="store_true",
+                   help="training runs on accelerators: the host's node windows take none of "
+                        "their memory")
     c.add_argument("--overlap", type=float, default=None,
                    help="share of the last backward that hides data-parallel communication "
                         "(0 with --measure, else 1)")
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
     compute = example_compute() if args.measure else FlopRate(args.flops, args.optimizer_rate)
     net = Network(ranks_per_node=args.ranks_per_node,
                   overlap=args.overlap if args.overlap is not None else
-                  (0.0 if args.measure else 1.0))
+                  (0.0 if args.measure else 1.0), host=not args.device)
     links = {k: (getattr(args, f"{k}_latency"), getattr(args, f"{k}_bandwidth"))
              for k in ("node", "net")}
     links = {k: v for k, v in links.items() if v != (None, None)}

@@ -47,6 +47,13 @@ Transients. End of forward on the last stage: the logits, their shifted copy and
 optimizer step: one float32 temporary of its parameters (AdamW's ``foreach`` square root).
 The peak is the larger of (states + activations + backward transient) and (states + optimizer
 temporary).
+
+Scratch. On host memory (the toolkit's CPU path) a communicator whose collectives take the
+node's shared-memory path maps one window of ``SLOTS`` slots of ``COLLECTIVES_SHM_CHUNK_BYTES``
+per rank, and every rank faults in all of them: ``k (header + 4 chunk)`` resident bytes for a
+group of k ranks (``window_bytes``): the data-parallel group (whose registered flat buffers take
+the one-pass path) and a pipeline's tied pair; the one-pass collectives also touch slices of
+the peers' registered buffers (``scratch``).
 """
 from __future__ import annotations
 
@@ -55,7 +62,8 @@ import functools
 from .model import GPTShape
 from .record import Plan
 
-__all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "BUCKET_BYTES"]
+__all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "scratch", "window_bytes",
+           "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 << 20  # DistributedDataParallel's and ZeRO's bucket_cap_mb
 
@@ -140,8 +148,45 @@ def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -
     return out
 
 
-def memory(model: GPTShape, plan: Plan) -> tuple[int, dict]:
-    """(predicted peak bytes on the fullest rank, its terms)."""
+def window_bytes(ranks: int) -> int:
+    """Resident bytes of one communicator's shared window on a node of ``ranks`` ranks
+    (``collectives.node.window``): every rank faults in every rank's slots and header."""
+    from collectives import config
+    from collectives.node.window import PHASES, SLOTS, _LINE
+    chunk = max(64, 16 * ranks, config.get("COLLECTIVES_SHM_CHUNK_BYTES"))
+    chunk = -(-chunk // 64) * 64
+    header = -(-((PHASES + 1) * ranks * _LINE) // 4096) * 4096
+    return ranks * (header + SLOTS * chunk)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(12, (max(n, 1) - 1).bit_length())
+
+
+def scratch(plan: Plan, ranks_per_node: int, states: dict) -> int:
+    """The collectives' memory on a rank of a host-memory job whose data-parallel group is on
+    one node: the shared window of the data-parallel communicator (its registered buffers take
+    the one-pass path) and, with a pipeline, of the tied embedding's pair; and the pages of the
+    peers' registered buffers this rank touches: a one-pass allreduce or reduce-scatter reads
+    and writes slice r of every peer's buffer ((dp - 1) / dp of one buffer in all), an
+    all-gather reads every peer's shard (the same). Registered windows are whole powers of
+    two."""
+    dp = plan.dp
+    out = window_bytes(2) if plan.pp > 1 and 2 <= ranks_per_node else 0
+    if dp < 2 or dp > ranks_per_node:
+        return out
+    out += window_bytes(dp)
+    grads = states["grads"] if plan.zero < 2 else states["params"]  # full-size, then packed
+    touched = _pow2(grads) if plan.zero < 2 else _pow2(grads)
+    out += (dp - 1) * touched // dp
+    if plan.zero >= 1:
+        out += (dp - 1) * _pow2(states["params"]) // dp
+    return out
+
+
+def memory(model: GPTShape, plan: Plan, ranks_per_node: int = 0) -> tuple[int, dict]:
+    """(predicted peak bytes on the fullest rank, its terms). ``ranks_per_node`` > 0: the
+    collectives run on host memory, so their node windows count (``scratch``)."""
     p, v, b = plan.pp, plan.virtual, plan.micro_batch
     t, sp = plan.tp, plan.sequence_parallel
     e, n, h = model.bytes[3], b * model.seq, model.dim
@@ -164,6 +209,11 @@ def memory(model: GPTShape, plan: Plan) -> tuple[int, dict]:
             backward = max(backward, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
         transient = backward + recompute_live
         optimizer = 4 * (states["optimizer"] // max(model.bytes[2], 1))
+        if ranks_per_node:
+            full = _states(model, Plan(1, t, p, sp, plan.schedule, v, plan.microbatches, 0,
+                                       plan.recompute, b), sum(counts[s] for s in stages),
+                           first, last)
+            states["scratch"] = states.get("scratch", 0) + scratch(plan, ranks_per_node, full)
         total = sum(states.values()) + max(acts + transient, optimizer)
         if total > best:
             best = total

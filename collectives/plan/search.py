@@ -57,8 +57,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: GPTShape, ranks: int, global_batch: int, ranks_per_node: int = 1,
-               runnable: bool = False, max_micro_batch: int | None = None):
-    """Every plan of the enumeration above (unpriced)."""
+               runnable: bool = False, max_micro_batch: int | None = None,
+               microbatches: int | None = None):
+    """Every plan of the enumeration above (unpriced); ``microbatches`` fixes a pipeline's."""
     from collectives.torch.pipeline.schedules import _rounds
     for tp in _divisors(ranks):
         if tp > max(ranks_per_node, 1) or model.heads % tp or model.ffn % tp or model.vocab % tp:
@@ -78,9 +79,10 @@ def candidates(model: GPTShape, ranks: int, global_batch: int, ranks_per_node: i
             else:
                 pipes = []
                 for b in _divisors(rows):
-                    if max_micro_batch and b > max_micro_batch:
-                        continue
                     m = rows // b
+                    if (max_micro_batch and b > max_micro_batch) or \
+                            (microbatches and m != microbatches):
+                        continue
                     pipes += [(name, 1, m, b) for name in ("gpipe", "1f1b", "zero_bubble")]
                     for v in range(2, model.layers // pp + 1):
                         try:
@@ -98,7 +100,7 @@ def candidates(model: GPTShape, ranks: int, global_batch: int, ranks_per_node: i
 def search(model: GPTShape, ranks: int, global_batch: int, memory_per_rank=None,
            ranks_per_node: int = 1, network: Network | None = None, compute=None,
            top: int | None = 20, runnable: bool = False,
-           max_micro_batch: int | None = None) -> list[Plan]:
+           max_micro_batch: int | None = None, microbatches: int | None = None) -> list[Plan]:
     """The plans that fit ``memory_per_rank`` (bytes or ``"80GB"``; None: all), fastest first,
     at most ``top`` of them (None: every one, each priced)."""
     if compute is None:
@@ -107,8 +109,8 @@ def search(model: GPTShape, ranks: int, global_batch: int, memory_per_rank=None,
     budget = parse_bytes(memory_per_rank) if memory_per_rank is not None else None
     fitting = []
     for plan in candidates(model, ranks, global_batch, ranks_per_node, runnable,
-                           max_micro_batch):
-        plan.memory, terms = memory(model, plan)
+                           max_micro_batch, microbatches):
+        plan.memory, terms = memory(model, plan, ranks_per_node if net.host else 0)
         plan.breakdown = {"memory": terms}
         if budget is None or plan.memory <= budget:
             fitting.append(plan)

@@ -38,18 +38,28 @@ __all__ = ["Network", "FlopRate", "Measured", "step_time", "lower_bound"]
 
 class Network:
     """The cost model and the layout: ``ranks_per_node``; ``overlap`` (0..1) of data-parallel
-    communication with backward."""
+    communication with backward; ``cores`` per node (None: a rank has its own), so that ranks
+    sharing cores compute ``ranks_per_node / cores`` times slower; ``host``: the collectives
+    work in host memory (the toolkit's CPU path), so their node windows take memory."""
 
-    __slots__ = ("model", "ranks_per_node", "overlap")
+    __slots__ = ("model", "ranks_per_node", "overlap", "cores", "host")
 
-    def __init__(self, model=None, ranks_per_node: int = 1, overlap: float = 0.0):
+    def __init__(self, model=None, ranks_per_node: int = 1, overlap: float = 0.0,
+                 cores: int | None = None, host: bool = True):
         from collectives.costmodel import CostModel
         self.model = model if model is not None else CostModel.load()
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
         if not 0.0 <= overlap <= 1.0:
             raise ValueError(f"overlap must be within [0, 1], got {overlap}")
-        self.ranks_per_node, self.overlap = ranks_per_node, overlap
+        self.ranks_per_node, self.overlap, self.cores = ranks_per_node, overlap, cores
+        self.host = host
+
+    @property
+    def share(self) -> float:
+        """How much slower a rank computes for sharing its node's cores (1 at most one rank a
+        core)."""
+        return max(1.0, self.ranks_per_node / self.cores) if self.cores else 1.0
 
     def link(self, stride: int, size: int) -> str:
         """The link class a mesh axis of ``stride`` and ``size`` crosses."""
@@ -237,12 +247,16 @@ def _stages(model: GPTShape, plan: Plan, net: Network, compute):
     p, v, b, t, sp = plan.pp, plan.virtual, plan.micro_batch, plan.tp, plan.sequence_parallel
     S = p * v
     counts = stage_layers(model.layers, S)
-    lf, lb = compute.layer(model, b, t, sp, plan.recompute)
+    k = net.share
+    lf, lb = (k * x for x in compute.layer(model, b, t, sp, plan.recompute))
     cf, cb, _ = _layer_comm(net, model, plan)
-    hf, hb = compute.head(model, b, t, sp)
+    hf, hb = (k * x for x in compute.head(model, b, t, sp))
     x = model.bytes[3] * b * model.seq * model.dim
     edge, _ = net.collective("allreduce", x, t, 1) if not sp else \
         net.collective("reduce_scatter", x, t, 1)
+    redo_layer = 0.0
+    if plan.recompute != "none" and plan.schedule == "zero_bubble" and p > 1:
+        redo_layer = max(lb - k * compute.layer(model, b, t, sp, "none")[1], 0.0)
     fw, bw, ww = [], [], []
     for s in range(S):
         f = counts[s] * (lf + cf) + (edge if s == 0 else 0.0) + (hf if s == S - 1 else 0.0)
@@ -250,7 +264,7 @@ def _stages(model: GPTShape, plan: Plan, net: Network, compute):
         fw.append(f)
         if plan.schedule == "zero_bubble" and p > 1:
             # input and weight gradients split the matmuls' backward; a recompute runs in both
-            redo = counts[s] * (lb - 2 * lf) if plan.recompute != "none" else 0.0
+            redo = counts[s] * redo_layer
             bw.append((bk - redo) / 2 + redo)
             ww.append((bk - redo) / 2 + redo)
         else:
@@ -270,9 +284,10 @@ def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
                          plan.sequence_parallel)
     S = p * v
     per, extra = divmod(model.layers, S)
-    lf, lb = compute.layer(model, b, t, sp, plan.recompute)
+    k = net.share
+    lf, lb = (k * x for x in compute.layer(model, b, t, sp, plan.recompute))
     cf, cb, _ = _layer_comm(net, model, plan)
-    hf, hb = compute.head(model, b, t, sp)
+    hf, hb = (k * x for x in compute.head(model, b, t, sp))
     layer = lf + cf + lb + cb
     first_blocks = v * per + sum(1 for s in range(0, S, p) if s < extra)
     last_blocks = v * per + sum(1 for s in range(p - 1, S, p) if s < extra)
@@ -283,7 +298,7 @@ def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
     backward = first_blocks * (lb + cb)
     exposed = max(dp_secs - net.overlap * backward, 0.0)
     return max(first, last) + exposed + \
-        compute.optimizer(-(-params // (plan.dp if plan.zero else 1)))
+        k * compute.optimizer(-(-params // (plan.dp if plan.zero else 1)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -326,7 +341,7 @@ def step_time(model: GPTShape, plan: Plan, net: Network, compute) -> tuple[float
     link_bytes[net.link(t, dp)] += dp_sent
     last_backward = bw[worst] + ww[worst]
     exposed = max(dp_secs - net.overlap * last_backward, 0.0)
-    opt = compute.optimizer(-(-params[worst] // (dp if plan.zero else 1)))
+    opt = net.share * compute.optimizer(-(-params[worst] // (dp if plan.zero else 1)))
     total = pipe + exposed + opt
     return total, bubble, {k: int(b) for k, b in link_bytes.items()}, \
         {"pipeline": pipe, "dp_exposed": exposed, "optimizer": opt}
