@@ -2,7 +2,7 @@
 import numpy as np
 
 __all__ = ["world", "assert_all", "rank_data", "exact_sum", "op_inputs", "DTYPES",
-           "FLOAT_DTYPES"]
+           "FLOAT_DTYPES", "spans_nodes", "refused_off_node"]
 
 from collectives.buffers import DTYPES  # noqa: E402
 
@@ -23,6 +23,34 @@ def assert_all(ok: bool, message: str = "", comm=None) -> None:
         ranks = comm.allgather(None if ok else comm.Get_rank())
         raise AssertionError(f"failed on {bad} rank(s) {[r for r in ranks if r is not None]}: "
                              f"{message}")
+
+
+def spans_nodes(comm=None) -> bool:
+    """Whether the ranks of ``comm`` (default ``COMM_WORLD``) are on several nodes."""
+    from collectives.topology import topology
+    return not topology(comm or world()).single_node
+
+
+def refused_off_node(collective: str, algorithm: str, comm=None) -> bool:
+    """Where ``algorithm`` needs every rank on one node and ``comm``'s ranks span nodes: check
+    that a call is refused on every rank (``ValueError``) and return True (the test is done);
+    else False."""
+    import collectives as coll
+    from collectives import select
+    comm = comm or world()
+    record = select.get(collective, algorithm)
+    if record.needs is not select.ONE_NODE or not spans_nodes(comm):
+        return False
+    x = coll.empty(4, np.float64) if record.registered else np.ones(4)
+    x[...] = 1
+    try:
+        getattr(coll, collective)(x, comm=comm, algorithm=algorithm)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    assert_all("one node" in refused, f"{collective} {algorithm} across nodes: {refused!r}",
+               comm)
+    return True
 
 
 def rank_data(rank: int, n: int, dtype, *, base: int = 1) -> np.ndarray:

@@ -11,7 +11,7 @@ from collectives.buffers import DTYPES
 from collectives import api, config, select
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests import rounding
-from tests.mpiutil import assert_all, world, op_inputs
+from tests.mpiutil import assert_all, op_inputs, refused_off_node, world
 
 pytestmark = pytest.mark.mpi
 
@@ -110,6 +110,8 @@ def _copier(collective: str, algorithm: str):
 @pytest.mark.parametrize("algorithm", coll.algorithms("allreduce"))
 def test_allreduce(algorithm):
     comm = world()
+    if refused_off_node("allreduce", algorithm):
+        return
     rank, size = comm.Get_rank(), comm.Get_size()
     if algorithm == "shm":
         pytest.skip("shm has its own suite")
@@ -137,6 +139,8 @@ def test_allreduce_bitwise_identical_floats(algorithm):
     if algorithm == "shm":
         pytest.skip("shm has its own suite")
     comm = world()
+    if refused_off_node("allreduce", algorithm):
+        return
     copy = _copier("allreduce", algorithm)
     rng = np.random.default_rng(1234 + comm.Get_rank())
     ok = True
@@ -156,6 +160,8 @@ def test_allreduce_bitwise_identical_floats(algorithm):
 @pytest.mark.parametrize("algorithm", coll.algorithms("reduce"))
 def test_reduce_every_root(algorithm):
     comm = world()
+    if refused_off_node("reduce", algorithm):
+        return
     rank, size = comm.Get_rank(), comm.Get_size()
     bad = []
     for root in range(size):
@@ -177,6 +183,8 @@ def test_reduce_every_root(algorithm):
 @pytest.mark.parametrize("algorithm", coll.algorithms("broadcast"))
 def test_broadcast_every_root(algorithm):
     comm = world()
+    if refused_off_node("broadcast", algorithm):
+        return
     rank, size = comm.Get_rank(), comm.Get_size()
     ok = True
     for root in range(size):
@@ -193,6 +201,8 @@ def test_broadcast_every_root(algorithm):
 @pytest.mark.parametrize("algorithm", coll.algorithms("reduce_scatter"))
 def test_reduce_scatter(algorithm):
     comm = world()
+    if refused_off_node("reduce_scatter", algorithm):
+        return
     rank, size = comm.Get_rank(), comm.Get_size()
     bad = []
     for dtype, op in pairs():
@@ -218,6 +228,8 @@ def test_reduce_scatter(algorithm):
 @pytest.mark.parametrize("algorithm", coll.algorithms("allgather"))
 def test_allgather_ragged(algorithm):
     comm = world()
+    if refused_off_node("allgather", algorithm):
+        return
     rank, size = comm.Get_rank(), comm.Get_size()
     ok = True
     for dtype in DTYPES:
