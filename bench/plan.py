@@ -14,8 +14,9 @@ run the plans in a rotated order, so that load from other jobs falls on all of t
 Measured, per plan and round, by the processes themselves: the peak memory, the most any rank's
 resident set rose (``VmHWM`` after a reset through ``/proc/self/clear_refs``) above what it held
 before the plan's mesh and model were built, with glibc's mmap threshold fixed so that freed
-tensors leave the resident set (``collectives.plan.measure``); a tiny model of each mesh shape
-runs first so that code and the MPI library's own first-use allocations are in the baseline;
+tensors leave the resident set (``collectives.plan.measure``); two steps of a tiny model of the
+same plan run first (``train_gpt.warm_up``) so that code and first-use allocations are in the
+baseline;
 the step time, the median over the steps after the first of the slowest rank's step. The table
 shows the medians over the rounds, the ratios predicted / measured, and the rounds' spread of
 the step (interquartile range over the median); the summary the error statistics and the
@@ -94,12 +95,8 @@ def main(argv=None) -> int:
               f"{args.steps} steps", flush=True)
     text = ex.corpus(1 << 20)
 
-    # 2. A tiny model on every mesh shape: code and first-use allocations into the baseline.
-    tiny = ["--dim", "16", "--heads", "4", "--layers", "4", "--seq", "8", "--vocab", "264",
-            "--batch", str(args.batch), "--steps", "2", "--microbatches",
-            str(args.microbatches), "--attention", args.attention]
-    for q in {(q.dp, q.tp, q.pp, q.zero, q.schedule, q.virtual): q for q in plans}.values():
-        ex.run(ex.parser().parse_args(tiny + q.args()), world, text)
+    # 2. A tiny model of every plan first: code and first-use allocations into the baseline.
+    warm = [ex.parser().parse_args(base + q.args()) for q in plans]
 
     # 3. Interleaved rounds.
     memory = [[] for _ in plans]
@@ -110,7 +107,8 @@ def main(argv=None) -> int:
         shift = (r * len(plans)) // max(args.rounds, 1)
         order = order[shift:] + order[:shift]
         for i in order:
-            s = ex.run(ex.parser().parse_args(base + plans[i].args()), world, text)
+            ex.warm_up(warm[i], world, text)
+            s = ex.run(warm[i], world, text)
             memory[i].append(s["peak_bytes"])
             steps[i].append(s["step_ms"] / 1e3)
             losses[i] = s["loss"]
