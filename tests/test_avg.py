@@ -15,7 +15,7 @@ import pytest
 
 import collectives as coll
 from collectives.buffers import bfloat16
-from tests.mpiutil import assert_all, world
+from tests.mpiutil import assert_all, refused_off_node, world
 
 DTYPES = [np.dtype(np.float16), np.dtype(bfloat16), np.dtype(np.float32)]
 
@@ -70,6 +70,8 @@ def test_allreduce_avg_near_the_largest_value(dtype, algorithm):
     if algorithm == "onepass":
         pytest.skip("onepass runs on registered buffers only: tests/test_registered.py")
     comm = world()
+    if algorithm != "auto" and refused_off_node("allreduce", algorithm):
+        return
     n, r = comm.Get_size(), comm.Get_rank()
     every = _inputs(dtype, 37, n)
     want = every.astype(np.float64).mean(0)
@@ -86,6 +88,8 @@ def test_allreduce_avg_near_the_largest_value(dtype, algorithm):
 @pytest.mark.parametrize("algorithm", ["auto"] + list(coll.algorithms("reduce_scatter")))
 def test_reduce_scatter_avg_near_the_largest_value(dtype, algorithm):
     comm = world()
+    if algorithm != "auto" and refused_off_node("reduce_scatter", algorithm):
+        return
     n, r = comm.Get_size(), comm.Get_rank()
     counts = [5 + (j < 2) for j in range(n)]
     every = _inputs(dtype, sum(counts), n)
@@ -103,6 +107,8 @@ def test_reduce_scatter_avg_near_the_largest_value(dtype, algorithm):
 @pytest.mark.parametrize("algorithm", ["auto"] + list(coll.algorithms("reduce")))
 def test_reduce_avg_near_the_largest_value(dtype, algorithm):
     comm = world()
+    if algorithm != "auto" and refused_off_node("reduce", algorithm):
+        return
     n, r = comm.Get_size(), comm.Get_rank()
     every = _inputs(dtype, 11, n)
     want = every.astype(np.float64).mean(0)
@@ -166,6 +172,8 @@ def test_avg_of_integers_is_refused_on_every_rank():
 def test_avg_on_registered_buffers(algorithm):
     """Registered buffers (``coll.empty``) above the one-pass threshold: the one-pass path."""
     comm = world()
+    if algorithm != "auto" and refused_off_node("allreduce", algorithm):
+        return
     n, r = comm.Get_size(), comm.Get_rank()
     count = (1 << 16) // 2 + 3  # float16: just above 64 KiB
     every = _inputs(np.dtype(np.float16), count, n)
