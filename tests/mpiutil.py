@@ -2,7 +2,7 @@
 import numpy as np
 
 __all__ = ["world", "assert_all", "rank_data", "exact_sum", "op_inputs", "DTYPES",
-           "FLOAT_DTYPES", "spans_nodes", "refused_off_node"]
+           "FLOAT_DTYPES", "spans_nodes", "refused_off_node", "one_node_only"]
 
 from collectives.buffers import DTYPES  # noqa: E402
 
@@ -29,6 +29,14 @@ def spans_nodes(comm=None) -> bool:
     """Whether the ranks of ``comm`` (default ``COMM_WORLD``) are on several nodes."""
     from collectives.topology import topology
     return not topology(comm or world()).single_node
+
+
+def one_node_only(comm=None) -> None:
+    """Skip a test of one node's shared-memory machinery where ``comm``'s ranks span nodes (the
+    refusal there is ``refused_off_node``'s)."""
+    if spans_nodes(comm):
+        import pytest
+        pytest.skip("needs every rank on one node (the node's shared memory)")
 
 
 def refused_off_node(collective: str, algorithm: str, comm=None) -> bool:

@@ -20,7 +20,7 @@ from collectives.buffers import DTYPES
 from collectives.node import onepass, registered
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
 from tests import rounding
-from tests.mpiutil import assert_all, op_inputs, world
+from tests.mpiutil import assert_all, one_node_only, op_inputs, world
 
 LENGTHS = (0, 1, 2, 13, 97)
 _WIDEST = 16  # bytes: complex128
@@ -81,6 +81,7 @@ def _out_count(collective, n, size, rank):
     ("allreduce", False), ("allreduce", True), ("reduce", False), ("reduce", True),
     ("reduce_scatter", False), ("allgather", False), ("broadcast", True)])
 def test_every_collective_on_registered_buffers(collective, inplace, launches):
+    one_node_only()
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     top = max(LENGTHS) * _WIDEST
@@ -143,6 +144,7 @@ def test_nonblocking_forms_take_the_path(launches):
 
 @pytest.mark.mpi
 def test_ragged_allgather(launches):
+    one_node_only()
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     counts = [3 * r + 1 for r in range(size)]
@@ -337,6 +339,7 @@ def test_allreduce_node_by_node(monkeypatch, k, launches):
 def test_onepass_by_name_checks_in_the_window(launches):
     """``algorithm="onepass"`` skips the agreement; every rank's buffers are checked in the
     window, and a rank with an ordinary buffer makes it a ValueError on every rank."""
+    one_node_only()
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     x = coll.empty(1000, "float32")
@@ -360,6 +363,7 @@ def test_onepass_by_name_checks_in_the_window(launches):
 def test_sharded_buffers_are_registered(stage, launches):
     """ZeRO's flat buffers are registered on one node and its collectives run one-pass; it
     still trains like one process on the whole batch (``test_sharded._run``)."""
+    one_node_only()
     pytest.importorskip("torch")
     from tests.test_sharded import _run
     size = world().Get_size()

@@ -10,7 +10,7 @@ from collectives import config
 from collectives.buffers import DTYPES
 from collectives.node import shm, window
 from collectives.ops import NAMES, _ACCEPTS, dtype_kind
-from tests.mpiutil import op_inputs
+from tests.mpiutil import one_node_only, op_inputs
 
 LENGTHS = (0, 1, 2, 3, 13, 97)
 
@@ -160,6 +160,7 @@ def chunk():
 
 @pytest.mark.mpi
 def test_allreduce_every_dtype_and_op(chunk, form):
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -180,6 +181,7 @@ def test_allreduce_every_dtype_and_op(chunk, form):
 @pytest.mark.parametrize("nbytes", [64, 4096, 1 << 20])
 def test_allreduce_lengths_and_chunks(nbytes, form):
     """Primes around chunk multiples, exact int64 closed form, bitwise-equal floats."""
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -206,6 +208,7 @@ def test_allreduce_lengths_and_chunks(nbytes, form):
 def test_reduce_every_dtype_and_op_and_root(chunk, reduce_form):
     """Onto every root, in place and not: the result there (the input untouched out of place),
     None elsewhere with the input untouched; many rounds, so that ranks run rounds ahead."""
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -235,6 +238,7 @@ def test_same_bits_as_tree_or_ring(nbytes, form, reduce_form):
     round (above WHOLE_MAX_BYTES), which gives ring's (shm.bits):
     float sums of magnitudes 1 to 10^4, where the order of the additions shows in the last
     bits."""
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -265,6 +269,7 @@ def test_same_bits_as_tree_or_ring(nbytes, form, reduce_form):
 
 @pytest.mark.mpi
 def test_reduce_scatter_allgather_broadcast(chunk, path):
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -296,6 +301,7 @@ def test_reduce_scatter_allgather_broadcast(chunk, path):
 
 @pytest.mark.mpi
 def test_torch_and_shapes():
+    one_node_only()
     torch = pytest.importorskip("torch")
     from tests.mpiutil import assert_all, world
     comm = world()
@@ -310,6 +316,7 @@ def test_torch_and_shapes():
 @pytest.mark.mpi
 def test_nonblocking_in_order_with_blocking(path):
     """Non-blocking calls queue on the window; a blocking call runs after the earlier ones."""
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -330,6 +337,7 @@ def test_nonblocking_in_order_with_blocking(path):
 @pytest.mark.mpi
 def test_paths_interleave(monkeypatch):
     """Calls through either path share the window's counters: alternate them."""
+    one_node_only()
     from tests.mpiutil import assert_all, world
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -359,6 +367,7 @@ def test_paths_interleave(monkeypatch):
 def test_cma_agreed_on_every_rank():
     """The window's choice of single-copy reads is collective (one answer on every rank), and
     on Linux between processes of one user it is on unless the kernel forbids it."""
+    one_node_only()
     from collectives.executor import context
     from collectives.node import cma
     from tests.mpiutil import assert_all, world
@@ -374,6 +383,7 @@ def test_cma_agreed_on_every_rank():
 
 @pytest.mark.mpi
 def test_window_reused():
+    one_node_only()
     from collectives.executor import context
     from tests.mpiutil import assert_all, world
     comm = world()
