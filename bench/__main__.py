@@ -41,7 +41,7 @@ COMMANDS = {
     "docs": "regenerate the sample outputs in README.md and docs/ from their commands",
     "ps": "parameter server: straggler study (BSP, SSP, ASP), bytes against allreduce",
     "pipeline": "pipeline schedules: step, bubble, activations beside pp.simulate and torch's",
-    "plan": "the planner against measurement: every plan of the example GPT, memory and step",
+    "plan": "the planner against measurement: every plan of the example GPT (launches its jobs)",
     "topology": "the nodes and NUMA domains a job sees; --traffic: bytes per link class",
     "net": "run any command over MPI's TCP transport on a rate-limited loopback (needs root)",
     "cluster": "run an MPI job on hosts built on this machine, linked at a rate (needs root)",

@@ -1,32 +1,39 @@
-"""The planner against measurement: every plan of examples/train_gpt.py's GPT on the job's ranks.
+"""The planner against measurement: every plan of examples/train_gpt.py's GPT on n ranks.
 
-    mpiexec -n 4 python -m bench plan                       # every plan, 3 interleaved rounds
-    mpiexec -n 4 python -m bench plan --rounds 5 --json plan.json
+    python -m bench plan                          # 4 ranks, every plan, 3 interleaved rounds
+    python -m bench plan --ranks 4 --rounds 5 --json plan.json
 
-``collectives.plan.search`` lists every plan the example runs on n ranks (dp x tp x pp,
-sequence parallelism, pipeline schedules at ``--microbatches``, ZeRO stage, recompute), each with
-its predicted peak memory per rank and step time; the compute is measured once
-(``train_gpt.measured_compute``: one block at each micro-batch size and tensor-parallel share)
-on every rank at once, so that it runs on the cores as shared as in training. Then
-every plan is trained for ``--steps`` steps in the same job, in ``--rounds`` rounds that each
-run the plans in a rotated order, so that load from other jobs falls on all of them alike.
+It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in fresh processes:
 
-Measured, per plan and round, by the processes themselves: the peak memory, the most any rank's
-resident set rose (``VmHWM`` after a reset through ``/proc/self/clear_refs``) above what it held
-before the plan's mesh and model were built, with glibc's mmap threshold fixed so that freed
-tensors leave the resident set (``collectives.plan.measure``); two steps of a tiny model of the
-same plan run first (``train_gpt.warm_up``) so that code and first-use allocations are in the
-baseline;
-the step time, the median over the steps after the first of the slowest rank's step. The table
-shows the medians over the rounds, the ratios predicted / measured, and the rounds' spread of
-the step (interquartile range over the median); the summary the error statistics and the
-planner's first choice against the fastest plan measured.
+1. *Predict.* ``collectives.plan.search`` lists every plan the example runs on n ranks (dp x tp
+   x pp, sequence parallelism, pipeline schedules at ``--microbatches``, ZeRO stage, recompute)
+   with its predicted peak memory per rank and step time; the compute is measured once
+   (``train_gpt.measured_compute``: one block at each micro-batch size and tensor-parallel
+   share) on every rank at once, so that it runs on the cores as shared as in training.
+2. *Measure.* The plans run in batches of ``--batch-plans``, one job a batch (a job builds a
+   mesh and its communicators per plan, and MPI holds a few thousand at most), each plan for
+   ``--steps`` steps after two steps of a tiny model of the same plan (``train_gpt.warm_up``:
+   code and first-use allocations held before the baseline). ``--rounds`` rounds run the
+   batches in a rotated order, so that load from other jobs falls on all of them alike.
+
+Measured by the processes themselves: the peak memory, the most any rank's resident set rose
+(``VmHWM`` after a reset through ``/proc/self/clear_refs``) above what it held before the plan's
+mesh and model were built, with glibc's mmap threshold fixed so that freed tensors leave the
+resident set (``collectives.plan.measure``); the step time, the median over the steps after the
+first of the slowest rank's step. The table shows the medians over the rounds, the ratios
+predicted / measured and the rounds' spread of the step (interquartile range over the median);
+the summary the error statistics and the planner's first choice against the fastest plan
+measured; the last table what recompute keeps and costs for one block.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 __all__ = ["main"]
@@ -34,6 +41,7 @@ __all__ = ["main"]
 
 def _parser():
     p = argparse.ArgumentParser(prog="python -m bench plan", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
@@ -42,23 +50,26 @@ def _parser():
     p.add_argument("--vocab", type=int, default=264)
     p.add_argument("--attention", choices=("sdpa", "math"), default="math")
     p.add_argument("--microbatches", type=int, default=4, help="a pipeline's micro-batches (4)")
-    p.add_argument("--steps", type=int, default=4, help="steps per plan and round (4)")
+    p.add_argument("--steps", type=int, default=3, help="steps per plan and round (3)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-plans", type=int, default=10, help="plans per job (10)")
     p.add_argument("--limit", type=int, default=None, help="the first N plans only")
     p.add_argument("--json", default=None, help="write every row as JSON")
+    p.add_argument("--mpiexec", default=None)
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)   # predict:FILE, run:FILE
+    p.add_argument("--plans", default=None, help=argparse.SUPPRESS)  # i,j,... with run
     return p
 
 
-def _quartiles(xs):
-    if len(xs) < 2:
-        return 0.0
-    q = statistics.quantiles(xs, n=4)
-    return (q[2] - q[0]) / statistics.median(xs)
+def _flags(args) -> list[str]:
+    return ["--dim", str(args.dim), "--heads", str(args.heads), "--layers", str(args.layers),
+            "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
+            "--attention", args.attention, "--steps", str(args.steps)]
 
 
-def main(argv=None) -> int:
-    """``mpiexec -n N python -m bench plan [options]``."""
-    args = _parser().parse_args(argv)
+def _job(args) -> int:
+    """One MPI job: ``predict:FILE`` writes every plan with its prediction, ``run:FILE`` runs
+    the plans ``--plans`` of FILE and appends their measurements to FILE.rows."""
     import torch
     from mpi4py import MPI
 
@@ -71,58 +82,96 @@ def main(argv=None) -> int:
     measure.steady_allocator()
     torch.set_num_threads(1)
     ex = train_gpt_module()
-    n, rank0 = world.Get_size(), world.Get_rank() == 0
-    base = ["--dim", str(args.dim), "--heads", str(args.heads), "--layers", str(args.layers),
-            "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
-            "--attention", args.attention, "--steps", str(args.steps)]
-    shape = ex.shape(ex.parser().parse_args(base))
-    ranks_per_node, cores = ex.node_layout(world)
-
-    # 1. Every plan, predicted; every rank measures the compute at once (the cores shared as
-    #    in training), rank 0's predictions are every rank's.
-    net = planner.calibrated(ranks_per_node=ranks_per_node)
-    t0 = time.perf_counter()
-    plans = planner.search(shape, n, args.batch, None, ranks_per_node, net,
-                           ex.measured_compute(), top=None, runnable=True,
-                           microbatches=args.microbatches)
-    took = time.perf_counter() - t0
-    plans = world.bcast(plans, root=0)[:args.limit]
-    if rank0:
-        print(f"# bench plan: {len(plans)} plans of a {shape.params() / 1e6:.2f}M-parameter GPT "
-              f"(dim {shape.dim}, {shape.layers} layers, {shape.heads} heads, seq {shape.seq}, "
-              f"{shape.attention} attention, batch {args.batch}) on {n} ranks "
-              f"({cores} cores); predicted in {took:.1f} s; {args.rounds} rounds of "
-              f"{args.steps} steps", flush=True)
-    text = ex.corpus(1 << 20)
-
-    # 2. A tiny model of every plan first: code and first-use allocations into the baseline.
-    warm = [ex.parser().parse_args(base + q.args()) for q in plans]
-
-    # 3. Interleaved rounds.
-    memory = [[] for _ in plans]
-    steps = [[] for _ in plans]
-    losses = [None] * len(plans)
-    for r in range(args.rounds):
-        order = list(range(len(plans)))
-        shift = (r * len(plans)) // max(args.rounds, 1)
-        order = order[shift:] + order[:shift]
-        for i in order:
-            ex.warm_up(warm[i], world, text)
-            s = ex.run(warm[i], world, text)
-            memory[i].append(s["peak_bytes"])
-            steps[i].append(s["step_ms"] / 1e3)
-            losses[i] = s["loss"]
+    rank0 = world.Get_rank() == 0
+    kind, _, path = args.job.partition(":")
+    base = _flags(args)
+    if kind == "predict":
+        shape = ex.shape(ex.parser().parse_args(base))
+        ranks_per_node, cores = ex.node_layout(world)
+        net = planner.calibrated(ranks_per_node=ranks_per_node)
+        t0 = time.perf_counter()
+        plans = planner.search(shape, world.Get_size(), args.batch, None, ranks_per_node, net,
+                               ex.measured_compute(), top=None, runnable=True,
+                               microbatches=args.microbatches)
+        took = time.perf_counter() - t0
         if rank0:
-            print(f"# round {r + 1} done", flush=True)
-
-    if not rank0:
+            cost = _recompute_cost(ex, shape, args.batch // world.Get_size())
+            with open(path, "w") as f:
+                json.dump({"shape": shape.__dict__, "cores": cores, "seconds": took,
+                           "plans": [q.to_dict() | {"name": q.name(), "args": q.args()}
+                                     for q in plans], "recompute": cost}, f)
         return 0
+    with open(path) as f:
+        plans = json.load(f)["plans"]
+    text = ex.corpus(1 << 20)
+    for i in (int(x) for x in args.plans.split(",")):
+        run_args = ex.parser().parse_args(base + plans[i]["args"])
+        ex.warm_up(run_args, world, text)
+        s = ex.run(run_args, world, text)
+        if rank0:
+            with open(path + ".rows", "a") as f:
+                f.write(json.dumps({"i": i, "peak_bytes": s["peak_bytes"],
+                                    "step_s": s["step_ms"] / 1e3, "loss": s["loss"]}) + "\n")
+    return 0
+
+
+def _launch(args, job: str, plans: str | None = None) -> None:
+    from bench.launch import mpiexec
+    cmd = [mpiexec(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench", "plan",
+           "--job", job] + _flags(args) + ["--microbatches", str(args.microbatches)]
+    if plans:
+        cmd += ["--plans", plans]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}")
+
+
+def _quartiles(xs):
+    if len(xs) < 2:
+        return 0.0
+    q = statistics.quantiles(xs, n=4)
+    return (q[2] - q[0]) / statistics.median(xs)
+
+
+def main(argv=None) -> int:
+    """``python -m bench plan [options]``."""
+    args = _parser().parse_args(argv)
+    if args.job:
+        return _job(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plans.json")
+        _launch(args, f"predict:{path}")
+        with open(path) as f:
+            predicted = json.load(f)
+        plans = predicted["plans"][:args.limit]
+        shape = predicted["shape"]
+        print(f"# bench plan: {len(plans)} plans of a GPT (dim {shape['dim']}, "
+              f"{shape['layers']} layers, {shape['heads']} heads, seq {shape['seq']}, "
+              f"{shape['attention']} attention, batch {args.batch}) on {args.ranks} ranks "
+              f"({predicted['cores']} cores); predicted in {predicted['seconds']:.1f} s; "
+              f"{args.rounds} rounds of {args.steps} steps", flush=True)
+        k = max(1, args.batch_plans)
+        batches = [list(range(i, min(i + k, len(plans)))) for i in range(0, len(plans), k)]
+        for r in range(args.rounds):
+            shift = (r * len(batches)) // max(args.rounds, 1)
+            for batch in batches[shift:] + batches[:shift]:
+                _launch(args, f"run:{path}", ",".join(map(str, batch)))
+            print(f"# round {r + 1} done", flush=True)
+        memory = [[] for _ in plans]
+        steps = [[] for _ in plans]
+        losses = [None] * len(plans)
+        with open(path + ".rows") as f:
+            for line in f:
+                row = json.loads(line)
+                memory[row["i"]].append(row["peak_bytes"])
+                steps[row["i"]].append(row["step_s"])
+                losses[row["i"]] = row["loss"]
     rows = []
     for q, mem, st, loss in zip(plans, memory, steps, losses):
         m_mem, m_step = statistics.median(mem), statistics.median(st)
-        rows.append({"plan": q.name(), "predicted_bytes": q.memory, "measured_bytes": m_mem,
-                     "memory_ratio": q.memory / m_mem, "predicted_s": q.step_time,
-                     "measured_s": m_step, "step_ratio": q.step_time / m_step,
+        rows.append({"plan": q["name"], "predicted_bytes": q["memory"], "measured_bytes": m_mem,
+                     "memory_ratio": q["memory"] / m_mem, "predicted_s": q["step_time"],
+                     "measured_s": m_step, "step_ratio": q["step_time"] / m_step,
                      "step_spread": _quartiles(st), "loss": loss, "measured_bytes_rounds": mem,
                      "measured_s_rounds": st})
     print("| plan | predicted MiB | measured MiB | pred/meas | predicted ms | measured ms "
@@ -146,9 +195,10 @@ def main(argv=None) -> int:
     print(f"first choice {first['plan']}: measured {first['measured_s'] * 1e3:.1f} ms; fastest "
           f"measured {fastest['plan']}: {fastest['measured_s'] * 1e3:.1f} ms "
           f"({first['measured_s'] / fastest['measured_s'] - 1:+.0%})")
-    cost = _recompute_cost(ex, shape, args.batch // n)
-    print(f"\nrecompute, one block of {args.batch // n} sequences (one rank, alone): what "
-          f"autograd keeps, forward + backward")
+    cost = predicted["recompute"]
+    rows_per = args.batch // args.ranks
+    print(f"\nrecompute, one block of {rows_per} sequences (one rank, alone): what autograd "
+          f"keeps, forward + backward")
     print("| recompute | saved bytes | of none | forward + backward ms | time vs none |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for pol, (saved, secs) in cost.items():
@@ -156,8 +206,8 @@ def main(argv=None) -> int:
               f"{secs / cost['none'][1] - 1:+.0%} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": shape.__dict__, "ranks": n, "cores": cores, "rows": rows,
-                       "recompute": cost}, f, indent=1)
+            json.dump({"shape": shape, "ranks": args.ranks, "rows": rows, "recompute": cost},
+                      f, indent=1)
     return 0
 
 

@@ -117,6 +117,9 @@ def test_pruned_search_is_the_head_of_every_plan_priced():
                                                            attention="math"), 8, 16, 4)))
     times = [q.step_time for q in every]
     assert times == sorted(times)
+    shape, net = plan.gpt(8, 64, 4, 32, 256, attention="math"), plan.Network(ranks_per_node=4)
+    for q in every:   # the bound the pruning relies on holds for every plan
+        assert plan.lower_bound(shape, q, net, plan.FlopRate(1e9)) <= q.step_time * (1 + 1e-9)
     pruned = _search(7)
     assert [(q.name(), q.step_time) for q in pruned] == \
         [(q.name(), q.step_time) for q in every[:7]]
@@ -203,3 +206,32 @@ def test_plan_auto_fits_a_budget_plain_data_parallelism_exceeds():
     scale = abs(one["losses"][0]) + math.log(264) + 1.0
     assert abs(auto["losses"][0] - one["losses"][0]) <= rounding.agree(terms, scale), \
         (auto["losses"], one["losses"])
+
+
+@pytest.mark.timeout(600)
+def test_bench_plan_measures_every_plan_it_predicts():
+    """``python -m bench plan`` at 2 ranks on a tiny GPT: a row per plan, each with a measured
+    peak and step, and the recompute table (in-process tier: it launches its own jobs)."""
+    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        pytest.skip("launches its own mpiexec jobs: run the test without mpiexec")
+    out = os.path.join(ROOT, ".pytest-bench-plan.json")
+    try:
+        done = subprocess.run([sys.executable, "-m", "bench", "plan", "--ranks", "2", "--dim",
+                               "32", "--heads", "2", "--layers", "2", "--seq", "16", "--batch",
+                               "4", "--microbatches", "2", "--steps", "2", "--rounds", "1",
+                               "--limit", "4", "--batch-plans", "2", "--json", out],
+                              capture_output=True, text=True, timeout=560, cwd=ROOT)
+        assert done.returncode == 0, done.stdout + done.stderr
+        with open(out) as f:
+            result = json.load(f)
+    finally:
+        if os.path.exists(out):
+            os.remove(out)
+    rows = result["rows"]
+    assert len(rows) == 4 and len({r["plan"] for r in rows}) == 4
+    assert all(r["measured_bytes"] > 0 and r["measured_s"] > 0 for r in rows)
+    assert [r["predicted_s"] for r in rows] == sorted(r["predicted_s"] for r in rows)
+    saved = {k: v[0] for k, v in result["recompute"].items()}
+    assert saved["full"] == 2 * 16 * 32 * 4   # the block's input: b s h floats
+    assert saved["full"] < saved["selective"] < saved["none"]
+    assert "| plan | predicted MiB |" in done.stdout

@@ -151,18 +151,18 @@ def main(argv=None) -> int:
                               m.copy_bandwidth, m.overhead,
                               m.call if args.call_overhead is None else args.call_overhead,
                               m.source, m.switch, m.curves)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plans = search(model, args.ranks, args.global_batch,
                    parse_bytes(args.memory_per_rank) if args.memory_per_rank else None,
                    args.ranks_per_node, net, compute, top=args.top, runnable=args.runnable,
                    max_micro_batch=args.max_micro_batch)
-    took = time.perf_counter() - t0
+    took, cpu = time.perf_counter() - t0, time.process_time() - c0
     if args.json:
         print(json.dumps([q.to_dict() for q in plans]))
         return 0 if plans else 1
     print(f"{model.params() / 1e9:.3g}B parameters on {args.ranks} ranks "
           f"({args.ranks_per_node} a node), {args.global_batch} sequences of {args.seq} a step; "
-          f"planned in {took:.2f} s")
+          f"planned in {took:.2f} s ({cpu:.2f} s of CPU)")
     if not plans:
         print("no plan fits")
         return 1

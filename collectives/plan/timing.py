@@ -276,10 +276,11 @@ def _stages(model: GPTShape, plan: Plan, net: Network, compute):
 
 
 def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
-    """A step time no schedule beats: on the pipeline's first and last ranks, the compute of
-    every micro-batch after the earliest its first forward can start, plus the first rank's
-    exposed data-parallel time and optimizer step. Closed forms over the ranks' block counts,
-    no per-stage lists."""
+    """A step time no schedule beats, plus the first rank's exposed data-parallel time and
+    optimizer step: the larger of the first rank's compute for every micro-batch and the
+    chain through the last rank (its first forward cannot start before the p - 1 stages ahead
+    of it ran one, its forwards and backwards take their time, and its last backward still has
+    to travel back through those stages). Closed forms over the ranks' block counts."""
     p, v, m, b, t, sp = (plan.pp, plan.virtual, plan.microbatches, plan.micro_batch, plan.tp,
                          plan.sequence_parallel)
     S = p * v
@@ -291,12 +292,23 @@ def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
     layer = lf + cf + lb + cb
     first_blocks = v * per + sum(1 for s in range(0, S, p) if s < extra)
     last_blocks = v * per + sum(1 for s in range(p - 1, S, p) if s < extra)
+    ahead = (p - 1) * per + min(extra, p - 1)   # blocks of the stages before stage p - 1
+    # the input-gradient part of a backward: all of it, or about half where it is split
+    split = 2 if plan.schedule == "zero_bubble" and p > 1 else 1
+    back = (lb + cb) / split
     first = m * first_blocks * layer
-    last = m * (last_blocks * layer + hf + hb) + (p - 1) * per * (lf + cf)
-    params = _stage_params(model, plan, first_blocks, True, p == 1)
+    last = ahead * (lf + cf) + m * (last_blocks * (lf + cf + back) + hf + hb / split) + \
+        ahead * back
+    # the data-parallel step of the rank with the most parameters, as step_time takes it, its
+    # overlap with the longest backward that rank could have
+    ends = [(_stage_params(model, plan, first_blocks, True, p == 1), first_blocks, p == 1),
+            (_stage_params(model, plan, last_blocks, p == 1, True), last_blocks, True)]
+    params, blocks, has_head = max(ends, key=lambda e: e[0])
     dp_secs, _ = _dp_comm(net, model, plan, params)
-    backward = first_blocks * (lb + cb)
-    exposed = max(dp_secs - net.overlap * backward, 0.0)
+    x = model.bytes[3] * b * model.seq * model.dim
+    edge, _ = net.collective("reduce_scatter" if sp else "allreduce", x, t, 1)
+    longest = blocks * (2 * lb + cb) + (hb + edge if has_head else 0.0)
+    exposed = max(dp_secs - net.overlap * longest, 0.0)
     return max(first, last) + exposed + \
         k * compute.optimizer(-(-params // (plan.dp if plan.zero else 1)))
 
