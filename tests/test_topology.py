@@ -102,19 +102,34 @@ def _reread_settings():
     config.reload()
 
 
+def _mpi_nodes(comm) -> tuple:
+    """The node groups MPI itself gives (``Split_type(COMM_TYPE_SHARED)``), each by rank."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+    node.Free()
+    leaders = comm.allgather(lowest)
+    return tuple(tuple(r for r in range(len(leaders)) if leaders[r] == lead)
+                 for lead in sorted(set(leaders)))
+
+
 @pytest.mark.mpi
 def test_mpi_real_node(monkeypatch):
     from mpi4py import MPI
     from tests.mpiutil import assert_all
     _env(monkeypatch)
     comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
     try:
+        nodes = _mpi_nodes(comm)
         t = T.topology(comm)
         again = T.topology(comm)
         comms = T.communicators(comm)
-        ok = (t is again and t.single_node and t.size == comm.Get_size()
-              and comms.node.Get_size() == comm.Get_size() and comms.cross.Get_size() == 1
-              and (comms.leaders != MPI.COMM_NULL) == (comm.Get_rank() == 0))
+        mine = t.nodes[t.node[rank]]
+        ok = (t is again and t.nodes == nodes and t.single_node == (len(nodes) == 1)
+              and t.size == comm.Get_size() and comms.node.Get_size() == len(mine)
+              and comms.cross.Get_size() == sum(len(g) > t.local_rank(rank) for g in nodes)
+              and (comms.leaders != MPI.COMM_NULL) == (rank == mine[0]))
     finally:
         comm.Free()
     assert_all(ok, repr(t))
@@ -131,6 +146,14 @@ def test_mpi_simulated(monkeypatch, k, j):
     try:
         t = T.topology(comm)
         want = T.simulated(size, k, j)
+        if k is None:  # the real nodes, each cut into NUMA domains of j ranks
+            nodes = _mpi_nodes(comm)
+            numas = tuple(g[a:a + (j or len(g))] for g in nodes
+                          for a in range(0, len(g), j or len(g)))
+            want = T.Topology([next(n for n, g in enumerate(nodes) if r in g)
+                               for r in range(size)],
+                              [next(n for n, g in enumerate(numas) if r in g)
+                               for r in range(size)])
         comms = T.communicators(comm)
         node = t.nodes[t.node[rank]]
         ok = (t == want and comms.node.Get_size() == len(node)

@@ -91,6 +91,18 @@ class _Node:
         self.released: set = set()  # seqs whose array died here, not yet agreed on
         self.pool: dict = {}       # seq -> Registration released everywhere, free to reuse
 
+    def close(self) -> None:
+        """Free every window, in the order they were made (the same on every rank: each was
+        made collectively), when the context goes: at the latest at exit, before MPI is
+        finalized. An array still in one must not be touched afterwards."""
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        every = {**self.live, **self.pool}
+        self.live, self.pool = {}, {}
+        for seq in sorted(every):
+            every[seq].free()
+
 
 def _node(comm) -> _Node:
     from ..executor import context
