@@ -49,6 +49,8 @@ SKIP = [
                           "study on shared memory"),
     (r"-m bench net\b", "needs root and starts its own mpiexec job in a network namespace "
                          "(tests/test_bench_net.py runs bench net)"),
+    (r"-m bench cluster\b", "needs root and builds hosts in network namespaces, then launches "
+                             "its own job (tests/test_bench_cluster.py runs bench cluster)"),
     (r"-m bench docs(?! --list)", "reruns the documentation's sample commands: minutes of "
                                   "benchmarks (--list shows them)"),
     (r"^bash tests/gpu/", "needs a GPU machine"),
