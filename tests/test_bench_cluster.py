@@ -204,3 +204,23 @@ def test_the_cluster_environment_drops_simulated_topologies():
                                              "MPIR_CVAR_NOLOCAL": "1", "KEEP": "x"})
     assert "COLLECTIVES_RANKS_PER_NODE" not in env and "MPIR_CVAR_NOLOCAL" not in env
     assert env["KEEP"] == "x" and env["FI_TCP_IFACE"] == "eth0"
+
+
+OMPI = ROOT / ".venv-ompi" / "bin"
+
+
+@needs_cluster
+@pytest.mark.skipif(not (OMPI / "mpirun").exists() or not (OMPI / "python").exists(),
+                    reason="no Open MPI venv (.venv-ompi) beside the checkout")
+def test_open_mpi_launches_through_its_rsh_agent():
+    before = machine_state()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    done = cluster.Cluster(2, 2, "1gbit", mpiexec=str(OMPI / "mpirun")).run(
+        [str(OMPI / "python"), "-c", JOB], capture=True, timeout=110, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.splitlines()[-1])
+    assert [r["host"] for r in rows] == ["n0", "n0", "n1", "n1"]
+    assert all(r["node_size"] == 2 and r["sum"] == 4 for r in rows)
+    assert all(r["sent"] >= (1 << 22) // 2 for r in rows)
+    assert machine_state() == before
