@@ -427,10 +427,24 @@ def derived(comm) -> list:
 
 
 def forget(comm) -> None:
-    """Drop what the toolkit caches for ``comm`` (its context: the private Dup, the watchdog's
-    side channel, scratch, topology and sub-communicators), so that nothing runs on it again;
-    never collective. For a communicator that lost a process (revoked): its MPI objects are
-    freed locally, which ULFM allows on a revoked communicator."""
-    from ..executor import _KEYVAL, cached_context
-    if cached_context(comm) is not None:
-        comm.Delete_attr(_KEYVAL)
+    """Empty what the toolkit caches for ``comm`` (its context: the watchdog's side channel,
+    scratch, the topology), so that nothing of the toolkit runs on it again; never collective,
+    and frees no MPI object. For a communicator that lost a process and was revoked, with
+    what ``derived`` named: a revoked communicator is kept, not freed (Open MPI 5 crashes
+    when another rank's revoke notice reaches a freed one), and so is the layers' state, which
+    may hold shared windows (freeing one is collective, and a rank of it is gone)."""
+    from mpi4py import MPI
+    from ..executor import cached_context
+    from ..watchdog import Channel
+    ctx = cached_context(comm)
+    if ctx is None:
+        return
+    channel = ctx.slots.pop(Channel, None)
+    if channel is not None:
+        channel.close()   # the watchdog stops asking on it
+    _FORGOTTEN.append((ctx.comm, dict(ctx.slots)))
+    ctx.slots.clear()
+    ctx.comm = MPI.COMM_NULL   # the context's own free (at exit) leaves the Dup alone
+
+
+_FORGOTTEN: list = []

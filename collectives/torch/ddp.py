@@ -41,6 +41,7 @@ import collectives as coll
 from collectives import timeline
 
 from .agreement import broadcast_coalesced, same_parameters
+from .hooks import DefaultState
 from .join import Join
 from .memory import register_on
 from .reducer import CommStats, Reducer, through_backward_start
@@ -125,26 +126,13 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.static_graph = bool(static_graph)
-        # Buckets in shared windows (collectives.node.registered): every step's allreduce takes
-        # the one-pass path.
-        registered_on = register_on(registered_buckets, comm, algorithm, "registered_buckets")
-
+        self.registered_buckets = registered_buckets
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for n, p in named:
             if p.layout != torch.strided:
                 raise TypeError(f"parameter {n!r} has layout {p.layout}; only dense "
                                 f"parameters are supported")
-        params = [p for _, p in named]
-
-        # 1. Agree on the parameters, then start from rank 0's values.
-        same_parameters(named, comm, "DistributedDataParallel")
-        broadcast_coalesced(params + list(module.buffers()), 0, comm)
-
-        # 2. The reducer: buckets, one hook per parameter (a weak reference back to it).
-        self.reducer = Reducer(params, [n for n, _ in named], comm, algorithm, bucket_cap_mb,
-                               registered_on, self.find_unused_parameters,
-                               self.gradient_as_bucket_view, self.static_graph)
-        self.stats = self.reducer.stats
+        self._attach(comm)
         self._register_load_state_dict_pre_hook(_accept_unprefixed)
         self._join = None   # the Join of an active join() context
         if timeline.on:
@@ -154,6 +142,45 @@ class DistributedDataParallel(nn.Module):
                 self.register_comm_hook(*comm_hook)
             else:
                 self.register_comm_hook(None, comm_hook)
+
+    def _attach(self, comm) -> None:
+        """Steps 1 and 2 of construction on ``comm`` (collective)."""
+        module = self.module
+        # Buckets in shared windows (collectives.node.registered): every step's allreduce takes
+        # the one-pass path.
+        registered_on = register_on(self.registered_buckets, comm, self.algorithm,
+                                    "registered_buckets")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+
+        # 1. Agree on the parameters, then start from rank 0's values.
+        same_parameters(named, comm, "DistributedDataParallel")
+        broadcast_coalesced(params + list(module.buffers()), 0, comm)
+
+        # 2. The reducer: buckets, one hook per parameter (a weak reference back to it).
+        self.reducer = Reducer(params, [n for n, _ in named], comm, self.algorithm,
+                               self.bucket_cap_mb, registered_on, self.find_unused_parameters,
+                               self.gradient_as_bucket_view, self.static_graph)
+        self.stats = self.reducer.stats
+
+    def rebuild(self, comm) -> None:
+        """Go on over ``comm`` instead (collective over it): the survivors of a failed rank
+        (``collectives.elastic``). A new reducer and buckets, rank 0's parameters and buffers
+        broadcast again; the old reducer's hooks go with it. A comm hook set with a state of
+        its own is kept (its state must not hold the old communicator); the default one
+        follows ``comm``."""
+        old = self.reducer
+        hook, state = old.hook, old.state
+        # Now, not when the old reducer is collected: the failed step's traceback keeps it.
+        for handle in old.handles:
+            handle.remove()
+        for p in old.params:
+            p.grad = None   # views into the old buckets
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self._join = None
+        self._attach(comm)
+        if hook is not self.reducer.hook or not isinstance(state, DefaultState):
+            self.reducer.set_hook(hook, None if isinstance(state, DefaultState) else state)
 
     # -- what tests and tools look at -----------------------------------------------------------
     @property

@@ -1,0 +1,180 @@
+"""``State``: what a training loop must keep to survive a dead rank, committed in memory.
+
+    state = State(model=model, optimizer=opt, step=0, data=sampler, epoch=0)
+    for state.step in range(state.step, steps):
+        ...                       # one training step
+        state.commit()            # step ``state.step`` is done
+
+A *commit* is a copy, on this rank, of the model's ``state_dict`` (its tensors cloned), the
+optimizer's ``state_dict`` (deep-copied), the data's ``state_dict`` (when it has one), every
+extra value given by keyword, and the *next step*: ``state.step + 1``. The last two commits are
+kept: after a failure, a survivor may have committed one step more than another (its last
+collective completed, theirs failed), and the survivors agree on the older one
+(``collectives.elastic.loop``). ``restore(next_step)`` loads the commit with that next step back
+into the same objects (parameters are copied in place, so an optimizer keeps its references) and
+sets ``state.step`` to it.
+
+Objects built on a communicator (DDP, ZeRO, a Mesh, a torch process group) are rebuilt on the
+shrunk one by the callables given to ``on_rebuild(fn)`` (``fn(comm)``), called before the
+restore; a model that has a ``rebuild(comm)`` method of its own (``DistributedDataParallel``,
+``ShardedDataParallel``) is rebuilt without one.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+
+__all__ = ["State", "Commit"]
+
+
+class Commit:
+    """One committed state: the next step and the copies (see the module doc)."""
+
+    __slots__ = ("next_step", "model", "optimizer", "data", "extra")
+
+    def __init__(self, next_step, model, optimizer, data, extra):
+        self.next_step, self.model, self.optimizer = next_step, model, optimizer
+        self.data, self.extra = data, extra
+
+
+def _clone_tensors(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        out[k] = v.detach().clone() if hasattr(v, "detach") else copy.deepcopy(v)
+    return out
+
+
+class State:
+    """What a training loop keeps: ``model``, ``optimizer``, ``step``, ``data`` and extras."""
+
+    def __init__(self, model=None, optimizer=None, step: int = 0, data=None, **extra):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        self.model, self.optimizer, self.step, self.data = model, optimizer, step, data
+        self.extra = dict(extra)
+        self.commits: deque = deque(maxlen=2)
+        self.rebuilders: list = []
+        self.listeners: list = []   # fn(commit): called after each commit (checkpoints)
+        self.restore_listeners: list = []   # fn(commit): called after each restore
+        self.comm = None            # the communicator in force (set by the loop)
+        self.recoveries: list = []  # one ``Recovery`` per failure survived (the loop's)
+        self.committed_at = 0.0     # time.monotonic() of the newest commit
+
+    def __getattr__(self, name):
+        extra = self.__dict__.get("extra")
+        if extra is not None and name in extra:
+            return extra[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        extra = self.__dict__.get("extra")
+        if extra is not None and name in extra:
+            extra[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def on_rebuild(self, fn) -> None:
+        """Call ``fn(comm)`` with the shrunk communicator after a failure, before the
+        restore: rebuild there what was built on the old one."""
+        self.rebuilders.append(fn)
+
+    def on_restore(self, fn) -> None:
+        """Call ``fn(commit)`` after each restore (the commit training goes on from)."""
+        self.restore_listeners.append(fn)
+
+    # -- commit and restore -------------------------------------------------------------------
+    def snapshot(self, next_step: int) -> Commit:
+        """A commit of the current state whose next step is ``next_step`` (not kept)."""
+        model = None if self.model is None else _clone_tensors(_model_state(self.model))
+        opt = None if self.optimizer is None else copy.deepcopy(_optim_state(self))
+        data = None
+        if self.data is not None and hasattr(self.data, "state_dict"):
+            data = copy.deepcopy(self.data.state_dict())
+        return Commit(next_step, model, opt, data, copy.deepcopy(self.extra))
+
+    def commit(self) -> None:
+        """Step ``self.step`` is done: keep a copy of the state (the next step is
+        ``self.step + 1``)."""
+        self.keep(self.snapshot(self.step + 1))
+
+    def keep(self, commit: Commit) -> None:
+        """Keep ``commit`` as the newest (the older of the two kept goes)."""
+        self.commits.append(commit)
+        self.committed_at = time.monotonic()
+        for fn in self.listeners:
+            fn(commit)
+
+    @property
+    def committed(self) -> int:
+        """The next step of the newest commit (-1 before any)."""
+        return self.commits[-1].next_step if self.commits else -1
+
+    def committed_steps(self) -> tuple[int, ...]:
+        """The next steps of the commits kept, oldest first."""
+        return tuple(c.next_step for c in self.commits)
+
+    def find(self, next_step: int) -> Commit:
+        """The kept commit whose next step is ``next_step``."""
+        for c in self.commits:
+            if c.next_step == next_step:
+                return c
+        raise LookupError(f"no commit with next step {next_step} on this rank (it keeps "
+                          f"{self.committed_steps()})")
+
+    def restore(self, next_step: int | None = None) -> None:
+        """Load the commit with ``next_step`` (default: the newest) into the objects and set
+        ``step`` to it; newer commits are dropped."""
+        c = self.commits[-1] if next_step is None else self.find(next_step)
+        while self.commits and self.commits[-1] is not c:
+            self.commits.pop()
+        self.load(c)
+        for fn in self.restore_listeners:
+            fn(c)
+
+    def load(self, c: Commit) -> None:
+        """Load ``c`` into the objects (the commit itself is not kept)."""
+        if c.model is not None:
+            _load_model(self.model, c.model)
+        if c.optimizer is not None:
+            _load_optim(self, copy.deepcopy(c.optimizer))
+        if c.data is not None:
+            self.data.load_state_dict(copy.deepcopy(c.data))
+        self.extra.update(copy.deepcopy(c.extra))
+        self.step = c.next_step
+
+    def rebuild(self, comm) -> None:
+        """Rebuild what was built on the old communicator on ``comm`` (collective)."""
+        self.comm = comm
+        rebuild = getattr(self.model, "rebuild", None)
+        if rebuild is not None:
+            rebuild(comm)
+        for fn in self.rebuilders:
+            fn(comm)
+
+
+# A sharded model keeps a part of the state per rank: its own methods say how it is saved.
+def _model_state(model) -> dict:
+    own = getattr(model, "elastic_state_dict", None)
+    return own() if own is not None else model.state_dict()
+
+
+def _load_model(model, sd) -> None:
+    own = getattr(model, "load_elastic_state_dict", None)
+    if own is not None:
+        own(sd)
+    else:
+        model.load_state_dict(sd)
+
+
+def _optim_state(state) -> dict:
+    own = getattr(state.model, "elastic_optim_state_dict", None)
+    return own(state.optimizer) if own is not None else state.optimizer.state_dict()
+
+
+def _load_optim(state, sd) -> None:
+    own = getattr(state.model, "load_elastic_optim_state_dict", None)
+    if own is not None:
+        own(state.optimizer, sd)
+    else:
+        state.optimizer.load_state_dict(sd)

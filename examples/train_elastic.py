@@ -1,0 +1,181 @@
+"""Data-parallel training that survives a dead rank (``collectives.elastic``).
+
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:10
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 1:5,3:9,2:14
+    mpiexec -n 4 python examples/train_elastic.py            # MPICH: no failure survived in-job
+    python -m collectives.elastic run --np 4 --min-np 2 -- python examples/train_elastic.py \\
+        --checkpoint-dir /tmp/ckpt --checkpoint-every 5 --kill 2:12
+
+A small MLP learns a fixed random teacher network on synthetic data made here (nothing is
+downloaded). Every step trains on the same global batch whatever the rank count
+(``elastic.GlobalBatches``): the survivors of a failure share it. Rank 0 prints ``step S ranks R
+loss L`` per step and, at the end, one JSON line: ``steps``, ``ranks`` at the start and end,
+``steps_lost`` (committed steps given up, summed over recoveries), ``recoveries`` (each with its
+``seconds`` from the error to the restored state and ``since_commit`` from the last commit,
+which bounds the time the failure cost), ``path`` (``ulfm``: shrink and go on; ``restart``: a
+run of the supervisor), the SHA-256 ``digest`` of the parameters and ``digests_equal`` (every
+rank computed it; equal on all of them), ``commit_ms`` and ``step_ms`` (mean per step), and with
+checkpoints ``checkpoint_ms`` (the mean time the training loop spent per checkpoint).
+
+``--kill RANK:STEP,...`` kills ``COMM_WORLD`` rank RANK with SIGKILL as it starts step STEP
+(``elastic.FailureInjector``), in a job that starts from step 0 (not in one that the supervisor
+restarted from a checkpoint); ``--announce`` makes every rank print ``rank R pid P`` first, for
+a kill from outside the job. ``--save-restored PATH`` writes, at the first recovery, the state
+the survivors went back to (for a reference run); ``--resume PATH`` starts from such a file.
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+# Open MPI: a rank leaves MPI_Finalize without a fence with every other rank of the job, dead
+# ones included (with it, the last survivors of a job that lost ranks may wait there for
+# ever). Set before MPI starts; other MPI libraries ignore it.
+os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+import collectives as coll  # noqa: E402
+from collectives import elastic  # noqa: E402
+from collectives.torch import DistributedDataParallel  # noqa: E402
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--samples", type=int, default=4800)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill", default="", help="RANK:STEP,... killed by SIGKILL")
+    p.add_argument("--min-ranks", type=int, default=1)
+    p.add_argument("--commit-every", type=int, default=1)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--save-restored", default=None)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--announce", action="store_true",
+                   help="every rank prints 'rank R pid P' first (to be killed from outside)")
+    return p.parse_args()
+
+
+def make_data(samples, dim=16, seed=0):
+    """Inputs and the outputs of a fixed random teacher network (regression)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, dim, generator=g)
+    teacher = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        y = teacher(x)
+    return x, y
+
+
+def digest(module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    args = parse()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    world = MPI.COMM_WORLD
+    if args.announce:
+        print(f"rank {world.Get_rank()} pid {os.getpid()}", flush=True)
+    x, y = make_data(args.samples, seed=args.seed)
+    module = nn.Sequential(nn.Linear(16, args.width), nn.Tanh(),
+                           nn.Linear(args.width, args.width), nn.Tanh(),
+                           nn.Linear(args.width, 4))
+    # Point-to-point algorithms only: shared-memory ones wait on memory that a dead rank never
+    # writes, which no MPI error interrupts (docs/elastic.md).
+    model = DistributedDataParallel(module, comm=world, algorithm="ring",
+                                    registered_buckets=False)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    batches = elastic.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
+    state = elastic.State(model=model, optimizer=opt, step=0)
+    ckpt = None
+    if args.checkpoint_dir:
+        from collectives.elastic import checkpoint
+        ckpt = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every,
+                                       comm=world)
+        ckpt.attach(state)
+        ckpt.load_newest(state)
+    if args.resume:
+        saved = torch.load(args.resume, weights_only=False)
+        state.load(elastic.Commit(**saved))
+    started_at = state.step
+    # Failures are injected into a job that starts from step 0 only: a job restarted from a
+    # checkpoint (the supervisor's) would otherwise meet them again.
+    inject = elastic.FailureInjector.parse(args.kill if started_at == 0 else "")
+    timing = {"commit": 0.0, "step": 0.0, "n": 0}
+    ranks0 = world.Get_size()
+
+    @elastic.run(state, comm=world, min_ranks=args.min_ranks)
+    def train(state, comm):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        for state.step in range(state.step, args.steps):
+            inject(state.step)
+            t0 = time.perf_counter()
+            idx = torch.from_numpy(batches.indices(state.step, rank, size))
+            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mean = coll.allreduce(loss.detach().reshape(1), op="avg", comm=comm,
+                                  algorithm="ring")
+            t1 = time.perf_counter()
+            if (state.step + 1) % args.commit_every == 0 or state.step + 1 == args.steps:
+                state.commit()
+            t2 = time.perf_counter()
+            timing["step"] += t1 - t0
+            timing["commit"] += t2 - t1
+            timing["n"] += 1
+            if rank == 0 and not args.quiet:
+                print(f"step {state.step} ranks {size} loss {mean.item():.6f}", flush=True)
+        return comm
+
+    def save_restored(c):
+        # The first restore only: the state that a reference run starts from.
+        if not os.path.exists(args.save_restored) and state.comm.Get_rank() == 0:
+            torch.save({"next_step": c.next_step, "model": c.model, "optimizer": c.optimizer,
+                        "data": c.data, "extra": c.extra}, args.save_restored)
+
+    if args.save_restored:
+        state.on_restore(save_restored)
+
+    comm = train()
+    if ckpt is not None:
+        ckpt.close()
+    mine = digest(module)
+    digests = comm.allgather(mine)
+    if comm.Get_rank() == 0:
+        n = max(1, timing["n"])
+        summary = {
+            "steps": args.steps, "started_at": started_at, "ranks_start": ranks0,
+            "ranks_end": comm.Get_size(),
+            "path": "ulfm" if elastic.fault_tolerant(world) else "restart",
+            "steps_lost": sum(r.steps_lost for r in state.recoveries),
+            "recoveries": [r.as_dict() for r in state.recoveries],
+            "digest": mine, "digests_equal": len(set(digests)) == 1,
+            "step_ms": round(1e3 * timing["step"] / n, 3),
+            "commit_ms": round(1e3 * timing["commit"] / n, 3),
+        }
+        if ckpt is not None:
+            summary["checkpoint_ms"] = round(1e3 * ckpt.mean_seconds(), 3)
+            summary["checkpoints"] = ckpt.written
+        print(json.dumps(summary), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

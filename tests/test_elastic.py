@@ -1,0 +1,230 @@
+"""``collectives.elastic``: commit and restore in one process; real jobs that lose ranks.
+
+The job tests launch ``examples/train_elastic.py`` under Open MPI's ``mpirun --with-ft ulfm``
+from the venv of its own (``make .venv-ompi``: the Open MPI wheel, beside MPICH's ``.venv``) and
+kill ranks with SIGKILL, from outside the job or by the failure injector. They check that the
+survivors finish every step, hold bitwise-equal parameters (every rank's digest), lose at most
+one committed step per failure, and equal a reference run that starts from the committed state
+they went back to, on as many ranks, with the same data. Recovery times are printed by the
+example, not asserted. They run in the in-process tier (the test process is the launcher) and
+are skipped where the Open MPI venv is missing or under ``mpiexec``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from collectives import elastic  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_elastic.py"
+OMPI = ROOT / ".venv-ompi" / "bin"
+# Hard bound of one job's wall time (a hang fails the test, never blocks CI); generous, since
+# four ranks that each import torch share two cores.
+LIMIT = 240
+UNDER_MPI = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+
+
+# -- in one process ---------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _train(model, opt, step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_restore_returns_to_the_commit_bitwise():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = elastic.State(model=model, optimizer=opt, step=0, epoch=3)
+    for state.step in range(0, 3):
+        _train(model, opt, state.step)
+        state.commit()
+    assert state.committed_steps() == (2, 3)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    for s in (3, 4):                       # steps that a failure will discard
+        _train(model, opt, s)
+    state.epoch = 9
+    state.restore(3)
+    assert state.step == 3 and state.epoch == 3
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert list(model.parameters()) == params      # in place: the optimizer keeps them
+    # Going on from the restored state is the run that never saw the discarded steps.
+    ref = _model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    for s in range(0, 4):
+        _train(ref, ref_opt, s)
+    _train(model, opt, 3)
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(),
+                                                  model.state_dict().values()))
+
+
+def test_restore_goes_back_to_the_older_commit():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = elastic.State(model=model, optimizer=opt)
+    state.commit()                     # next step 1
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 1)
+    state.step = 1
+    state.commit()                     # next step 2
+    state.restore(1)
+    assert state.step == 1 and state.committed_steps() == (1,)
+    assert all(torch.equal(first[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(LookupError, match="no commit with next step 7"):
+        state.restore(7)
+
+
+def test_failure_injector_parse():
+    assert elastic.FailureInjector.parse("2:5, 1:9").plan == {(2, 5), (1, 9)}
+    assert elastic.FailureInjector.parse("").plan == set()
+    with pytest.raises(ValueError, match="expected RANK:STEP"):
+        elastic.FailureInjector.parse("2-5")
+
+
+def test_global_batches_keep_the_global_batch():
+    b = elastic.GlobalBatches(100, 12, seed=1)
+    for size in (1, 3, 4):
+        parts = [b.indices(5, r, size) for r in range(size)]
+        assert sorted(int(i) for p in parts for i in p) == sorted(int(i) for i in b.step(5))
+    assert len(set(int(i) for i in b.step(0)) & set(int(i) for i in b.step(1))) == 0
+
+
+def test_process_failure_reads_the_error_through_torch():
+    from mpi4py import MPI
+    text = MPI.Get_error_string(MPI.ERR_PROC_FAILED)
+    assert elastic.process_failure(RuntimeError(f"Got the following error when running the "
+                                                f"callback: Exception: {text}"))
+    assert not elastic.process_failure(RuntimeError("something else"))
+
+
+# -- real jobs ----------------------------------------------------------------------------------
+def _ompi_job(n, *args, ft=True):
+    if UNDER_MPI:
+        pytest.skip("launches its own mpirun jobs: run the test without mpiexec")
+    if not (OMPI / "mpirun").exists():
+        pytest.skip("no Open MPI venv (make .venv-ompi)")
+    cmd = [str(OMPI / "mpirun"), "--oversubscribe", "-n", str(n)]
+    if ft:
+        cmd[1:1] = ["--with-ft", "ulfm"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "OMPI_",
+                                                                   "PMIX_", "PRTE_"))}
+    # A failure must never leave a survivor waiting: the watchdog bounds any hang.
+    env.update(PYTHONUNBUFFERED="1", COLLECTIVES_TIMEOUT="30")
+    return subprocess.Popen(cmd + [str(OMPI / "python"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def _finish(proc, limit=LIMIT):
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not end within {limit} s\n{out[-3000:]}\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def _summary(out: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, out
+    return json.loads(lines[-1])
+
+
+def _steps(out: str) -> list[tuple[int, int]]:
+    return [(int(w[1]), int(w[3])) for w in (ln.split() for ln in out.splitlines())
+            if len(w) == 6 and w[0] == "step"]
+
+
+def _reference(tmp_path, restored, n, steps):
+    rc, out, err = _finish(_ompi_job(n, EXAMPLE, "--steps", steps, "--quiet", "--resume",
+                                     restored))
+    assert rc == 0, err[-3000:]
+    return _summary(out)
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_sigkill_from_outside_survivors_finish_and_match_a_reference(tmp_path):
+    steps, victim, at = 16, 2, 7
+    restored = tmp_path / "restored.pt"
+    proc = _ompi_job(4, EXAMPLE, "--steps", steps, "--announce", "--save-restored", restored)
+    pids, out_lines = {}, []
+    deadline = time.monotonic() + LIMIT
+    for line in proc.stdout:               # rank 0 prints each step as it completes
+        out_lines.append(line)
+        w = line.split()
+        if len(w) == 4 and w[0] == "rank" and w[2] == "pid":
+            pids[int(w[1])] = int(w[3])
+        if len(w) == 6 and w[0] == "step" and int(w[1]) == at:
+            os.kill(pids[victim], signal.SIGKILL)
+            break
+        assert time.monotonic() < deadline
+    rc, out, err = _finish(proc)
+    out = "".join(out_lines) + out
+    assert rc == 0, err[-3000:]
+    s = _summary(out)
+    assert s["path"] == "ulfm" and s["ranks_end"] == 3 and s["digests_equal"], s
+    assert [r["lost"] for r in s["recoveries"]] == [[victim]]
+    assert s["recoveries"][0]["steps_lost"] <= 1
+    done = [st for st, _ in _steps(out)]
+    assert set(range(steps)) <= set(done)  # every step was finished by the survivors
+    ref = _reference(tmp_path, restored, 3, steps)
+    assert ref["started_at"] == s["recoveries"][0]["restored"]
+    assert ref["digest"] == s["digest"]
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_three_failures_down_to_one_rank(tmp_path):
+    restored = tmp_path / "restored.pt"
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", 14, "--kill", "1:3,3:6,2:10",
+                                     "--save-restored", restored))
+    assert rc == 0, err[-3000:]
+    s = _summary(out)
+    assert [r["lost"] for r in s["recoveries"]] == [[1], [3], [2]], s
+    assert [r["ranks"] for r in s["recoveries"]] == [3, 2, 1]
+    assert all(r["steps_lost"] <= 1 for r in s["recoveries"])
+    assert s["ranks_end"] == 1 and s["digests_equal"]
+    assert [size for st, size in _steps(out) if st in (2, 5, 9, 13)] == [4, 3, 2, 1]
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_detects_no_fault_tolerance_without_with_ft(tmp_path):
+    script = tmp_path / "ft.py"
+    script.write_text("from collectives import elastic\nprint('ft', elastic.fault_tolerant())\n")
+    rc, out, err = _finish(_ompi_job(2, script, ft=False))
+    assert rc == 0, err[-3000:]
+    assert out.split().count("False") == 2 and "True" not in out
+    rc, out, err = _finish(_ompi_job(2, script, ft=True))
+    assert rc == 0, err[-3000:]
+    assert out.split().count("True") == 2
+
+
+def test_detects_no_fault_tolerance_under_mpich(tmp_path):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if UNDER_MPI or not mpiexec.exists():
+        pytest.skip("needs MPICH's mpiexec beside this python, outside mpiexec")
+    script = tmp_path / "ft.py"
+    script.write_text("from collectives import elastic\nprint('ft', elastic.fault_tolerant())\n")
+    proc = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split().count("False") == 2
