@@ -26,7 +26,9 @@ this table is the toolkit's float32 layers without dropout, checked tensor by te
 
 The first stage adds the embedding's saved ids and masks (9 n bytes); the last stage the final
 norm (``e n' h + 8 n'``), the head's input (``e n h``) and the vocabulary-parallel
-cross-entropy's softmax, target and mask (``e n V / t + 9 n``).
+cross-entropy's softmax, target and mask (``e n V / t + 9 n``). A pipeline's runner also keeps
+each in-flight stage output for its backward, and every message it sends (outputs forward,
+input gradients backward, ``e n' h`` each) until the step ends.
 
 The fullest rank is the pipeline's first (the most blocks, in-flight micro-batches and the
 embedding) or its last (the head and the loss): those two are priced. In-flight micro-batches
@@ -51,9 +53,11 @@ temporary).
 Scratch. On host memory (the toolkit's CPU path) a communicator whose collectives take the
 node's shared-memory path maps one window of ``SLOTS`` slots of ``COLLECTIVES_SHM_CHUNK_BYTES``
 per rank, and every rank faults in all of them: ``k (header + 4 chunk)`` resident bytes for a
-group of k ranks (``window_bytes``): the data-parallel group (whose registered flat buffers take
-the one-pass path) and a pipeline's tied pair; the one-pass collectives also touch slices of
-the peers' registered buffers (``scratch``).
+group of k ranks (``window_bytes``): a group one of whose calls ``auto`` sends through a node
+algorithm (asked of the selection table at the call's size), the data-parallel group (whose
+registered flat buffers take the one-pass path) and, with data parallelism, a pipeline's tied
+pair; the one-pass collectives also touch slices of the peers' registered buffers
+(``scratch``).
 """
 from __future__ import annotations
 
@@ -163,22 +167,44 @@ def _pow2(n: int) -> int:
     return 1 << max(12, (max(n, 1) - 1).bit_length())
 
 
-def scratch(plan: Plan, ranks_per_node: int, states: dict) -> int:
-    """The collectives' memory on a rank of a host-memory job whose data-parallel group is on
-    one node: the shared window of the data-parallel communicator (its registered buffers take
-    the one-pass path) and, with a pipeline, of the tied embedding's pair; and the pages of the
-    peers' registered buffers this rank touches: a one-pass allreduce or reduce-scatter reads
-    and writes slice r of every peer's buffer ((dp - 1) / dp of one buffer in all), an
-    all-gather reads every peer's shard (the same). Registered windows are whole powers of
-    two."""
-    dp = plan.dp
-    out = window_bytes(2) if plan.pp > 1 and 2 <= ranks_per_node else 0
+def _node_path(collective: str, nbytes: int, size: int) -> bool:
+    """Whether ``auto`` takes a node algorithm (one that maps the node's shared window) for
+    this call on one node: the choice the toolkit's table makes, asked, not assumed."""
+    from collectives.select import REGISTRY, auto
+    name = auto(collective, int(nbytes), size, single_node=True)
+    return REGISTRY[collective][name].needs == "one node"
+
+
+def scratch(model: GPTShape, plan: Plan, ranks_per_node: int, states: dict) -> int:
+    """The collectives' memory on a rank of a host-memory job, for its groups that fit on one
+    node: the shared window of each communicator one of whose calls takes a node algorithm
+    (``auto``'s choice for the tensor-parallel activations, the loss's and the tied gradient's
+    sums, the pipeline's loss broadcast; always for the data-parallel group, whose registered
+    buffers take the one-pass path, and for a tied pair whose gradient lies in a registered
+    bucket), and the pages of the peers' registered buffers this rank touches: a one-pass
+    allreduce or reduce-scatter reads and writes slice r of every peer's buffer ((dp - 1) / dp
+    of one buffer in all), an all-gather reads every peer's shard (the same). Registered
+    windows are whole powers of two."""
+    t, dp, p = plan.tp, plan.dp, plan.pp
+    e, n = model.bytes[3], plan.micro_batch * model.seq
+    x = e * n * model.dim
+    out = 0
+    if 1 < t <= ranks_per_node:
+        calls = [("reduce_scatter", x), ("allgather", x // t)] if plan.sequence_parallel \
+            else [("allreduce", x)]
+        calls += [("allreduce", 4 * n), ("allreduce", 8 * n)]   # the loss's max, then sums
+        if any(_node_path(c, b, t) for c, b in calls):
+            out += window_bytes(t)
+    if 1 < p <= ranks_per_node and _node_path("broadcast", 8, p):
+        out += window_bytes(p)
+    if p > 1 and 2 <= ranks_per_node and (
+            dp > 1 or _node_path("allreduce", model.bytes[1] * model.vocab * model.dim // t, 2)):
+        out += window_bytes(2)
     if dp < 2 or dp > ranks_per_node:
         return out
     out += window_bytes(dp)
-    grads = states["grads"] if plan.zero < 2 else states["params"]  # full-size, then packed
-    touched = _pow2(grads) if plan.zero < 2 else _pow2(grads)
-    out += (dp - 1) * touched // dp
+    # ZeRO 0-1 reduce the full-size gradients, ZeRO-2 a packed buffer of the same size
+    out += (dp - 1) * _pow2(states["grads"]) // dp
     if plan.zero >= 1:
         out += (dp - 1) * _pow2(states["params"]) // dp
     return out
@@ -204,6 +230,14 @@ def memory(model: GPTShape, plan: Plan, ranks_per_node: int = 0) -> tuple[int, d
         acts = sum(k * (counts[s] * per_layer + _edge_activations(model, b, t, sp, s == 0,
                                                                   s == S - 1))
                    for s, k in held)
+        if p > 1:
+            # the runner keeps a stage's output for its backward (autograd saves none of it),
+            # and every message it sends until the step ends (p2p.Sends): its stages' outputs
+            # forward and their inputs' gradients backward, one hidden state each
+            message = e * (n // t if sp else n) * h
+            kept = sum(k for s, k in held if s != S - 1)
+            sent = plan.microbatches * sum((s != S - 1) + (s != 0) for s in stages)
+            acts += (kept + sent) * message
         backward = e * (n * model.vocab // t + 2 * n * h) if last else 3 * e * n * h
         if last:
             backward = max(backward, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
@@ -213,7 +247,8 @@ def memory(model: GPTShape, plan: Plan, ranks_per_node: int = 0) -> tuple[int, d
             full = _states(model, Plan(1, t, p, sp, plan.schedule, v, plan.microbatches, 0,
                                        plan.recompute, b), sum(counts[s] for s in stages),
                            first, last)
-            states["scratch"] = states.get("scratch", 0) + scratch(plan, ranks_per_node, full)
+            states["scratch"] = states.get("scratch", 0) + scratch(model, plan, ranks_per_node,
+                                                                   full)
         total = sum(states.values()) + max(acts + transient, optimizer)
         if total > best:
             best = total
