@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -283,13 +282,7 @@ def _parser():
 def main(argv=None) -> int:
     """Run the command after ``--`` on every rank of the cluster; its exit status (2 when it
     cannot run here)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:
-        cut = argv.index("--")
-        args = _parser().parse_args(argv[:cut])
-        args.command = argv[cut + 1:]
-    else:
-        args = _parser().parse_args(argv)
+    args = net.parse(_parser(), argv)
     if not args.command:
         print("bench cluster: no command to run: python -m bench cluster --nodes 2 "
               "--ranks-per-node 2 -- python examples/train_ddp.py", file=sys.stderr)
@@ -301,19 +294,9 @@ def main(argv=None) -> int:
         print(f"bench cluster: {exc}", file=sys.stderr)
         return 2
     if args.show:
-        env = cluster.environment({})
         print(f"# {cluster.describe()}")
-        print(" ".join(f"{k}={v}" for k, v in env.items()) + " \\\n  "
-              + shlex.join(cluster.launcher(args.command)))
-        why = check_available()
-        print(f"# {'runs here' if why is None else 'cannot run here: ' + why}")
-        return 0
-    why = check_available()
-    if why:
-        print(f"{why}; nothing was run", file=sys.stderr)
-        return 2
-    done, _ = cluster._execute(args.command, None, None, False)
-    return done.returncode
+    return net.launch(cluster, args.command, args.show, check_available,
+                      cluster.environment({}), cluster.launcher(args.command))
 
 
 if __name__ == "__main__":

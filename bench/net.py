@@ -304,18 +304,41 @@ def _parser():
     return p
 
 
-def main(argv=None) -> int:
-    """Run the command after ``--`` on the limited network; its exit status (2 when it cannot
-    run here)."""
+def parse(parser, argv):
+    """``parser``'s options before ``--`` and the command after it (``args.command``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         cut = argv.index("--")
-        args = _parser().parse_args(argv[:cut])
+        args = parser.parse_args(argv[:cut])
         args.command = argv[cut + 1:]
     else:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    return args
+
+
+def launch(runner, command, show: bool, available, shown: dict, line: list) -> int:
+    """The end of ``bench net`` and ``bench cluster``: with ``show``, print the environment
+    ``shown`` and the command ``line`` and run nothing; else run ``command`` with ``runner``
+    where ``available()`` says it can (exit status 2 and the reason where not)."""
+    if show:
+        print(" ".join(f"{k}={v}" for k, v in shown.items()) + " \\\n  " + shlex.join(line))
+        why = available()
+        print(f"# {'runs here' if why is None else 'cannot run here: ' + why}")
+        return 0
+    why = available()
+    if why:
+        print(f"{why}; nothing was run", file=sys.stderr)
+        return 2
+    done, _ = runner._execute(command, None, None, False)
+    return done.returncode
+
+
+def main(argv=None) -> int:
+    """Run the command after ``--`` on the limited network; its exit status (2 when it cannot
+    run here)."""
+    args = parse(_parser(), argv)
     if not args.command:
         print("bench net: no command to run: python -m bench net --rate 1gbit -- "
               "mpiexec -n 3 python examples/train_ddp.py", file=sys.stderr)
@@ -325,19 +348,9 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"bench net: {exc}", file=sys.stderr)
         return 2
-    if args.show:
-        shown = {**TCP_ENV, **{k: os.environ.get(k, v) for k, v in NODE_ENV.items()}}
-        print(" ".join(f"{k}={v}" for k, v in shown.items()) + " \\\n  "
-              + shlex.join(net.argv(args.command)))
-        why = check_available()
-        print(f"# {'runs here' if why is None else 'cannot run here: ' + why}")
-        return 0
-    why = check_available()
-    if why:
-        print(f"{why}; nothing was run", file=sys.stderr)
-        return 2
-    done, _ = net._execute(args.command, None, None, False)
-    return done.returncode
+    shown = {**TCP_ENV, **{k: os.environ.get(k, v) for k, v in NODE_ENV.items()}}
+    return launch(net, args.command, args.show, check_available, shown,
+                  net.argv(args.command))
 
 
 if __name__ == "__main__":
