@@ -57,6 +57,7 @@ def parse():
     p.add_argument("--commit-every", type=int, default=1)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept")
     p.add_argument("--save-restored", default=None)
     p.add_argument("--resume", default=None)
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -107,7 +108,7 @@ def main():
     if args.checkpoint_dir:
         from collectives.elastic import checkpoint
         ckpt = checkpoint.Checkpointer(args.checkpoint_dir, every=args.checkpoint_every,
-                                       comm=world)
+                                       comm=world, keep=args.checkpoint_keep)
         ckpt.attach(state)
         ckpt.load_newest(state)
     if args.resume:

@@ -11,8 +11,9 @@
 Parts: ``state`` (what is kept, committed in memory), ``detect`` (which path the MPI library
 supports; which errors mean a failed process), ``recover`` (revoke, shrink, forget the caches),
 ``loop`` (``run``: recover and call again), ``data`` (the global batch split over the ranks
-left) and ``inject`` (kill a rank at a step). docs/elastic.md says what is guaranteed and how
-to launch.
+left), ``inject`` (kill a rank at a step), ``checkpoint`` (asynchronous sharded checkpoints)
+and ``supervisor`` (``python -m collectives.elastic run``: restart where the library has no
+fault tolerance). docs/elastic.md says what is guaranteed and how to launch.
 """
 from __future__ import annotations
 

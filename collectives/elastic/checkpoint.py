@@ -1,0 +1,226 @@
+"""Asynchronous sharded checkpoints of committed state, every ``k`` steps, loadable at any size.
+
+    ckpt = Checkpointer("/ckpt", every=5)        # collective only in load_newest
+    ckpt.attach(state)                           # every 5th commit goes to disk
+    ckpt.load_newest(state)                      # where a job starts: the newest complete one
+    ...
+    ckpt.close()                                 # waits for the writes in flight
+
+Layout: ``DIR/step-00000015/`` holds, for a checkpoint written by N ranks, ``shard-R-of-N.pt``
+for every rank R and a marker ``done-R`` written after its shard; a checkpoint is *complete*
+when all N markers are there, and only complete ones are read. The state is cut by tensor:
+the model's tensors and the optimizer's per-parameter state are dealt out to the N ranks by
+size (largest first, each to the rank with the fewest bytes so far), rank 0 adds the
+optimizer's parameter groups, the data's state and the extras; every rank writes only its
+part. Reading takes every shard of the newest complete checkpoint, whatever N was, and puts the
+whole state back together: written at 4 ranks, it loads at 3.
+
+Asynchronous: a commit is already a copy (``State.commit``), so the training loop only hands
+it to a writer thread (``checkpoint_ms`` in the example measures that hand-off and the split);
+the thread saves the shard (``torch.save`` to a temporary name, then a rename, then the
+marker). A job that starts from the newest complete checkpoint first removes the incomplete
+ones after it (``load_newest``). At most one checkpoint is in flight: a commit due while the previous one is still
+being written waits for it. Old complete checkpoints beyond ``keep`` are removed by rank 0.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+
+__all__ = ["Checkpointer", "newest", "read"]
+
+_STEP = re.compile(r"^step-(\d+)$")
+_SHARD = re.compile(r"^shard-(\d+)-of-(\d+)\.pt$")
+
+
+def _complete(path: str) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    sizes = {int(m.group(2)) for m in map(_SHARD.match, names) if m}
+    if len(sizes) != 1:
+        return False
+    n = sizes.pop()
+    return all(f"done-{r}" in names and f"shard-{r}-of-{n}.pt" in names for r in range(n))
+
+
+def newest(directory: str) -> tuple[int, str] | None:
+    """``(next_step, path)`` of the newest complete checkpoint in ``directory``, or None."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    found = sorted((int(m.group(1)), m.group(0)) for m in map(_STEP.match, names) if m)
+    for step, name in reversed(found):
+        path = os.path.join(directory, name)
+        if _complete(path):
+            return step, path
+    return None
+
+
+def _deal(sizes: dict, n: int) -> dict:
+    """Keys to ranks: largest first, each to the rank with the fewest bytes so far."""
+    load, owner = [0] * n, {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], str(k))):
+        r = min(range(n), key=lambda i: (load[i], i))
+        owner[key] = r
+        load[r] += sizes[key]
+    return owner
+
+
+def _nbytes(value) -> int:
+    if hasattr(value, "element_size"):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 8
+
+
+def split(commit, rank: int, n: int) -> dict:
+    """This rank's part of ``commit`` (see the module doc)."""
+    part = {"next_step": commit.next_step, "model": {}, "optimizer_state": {}}
+    if commit.model is not None:
+        owner = _deal({k: _nbytes(v) for k, v in commit.model.items()}, n)
+        part["model"] = {k: v for k, v in commit.model.items() if owner[k] == rank}
+    if commit.optimizer is not None:
+        st = commit.optimizer.get("state", {})
+        owner = _deal({k: _nbytes(v) for k, v in st.items()}, n)
+        part["optimizer_state"] = {k: v for k, v in st.items() if owner[k] == rank}
+    if rank == 0:
+        part["has_model"] = commit.model is not None
+        part["optimizer_groups"] = None if commit.optimizer is None else \
+            commit.optimizer.get("param_groups")
+        part["data"], part["extra"] = commit.data, commit.extra
+    return part
+
+
+def read(path: str):
+    """The whole ``Commit`` of the complete checkpoint at ``path`` (any number of shards)."""
+    import torch
+    from .state import Commit
+    names = os.listdir(path)
+    shards = sorted((int(m.group(1)), m.group(0)) for m in map(_SHARD.match, names) if m)
+    parts = [torch.load(os.path.join(path, name), weights_only=False) for _, name in shards]
+    head = parts[0]
+    model = {}
+    state = {}
+    for p in parts:
+        model.update(p["model"])
+        state.update(p["optimizer_state"])
+    optimizer = None
+    if head["optimizer_groups"] is not None:
+        optimizer = {"state": dict(sorted(state.items())),
+                     "param_groups": head["optimizer_groups"]}
+    return Commit(head["next_step"], model if head["has_model"] else None, optimizer,
+                  head["data"], head["extra"])
+
+
+class Checkpointer:
+    """Write every ``every``-th commit of a ``State`` to ``directory`` (see the module doc)."""
+
+    def __init__(self, directory: str, every: int, comm=None, keep: int = 2):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive integer, got {every!r}")
+        from mpi4py import MPI
+        self.directory, self.every, self.keep = directory, every, max(1, keep)
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.last = -1                 # the newest next_step written or loaded
+        self.written = 0               # checkpoints this rank wrote
+        self.loop_seconds = 0.0        # time the training loop spent on them
+        self.error = None
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                        name="collectives-checkpoint")
+        self._thread.start()
+        os.makedirs(directory, exist_ok=True)
+
+    def attach(self, state) -> None:
+        """Write ``state``'s commits whose next step is a multiple of ``every``."""
+        state.listeners.append(self.on_commit)
+
+    def load_newest(self, state) -> int | None:
+        """Load the newest complete checkpoint into ``state`` (nothing where there is none):
+        its next step. Collective: rank 0 picks it, so that every rank loads the same."""
+        found = None
+        if self.rank == 0:
+            found = newest(self.directory)
+            self._drop_partial(found[0] if found else -1)
+        found = self.comm.bcast(found, root=0)
+        if found is None:
+            return None
+        state.load(read(found[1]))
+        self.last = found[0]
+        return found[0]
+
+    def on_commit(self, commit) -> None:
+        """A commit was made: queue it if it is due (the training loop's part of the cost)."""
+        if commit.next_step % self.every or commit.next_step <= self.last:
+            return
+        t0 = time.perf_counter()
+        if self.error is not None:
+            raise RuntimeError(f"writing a checkpoint failed: {self.error}") from self.error
+        self._idle.wait()              # one checkpoint in flight at most
+        self._idle.clear()
+        self._queue.put(commit)
+        self.last = commit.next_step
+        self.loop_seconds += time.perf_counter() - t0
+
+    def mean_seconds(self) -> float:
+        """The training loop's mean time per checkpoint written."""
+        return self.loop_seconds / self.written if self.written else 0.0
+
+    def close(self) -> None:
+        """Wait for the checkpoint in flight; raise if a write failed."""
+        self._idle.wait()
+        if self.error is not None:
+            raise RuntimeError(f"writing a checkpoint failed: {self.error}") from self.error
+
+    def _write_loop(self) -> None:
+        while True:
+            commit = self._queue.get()
+            try:
+                self._write(commit)
+                self.written += 1
+            except Exception as exc:  # noqa: BLE001 - reported to the loop at the next commit
+                self.error = exc
+            finally:
+                self._idle.set()
+
+    def _write(self, commit) -> None:
+        import torch
+        path = os.path.join(self.directory, f"step-{commit.next_step:08d}")
+        os.makedirs(path, exist_ok=True)
+        name = f"shard-{self.rank}-of-{self.size}.pt"
+        tmp = os.path.join(path, f".{name}.tmp")
+        torch.save(split(commit, self.rank, self.size), tmp)
+        os.replace(tmp, os.path.join(path, name))
+        with open(os.path.join(path, f"done-{self.rank}"), "w"):
+            pass
+        if self.rank == 0:
+            self._prune()
+
+    def _drop_partial(self, after: int) -> None:
+        """Remove the checkpoints newer than ``after`` (incomplete ones: a job that died while
+        writing them), so that this job's shards never mix with theirs."""
+        for m in map(_STEP.match, os.listdir(self.directory)):
+            if m and int(m.group(1)) > after:
+                shutil.rmtree(os.path.join(self.directory, m.group(0)), ignore_errors=True)
+
+    def _prune(self) -> None:
+        names = sorted((int(m.group(1)), m.group(0))
+                       for m in map(_STEP.match, os.listdir(self.directory)) if m)
+        complete = [(s, n) for s, n in names if _complete(os.path.join(self.directory, n))]
+        if len(complete) <= self.keep:
+            return
+        oldest_kept = complete[-self.keep][0]
+        for s, n in names:
+            if s < oldest_kept:
+                shutil.rmtree(os.path.join(self.directory, n), ignore_errors=True)
