@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED = 1
 OMPI_VENV  ?= .venv-ompi
 OMPI_STAMP  = $(OMPI_VENV)/.installed
 
-.PHONY: demo test test-inprocess test-mpi test-elastic bench bench-auto clean
+.PHONY: demo test test-inprocess test-mpi test-elastic test-cluster bench bench-auto clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ test-mpi: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/python -m pytest --with-mpi -m mpi -q -p no:cacheprovider $(TESTS)
 
 TESTS ?= tests
+
+# The MPI tier on hosts joined by a network, built on this machine (needs root: bench cluster).
+CLUSTER_TESTS ?= tests/test_topology.py tests/test_hierarchical.py tests/test_registered.py tests/test_avg.py
+test-cluster: $(STAMP)
+	$(BIN)/python -m bench cluster --nodes 2 --ranks-per-node 2 --rate 10gbit -- \
+	    $(BIN)/python -m pytest --with-mpi -m mpi -q -p no:cacheprovider $(CLUSTER_TESTS)
 
 # Ranks killed by SIGKILL, survivors going on under mpirun --with-ft ulfm (the Open MPI venv);
 # the tests launch their own jobs (skipped by make test where that venv is missing).
