@@ -29,7 +29,7 @@ from .ops import resolve
 from .persistent import Persistent
 from .progress import Request
 from .select import NATIVE, REGISTRY
-from .signature import APART, NONE, SAME, Plan, bind, counts_key, planned, result_of, where
+from .signature import APART, NONE, SAME, Plan, bound, counts_key, planned, result_of, where
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
            "gather", "scatter", "barrier", "iallreduce", "ireduce", "ibroadcast",
@@ -98,10 +98,9 @@ def _allreduce(x, op, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "allreduce")
     key = None
     if mode is BLOCKING and type(x) is np.ndarray:
-        key = ("allreduce", algorithm, op, x.dtype, x.shape, where(x, out))
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
-            return start(call, algorithm, check, call.out.obj, None, plan)
+        key = ("allreduce", algorithm, op, x.dtype, x.shape, out is None, out is x)
+        if (call := bound(ctx, key, x, out)) is not None:
+            return start(call, algorithm, check, call.out.obj)
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -111,10 +110,11 @@ def _allreduce(x, op, out, comm, algorithm, check, mode):
     call = make_call("allreduce", ctx, xb, outb, opr, 0, None, inplace, mode is BLOCKING)
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, outb.obj)
-    plan = None
-    if key is not None and not (inplace and key[-1] is APART):  # same memory: full path
-        plan = Plan(key, ("allreduce", opr, 0, None, xb.shape, inplace, key[-1], True, None))
-    return start(call, algorithm, check, outb.obj, None, plan)
+    plan, placed = None, where(x, out)
+    if key is not None and not (inplace and placed is APART):  # same memory: full path
+        plan = Plan(key, ("allreduce", opr, 0, None, xb.shape, inplace, placed, True, None))
+    call.plan = plan
+    return start(call, algorithm, check, outb.obj)
 
 
 def allreduce(x, op="sum", *, out=None, comm=None, algorithm="auto", check=None):
@@ -138,10 +138,9 @@ def _reduce(x, op, root, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "reduce")
     key = None
     if mode is BLOCKING and type(x) is np.ndarray and type(root) is int:
-        key = ("reduce", algorithm, op, root, x.dtype, x.shape, where(x, out))
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
-            return start(call, algorithm, check, result_of(call), None, plan)
+        key = ("reduce", algorithm, op, root, x.dtype, x.shape, out is None, out is x)
+        if (call := bound(ctx, key, x, out)) is not None:
+            return start(call, algorithm, check, result_of(call))
     inplace = False
     try:
         root = _root(root, ctx.size)
@@ -151,11 +150,11 @@ def _reduce(x, op, root, out, comm, algorithm, check, mode):
             outb, inplace = _output(xb, out, xb.shape)
     except (TypeError, ValueError) as exc:
         raise _check.failed(ctx, "reduce", check, exc)
-    plan = None
-    if key is not None and not (inplace and key[-1] is APART):  # same memory: full path
+    plan, placed = None, where(x, out)
+    if key is not None and not (inplace and placed is APART):  # same memory: full path
         receives = ctx.rank == root
         plan = Plan(key, ("reduce", opr, root, None, xb.shape, inplace and receives,
-                          key[-1] if receives or out is not None else NONE, receives, None))
+                          placed if receives or out is not None else NONE, receives, None))
     if ctx.rank == root:
         result = outb.obj
     else:  # out is ignored (never written) off the root
@@ -163,7 +162,8 @@ def _reduce(x, op, root, out, comm, algorithm, check, mode):
     call = make_call("reduce", ctx, xb, outb, opr, root, None, inplace, mode is BLOCKING)
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, result)
-    return start(call, algorithm, check, result, None, plan)
+    call.plan = plan
+    return start(call, algorithm, check, result)
 
 
 def reduce(x, op="sum", root=0, *, out=None, comm=None, algorithm="auto", check=None):
@@ -187,10 +187,9 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "reduce_scatter")
     key = None
     if mode is BLOCKING and type(x) is np.ndarray and (given := counts_key(counts)) is not False:
-        key = ("reduce_scatter", algorithm, op, x.dtype, x.shape, given, where(x, out))
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
-            return start(call, algorithm, check, call.out.obj, None, plan)
+        key = ("reduce_scatter", algorithm, op, x.dtype, x.shape, given, out is None, out is x)
+        if (call := bound(ctx, key, x, out)) is not None:
+            return start(call, algorithm, check, call.out.obj)
     try:
         xb = wrap(x, "x")
         opr = resolve(op, xb.dtype)
@@ -210,8 +209,9 @@ def _reduce_scatter(x, op, counts, out, comm, algorithm, check, mode):
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, outb.obj)
     plan = None if key is None else Plan(key, ("reduce_scatter", opr, 0, counts, outb.shape,
-                                               False, key[-1], True, None))
-    return start(call, algorithm, check, outb.obj, None, plan)
+                                               False, where(x, out), True, None))
+    call.plan = plan
+    return start(call, algorithm, check, outb.obj)
 
 
 def reduce_scatter(x, op="sum", *, counts=None, out=None, comm=None, algorithm="auto",
@@ -238,9 +238,8 @@ def _broadcast(x, root, comm, algorithm, check, mode):
     key = None
     if mode is BLOCKING and type(x) is np.ndarray and type(root) is int:
         key = ("broadcast", algorithm, root, x.dtype, x.shape)
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, x)) is not None:
-            return start(call, algorithm, check, x, None, plan)
+        if (call := bound(ctx, key, x, x)) is not None:
+            return start(call, algorithm, check, x)
     try:
         root = _root(root, ctx.size)
         xb = wrap(x, "x")
@@ -254,7 +253,8 @@ def _broadcast(x, root, comm, algorithm, check, mode):
         return Persistent(call, algorithm, check, xb.obj)
     plan = None if key is None else Plan(key, ("broadcast", None, root, None, xb.shape, True,
                                                SAME, True, None))
-    return start(call, algorithm, check, xb.obj, None, plan)
+    call.plan = plan
+    return start(call, algorithm, check, xb.obj)
 
 
 def broadcast(x, root=0, *, comm=None, algorithm="auto", check=None):
@@ -277,16 +277,14 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     key = given = None
     if mode is BLOCKING and type(x) is np.ndarray and (given := counts_key(rows)) is not False:
         if given is not None:  # every rank's rows given: the signature is known before
-            key = ("allgather", algorithm, x.dtype, x.shape, given, where(x, out))
-            plan = planned(ctx, key)
-            if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
-                return start(call, algorithm, check, call.out.obj, None, plan)
+            key = ("allgather", algorithm, x.dtype, x.shape, given, out is None, out is x)
+            if (call := bound(ctx, key, x, out)) is not None:
+                return start(call, algorithm, check, call.out.obj)
     xb, counts, rows = shapes.gathered(ctx, x, rows, check, "allgather")
     if given is None and mode is BLOCKING and type(x) is np.ndarray:  # rows learned: after
-        key = ("allgather", algorithm, x.dtype, x.shape, "learned", counts, where(x, out))
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, out, xb)) is not None:
-            return start(call, algorithm, check, call.out.obj, None, plan)
+        key = ("allgather", algorithm, x.dtype, x.shape, "learned", counts, out is None, out is x)
+        if (call := bound(ctx, key, x, out, xb)) is not None:
+            return start(call, algorithm, check, call.out.obj)
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -298,8 +296,9 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, outb.obj)
     plan = None if key is None else Plan(key, ("allgather", None, 0, counts, shape, False,
-                                               key[-1], True, None))
-    return start(call, algorithm, check, outb.obj, None, plan)
+                                               where(x, out), True, None))
+    call.plan = plan
+    return start(call, algorithm, check, outb.obj)
 
 
 def allgather(x, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -329,10 +328,9 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     if numpy and (counts is None or recv_counts is not None):  # nothing to learn
         given, expected = counts_key(counts), counts_key(recv_counts)
         if given is not False and expected is not False:
-            key = ("alltoall", algorithm, x.dtype, x.shape, given, expected, where(x, out))
-            plan = planned(ctx, key)
-            if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
-                return start(call, algorithm, check, call.out.obj, None, plan)
+            key = ("alltoall", algorithm, x.dtype, x.shape, given, expected, out is None, out is x)
+            if (call := bound(ctx, key, x, out)) is not None:
+                return start(call, algorithm, check, call.out.obj)
     recv = matrix = error = xb = send = None
     try:
         xb = wrap(x, "x")
@@ -353,10 +351,10 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     if counts is not None and recv_counts is None:  # ragged: learn what comes from whom
         recv, matrix = shapes.alltoall_counts(ctx, xb, send, recv, error)
         if numpy:  # the signature, now that every rank's counts are known
-            key = ("alltoall", algorithm, x.dtype, x.shape, "learned", matrix, where(x, out))
-            plan = planned(ctx, key)
-            if plan is not None and (call := bind(ctx, plan, x, out, xb)) is not None:
-                return start(call, algorithm, check, call.out.obj, None, plan)
+            key = ("alltoall", algorithm, x.dtype, x.shape, "learned", matrix, out is None,
+                   out is x)
+            if (call := bound(ctx, key, x, out, xb)) is not None:
+                return start(call, algorithm, check, call.out.obj)
     elif error is not None:
         raise _check.failed(ctx, "alltoall", check, error)
     elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
@@ -379,8 +377,9 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, outb.obj, algo)
     plan = None if key is None else Plan(key, ("alltoall", None, 0, counts_e, shape, False,
-                                               key[-1], True, None))
-    return start(call, algorithm, check, outb.obj, algo, plan)
+                                               where(x, out), True, None))
+    call.plan = plan
+    return start(call, algorithm, check, outb.obj, algo)
 
 
 def alltoall(x, counts=None, *, recv_counts=None, out=None, comm=None, algorithm="auto",
@@ -410,20 +409,19 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     numpy = mode is BLOCKING and type(x) is np.ndarray and type(root) is int
     if numpy and (given := counts_key(rows)) is not False:
         if given is not None:  # every rank's rows given: the signature is known before
-            key = ("gather", algorithm, root, x.dtype, x.shape, given, where(x, out))
-            plan = planned(ctx, key)
-            if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
-                return start(call, algorithm, check, result_of(call), None, plan)
+            key = ("gather", algorithm, root, x.dtype, x.shape, given, out is None, out is x)
+            if (call := bound(ctx, key, x, out)) is not None:
+                return start(call, algorithm, check, result_of(call))
     try:
         root = _root(root, ctx.size)
     except ValueError as exc:
         raise _check.failed(ctx, "gather", check, exc)
     xb, counts, rows = shapes.gathered(ctx, x, rows, check, "gather")
     if numpy and given is None:  # rows learned: the signature, now that they are known
-        key = ("gather", algorithm, root, x.dtype, x.shape, "learned", counts, where(x, out))
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, out, xb)) is not None:
-            return start(call, algorithm, check, result_of(call), None, plan)
+        key = ("gather", algorithm, root, x.dtype, x.shape, "learned", counts, out is None,
+               out is x)
+        if (call := bound(ctx, key, x, out, xb)) is not None:
+            return start(call, algorithm, check, result_of(call))
     outb, result = None, None
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     if ctx.rank == root:
@@ -441,8 +439,9 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     if key is not None:
         receives = ctx.rank == root
         plan = Plan(key, ("gather", None, root, counts, shape, False,
-                          key[-1] if receives else NONE, receives, None))
-    return start(call, algorithm, check, result, None, plan)
+                          where(x, out) if receives else NONE, receives, None))
+    call.plan = plan
+    return start(call, algorithm, check, result)
 
 
 def gather(x, root=0, *, counts=None, out=None, comm=None, algorithm="auto", check=None):
@@ -474,12 +473,11 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
     if mode is BLOCKING and known and type(out) is np.ndarray and type(root) is int and \
             (x is None or type(x) is np.ndarray) and (given := counts_key(counts)) is not False:
         key = ("scatter", algorithm, root, None if x is None else x.dtype,
-               None if x is None else x.shape, given, out.dtype, out.shape, where(x, out))
-        plan = planned(ctx, key)
-        if plan is not None and (call := bind(ctx, plan, x, out)) is not None:
+               None if x is None else x.shape, given, out.dtype, out.shape, out is x)
+        if (call := bound(ctx, key, x, out)) is not None:
             if ctx.size > 1 and _check.enabled(check):
                 _verify_scatter(ctx, root, algorithm, out)
-            return start(call, algorithm, check, call.out.obj, None, plan)
+            return start(call, algorithm, check, call.out.obj)
     try:
         root = _root(root, ctx.size)
         if known:
@@ -521,7 +519,8 @@ def _scatter(x, root, counts, out, comm, algorithm, check, mode):
         stand_in = None if ctx.rank == root else numpy_buffer(np.empty((0,) + trailing, dtype))
         plan = Plan(key, ("scatter", None, root, call.counts, outb.shape, False, APART, True,
                           stand_in))
-    return start(call, algorithm, check, outb.obj, algo, plan)
+    call.plan = plan
+    return start(call, algorithm, check, outb.obj, algo)
 
 
 def _verify_scatter(ctx, root, algorithm, out) -> None:
@@ -565,7 +564,8 @@ def _barrier(comm, algorithm, check, mode):
         return Persistent(call, algorithm, check, None)
     key = ("barrier", algorithm)
     plan = None if mode is not BLOCKING else planned(ctx, key) or Plan(key)
-    return start(call, algorithm, check, None, None, plan)
+    call.plan = plan
+    return start(call, algorithm, check, None)
 
 
 def barrier(comm=None, *, algorithm="auto", check=None) -> None:

@@ -14,11 +14,12 @@ class Call:
     """One collective call, checked and wrapped: what an algorithm's ``launch`` receives.
 
     ``x``/``out`` are ``Buffer``s (``out`` is x itself when in place, None on non-root ranks
-    of ``reduce``); ``counts`` are per-rank element counts (reduce_scatter, allgather).
+    of ``reduce``); ``counts`` are per-rank element counts (reduce_scatter, allgather);
+    ``plan``: its signature's plan where it has one (``collectives.signature.Plan``).
     """
 
     __slots__ = ("collective", "ctx", "x", "out", "op", "root", "counts", "algorithm",
-                 "inplace", "seq", "blocking", "algo")
+                 "inplace", "seq", "blocking", "algo", "plan")
 
     def __init__(self, collective, ctx, x, out, op=None, *, root=0, counts=None,
                  inplace=False, blocking=True):
@@ -38,7 +39,7 @@ class Call:
 def _fill(call, collective, ctx, x, out, op, root, counts, inplace, blocking):
     call.collective, call.ctx, call.x, call.out, call.op = collective, ctx, x, out, op
     call.root, call.counts, call.inplace, call.blocking = root, counts, inplace, blocking
-    call.algorithm, call.seq, call.algo = None, -1, None
+    call.algorithm, call.seq, call.algo, call.plan = None, -1, None, None
     return call
 
 
@@ -48,7 +49,7 @@ def make_call(collective, ctx, x, out, op=None, root=0, counts=None, inplace=Fal
     call = _blank(Call)
     call.collective, call.ctx, call.x, call.out, call.op = collective, ctx, x, out, op
     call.root, call.counts, call.inplace, call.blocking = root, counts, inplace, blocking
-    call.algorithm, call.seq, call.algo = None, -1, None
+    call.algorithm, call.seq, call.algo, call.plan = None, -1, None, None
     return call
 
 

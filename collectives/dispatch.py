@@ -161,16 +161,17 @@ def auto_pick(collective: str, nbytes: int, comm=None, inplace: bool = False) ->
 
 
 # -- validate, choose, run ---------------------------------------------------------------------
-def start(call: Call, algorithm, check, result, algo=None, plan: Plan | None = None):
+def start(call: Call, algorithm, check, result, algo=None):
     """Validate across ranks where asked, choose (unless ``algo`` is given) and run ``call``;
     returns the result, or a ``Request`` for a non-blocking call. The one lifecycle of every
     call: number it, let the watchdog see it, check, average first (``op="avg"``), choose, run,
     release. The check comes before the choice: ranks whose arguments differ may choose
-    differently, and a choice may ask the topology (collective on first use). ``plan``: the
-    call's signature's (``Plan``); a settled one has made the choice already, an unsettled one
-    is settled here and kept where the choice depended on the signature alone."""
+    differently, and a choice may ask the topology (collective on first use). ``call.plan``:
+    its signature's (``signature.Plan``); a settled one has made the choice already, an
+    unsettled one is settled here and kept where the choice depended on the signature alone."""
     ctx, collective = call.ctx, call.collective
     finalize = _traced(call, _timeline.now()) if _timeline.on else None
+    plan = call.plan
     run = None if plan is None else plan.run
     if run is not None:
         algo = plan.algo

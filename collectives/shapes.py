@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from array import array
 
 import numpy as np
 
@@ -67,11 +68,12 @@ class _Exchange:
         return f"{self.collective} #{self.seq} ({self.how})"
 
 
-def _exchange(ctx, collective: str, how: str, run) -> None:
-    """``run()``, an exchange every rank of ``ctx`` joins, watched like a blocking collective."""
+def _exchange(ctx, collective: str, how: str, method, *args) -> None:
+    """``method(*args)``, an exchange every rank of ``ctx`` joins, watched like a blocking
+    collective."""
     entry = _watchdog.enter(ctx, _Exchange(collective, ctx.seq, how)) if ctx.size > 1 else None
     try:
-        run()
+        method(*args)
     except BaseException as exc:
         if entry is not None:
             _watchdog.unwatch(entry, exc)
@@ -81,13 +83,15 @@ def _exchange(ctx, collective: str, how: str, run) -> None:
 
 
 class CountBuffers:
-    """One communicator's buffers for the row-count exchange (``allgather_counts``)."""
+    """One communicator's buffers for the row-count exchange (``allgather_counts``): this
+    rank's (rows, elements per row), and every rank's, one after the other. Python arrays of
+    int64: setting two numbers and reading a few back costs less than numpy's indexing."""
 
     __slots__ = ("mine", "table", "send", "recv")
 
     def __init__(self, ctx):
         from mpi4py import MPI
-        self.mine, self.table = np.empty(2, np.int64), np.empty((ctx.size, 2), np.int64)
+        self.mine, self.table = array("q", bytes(16)), array("q", bytes(16 * ctx.size))
         self.send, self.recv = [self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]
 
 
@@ -99,18 +103,19 @@ def allgather_counts(ctx, xb: Buffer | None, error=None,
     that every rank raises (``check.settle``) instead of the others waiting.
     """
     shape = None if xb is None else xb.shape
-    # Plain ints (math.prod, tolist) and buffers kept on the communicator: this runs on every
-    # allgather, and numpy's reductions on two-element arrays made it 25 us at 8 B, n = 2,
+    # Plain ints and buffers kept on the communicator: this runs on every allgather without
+    # counts, and numpy's reductions on two-element arrays made it 25 us at 8 B, n = 2,
     # against 3 us for the MPI_Allgather.
     rows = -1 if xb is None else shape[0] if shape else 1
-    row = -1 if xb is None else math.prod(shape[1:]) if shape else 1
+    row = -1 if xb is None else 1 if len(shape) < 2 else math.prod(shape[1:])
     bufs = ctx.slots.get(CountBuffers) or ctx.slot(CountBuffers)
-    mine, table, send, recv = bufs.mine, bufs.table, bufs.send, bufs.recv
+    mine, table = bufs.mine, bufs.table
     mine[0] = rows
     mine[1] = row
-    _exchange(ctx, collective, "exchanging row counts: MPI_Allgather",
-              lambda: ctx.comm.Allgather(send, recv))
-    every_rows, every_row = table.T.tolist()
+    _exchange(ctx, collective, "exchanging row counts: MPI_Allgather", ctx.comm.Allgather,
+              bufs.send, bufs.recv)
+    every = table.tolist()
+    every_rows, every_row = every[0::2], every[1::2]
     if min(every_rows) < 0:
         _check.settle(ctx.comm, collective, error)
     if every_row.count(row) != ctx.size:
@@ -152,23 +157,25 @@ def alltoall_counts(ctx, xb, send, recv, error):
     ``matrix`` (rank i's send counts in row i). A rank whose arguments were refused joins with
     -1, so that every rank raises (``check.settle``) instead of the others waiting."""
     bufs = ctx.slots.get(MatrixBuffers) or ctx.slot(MatrixBuffers)
-    mine, table = bufs.mine, bufs.table
+    mine, table, size = bufs.mine, bufs.table, ctx.size
     if error is None:
         mine[0] = rows_of(xb)[1]
-        mine[1:] = send
+        mine[1:] = array("q", send)
     else:
-        mine.fill(-1)
-    _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather",
-              lambda: ctx.comm.Allgather(bufs.send, bufs.recv))
-    rows = table.tolist()  # plain ints: numpy's reductions on a few counts cost more
-    row = rows[ctx.rank][0]
-    if min(r[0] for r in rows) < 0:
+        mine[:] = array("q", (-1,) * (size + 1))
+    _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather", ctx.comm.Allgather,
+              bufs.send, bufs.recv)
+    every = table.tolist()  # plain ints: numpy's reductions on a few counts cost more
+    width = size + 1
+    per_row = every[0::width]  # each rank's elements per row, then its send counts
+    row = per_row[ctx.rank]
+    if min(per_row) < 0:
         _check.settle(ctx.comm, "alltoall", error)
-    if any(r[0] != row for r in rows):
-        shapes = ", ".join(f"rank {j}: {r[0]} per row" for j, r in enumerate(rows))
+    if per_row.count(row) != size:
+        shapes = ", ".join(f"rank {j}: {r} per row" for j, r in enumerate(per_row))
         raise ValueError(f"alltoall: x's trailing axes must agree on every rank ({shapes})")
-    matrix = tuple(tuple(r[1:]) for r in rows)
-    return tuple(r[1 + ctx.rank] for r in rows), matrix
+    matrix = tuple(tuple(every[j + 1:j + width]) for j in range(0, len(every), width))
+    return tuple(every[1 + ctx.rank::width]), matrix
 
 
 class MatrixBuffers:
@@ -179,8 +186,9 @@ class MatrixBuffers:
 
     def __init__(self, ctx):
         from mpi4py import MPI
-        size = ctx.size
-        self.mine, self.table = np.empty(size + 1, np.int64), np.empty((size, size + 1), np.int64)
+        width = ctx.size + 1
+        self.mine = array("q", bytes(8 * width))
+        self.table = array("q", bytes(8 * width * ctx.size))
         self.send, self.recv = [self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]
 
 
@@ -226,7 +234,7 @@ def scatter_header(ctx, root, x, counts):
             head[0] = 1
         except (TypeError, ValueError) as exc:
             error = exc
-    _exchange(ctx, "scatter", "the root's counts: MPI_Bcast", lambda: ctx.comm.Bcast(head, root))
+    _exchange(ctx, "scatter", "the root's counts: MPI_Bcast", ctx.comm.Bcast, head, root)
     if error is not None:
         raise error
     if head[0] != 1:

@@ -5,7 +5,7 @@ choice of algorithm read (the collective, dtype, shapes, op, root, counts, algor
 is), never an array. The first call of a signature takes the full path (``collectives.api``'s
 checks, then ``collectives.dispatch.start``'s choice) and leaves a ``Plan``: what the checks
 derived from those values, the record chosen and how it runs. A later call of the same
-signature repeats only the checks that read the arrays themselves (``bind``: layout,
+signature repeats only the checks that read the arrays themselves (``bound``: layout,
 writability, overlap) and runs at once, inside the same lifecycle (``dispatch.start``). A
 value the signature cannot hold exactly (a float among counts, a bool root, a numpy array of
 counts) keeps the call on the full path, whose checks tell it apart. Plans are kept per
@@ -21,7 +21,7 @@ from .buffers import Buffer, numpy_buffer
 from .call import Call, make_call
 from .registry import CHANGES
 
-__all__ = ["Plan", "Plans", "planned", "keep", "bind", "result_of", "where", "counts_key", "NEW",
+__all__ = ["Plan", "Plans", "planned", "keep", "bound", "result_of", "where", "counts_key", "NEW",
            "SAME", "APART", "NONE"]
 
 class Plan:
@@ -64,22 +64,31 @@ def counts_key(counts):
     return False
 
 
-def bind(ctx, plan: Plan, x, out, xb: Buffer | None = None) -> Call | None:
-    """The ``Call`` of a blocking call of ``plan``'s signature, with the checks that read the
-    arrays themselves made again (x C-contiguous; out writable, C-contiguous and apart from x),
-    or None where one fails: the full path then says why. ``plan.derived``: the collective,
-    op, root, counts, the output's shape, in place, where out is (``NEW``, ``SAME``,
-    ``APART``, ``NONE``), whether this rank receives into it, and the Buffer standing for x
-    where x is not read on this rank (or None)."""
+def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
+    """The ``Call`` of a blocking call whose signature ``key`` has a settled plan on ``ctx``
+    (its ``plan``), with the checks that read the arrays themselves made again (x
+    C-contiguous; out writable, C-contiguous and apart from x); None where there is no plan or
+    a check fails: the full path then takes the call, and says why. ``plan.derived``: the
+    collective, op, root, counts, the output's shape, in place, where out is (``NEW``,
+    ``SAME``, ``APART``, ``NONE``), whether this rank receives into it, and the Buffer
+    standing for x where x is not read on this rank (or None)."""
+    plans = ctx.slots.get(Plans)  # planned(ctx, key), inline: this runs on every call
+    if plans is None or plans.version != CHANGES[0] or \
+            plans.setting is not config.get("COLLECTIVES_TUNING"):
+        return None
+    try:
+        plan = plans.table.get(key)
+    except TypeError:
+        return None
+    if plan is None:
+        return None
     collective, op, root, counts, shape, inplace, placed, receives, stand_in = plan.derived
     if xb is None:
-        if stand_in is not None:
-            xb = stand_in
-        else:
+        if x is not None:
             flags = x.flags
             if not flags.c_contiguous:
                 return None
-            xb = numpy_buffer(x, not flags.writeable)
+        xb = numpy_buffer(x, not flags.writeable) if stand_in is None else stand_in
     if placed is APART:
         if type(out) is not np.ndarray or out.shape != shape or \
                 (out.dtype is not xb.dtype and out.dtype != xb.dtype):
@@ -98,8 +107,10 @@ def bind(ctx, plan: Plan, x, out, xb: Buffer | None = None) -> Call | None:
         outb = xb
     else:
         outb = None
-    return make_call(collective, ctx, xb, outb if receives else None, op, root, counts, inplace,
+    call = make_call(collective, ctx, xb, outb if receives else None, op, root, counts, inplace,
                      True)
+    call.plan = plan
+    return call
 
 
 def result_of(call: Call):

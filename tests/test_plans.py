@@ -100,6 +100,9 @@ def _cases(n, r):
         "scatter out read-only": (
             lambda c: coll.scatter(np.ones(rows, f4), out=np.zeros(4, f4), comm=c),
             lambda c: coll.scatter(np.ones(rows, f4), out=readonly(np.zeros(4, f4)), comm=c)),
+        "scatter x not contiguous": (
+            lambda c: coll.scatter(np.ones(rows, f4), out=np.zeros(4, f4), comm=c),
+            lambda c: coll.scatter(np.ones(2 * rows, f4)[::2], out=np.zeros(4, f4), comm=c)),
         "scatter x of another dtype off the root": (
             lambda c: coll.scatter(np.ones(rows, f4), out=np.zeros(4, f4), comm=c),
             lambda c: coll.scatter(np.ones(rows, f4 if r == 0 else np.float64),

@@ -151,7 +151,10 @@ class Entry:
         """A reused entry: the blocking ``call`` starts now (in ``phase``). Its start is
         stamped by the watchdog thread when it first sees it (``inflight``), to within a
         tick, so a small call reads no clock."""
-        self.call, self.seq, self.phase, self.work = call, call.seq, phase, None
+        self.call = call
+        self.seq = call.seq
+        self.phase = phase
+        self.work = None
         self.label = _LABEL.get()
         self.warned = 0
         self.start = 0.0
