@@ -1,12 +1,15 @@
 """Data-parallel training that survives a dead rank (``collectives.elastic``).
 
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:10
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:10 --zero 3
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 1:5,3:9,2:14
     mpiexec -n 4 python examples/train_elastic.py            # MPICH: no failure survived in-job
     python -m collectives.elastic run --np 4 --min-np 2 -- python examples/train_elastic.py \\
         --checkpoint-dir /tmp/ckpt --checkpoint-every 5 --kill 2:12
 
-A small MLP learns a fixed random teacher network on synthetic data made here (nothing is
+``--zero 2`` (or 1, 3) trains with ``ShardedDataParallel`` instead of DDP: its shards and
+their optimizer state are committed with a copy on the next rank (``collectives.elastic.zero``),
+so a dead rank's shard is rebuilt from its copy. A small MLP learns a fixed random teacher network on synthetic data made here (nothing is
 downloaded). Every step trains on the same global batch whatever the rank count
 (``elastic.GlobalBatches``): the survivors of a failure share it. Rank 0 prints ``step S ranks R
 loss L`` per step and, at the end, one JSON line: ``steps``, ``ranks`` at the start and end,
@@ -41,7 +44,7 @@ from torch import nn  # noqa: E402
 
 import collectives as coll  # noqa: E402
 from collectives import elastic  # noqa: E402
-from collectives.torch import DistributedDataParallel  # noqa: E402
+from collectives.torch import DistributedDataParallel, ShardedDataParallel  # noqa: E402
 
 
 def parse():
@@ -60,6 +63,8 @@ def parse():
     p.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept")
     p.add_argument("--save-restored", default=None)
     p.add_argument("--resume", default=None)
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (ShardedDataParallel, shards kept redundantly); 0: DDP")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--announce", action="store_true",
                    help="every rank prints 'rank R pid P' first (to be killed from outside)")
@@ -78,9 +83,9 @@ def make_data(samples, dim=16, seed=0):
     return x, y
 
 
-def digest(module) -> str:
+def digest(sd) -> str:
     h = hashlib.sha256()
-    for name, p in sorted(module.state_dict().items()):
+    for name, p in sorted(sd.items()):
         h.update(name.encode())
         h.update(p.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -99,8 +104,12 @@ def main():
                            nn.Linear(args.width, 4))
     # Point-to-point algorithms only: shared-memory ones wait on memory that a dead rank never
     # writes, which no MPI error interrupts (docs/elastic.md).
-    model = DistributedDataParallel(module, comm=world, algorithm="ring",
-                                    registered_buckets=False)
+    if args.zero:
+        model = ShardedDataParallel(module, stage=args.zero, comm=world, algorithm="ring",
+                                    registered_buffers=False)
+    else:
+        model = DistributedDataParallel(module, comm=world, algorithm="ring",
+                                        registered_buckets=False)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     batches = elastic.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
     state = elastic.State(model=model, optimizer=opt, step=0)
@@ -113,7 +122,12 @@ def main():
         ckpt.load_newest(state)
     if args.resume:
         saved = torch.load(args.resume, weights_only=False)
-        state.load(elastic.Commit(**saved))
+        if args.zero:
+            model.load_full_state_dict(saved["model"])
+            model.load_full_optim_state_dict(opt, saved["optimizer"])
+            state.step = saved["next_step"]
+        else:
+            state.load(elastic.Commit(**saved))
     started_at = state.step
     # Failures are injected into a job that starts from step 0 only: a job restarted from a
     # checkpoint (the supervisor's) would otherwise meet them again.
@@ -147,9 +161,16 @@ def main():
 
     def save_restored(c):
         # The first restore only: the state that a reference run starts from.
-        if not os.path.exists(args.save_restored) and state.comm.Get_rank() == 0:
-            torch.save({"next_step": c.next_step, "model": c.model, "optimizer": c.optimizer,
-                        "data": c.data, "extra": c.extra}, args.save_restored)
+        if os.path.exists(args.save_restored):
+            return
+        if args.zero:   # whole tensors, gathered from the new shards (collective)
+            saved = {"next_step": c.next_step, "model": model.full_state_dict(),
+                     "optimizer": model.full_optim_state_dict(opt)}
+        else:
+            saved = {"next_step": c.next_step, "model": c.model, "optimizer": c.optimizer,
+                     "data": c.data, "extra": c.extra}
+        if state.comm.Get_rank() == 0:
+            torch.save(saved, args.save_restored)
 
     if args.save_restored:
         state.on_restore(save_restored)
@@ -157,7 +178,7 @@ def main():
     comm = train()
     if ckpt is not None:
         ckpt.close()
-    mine = digest(module)
+    mine = digest(model.full_state_dict() if args.zero else module.state_dict())
     digests = comm.allgather(mine)
     if comm.Get_rank() == 0:
         n = max(1, timing["n"])

@@ -1,4 +1,5 @@
-"""``collectives.elastic``: commit and restore in one process; real jobs that lose ranks.
+"""``collectives.elastic``: commit and restore in one process; real jobs that lose ranks (DDP,
+ZeRO-2 and ZeRO-3, whose lost shards come back from their copies).
 
 The job tests launch ``examples/train_elastic.py`` under Open MPI's ``mpirun --with-ft ulfm``
 from the venv of its own (``make .venv-ompi``: the Open MPI wheel, beside MPICH's ``.venv``) and
@@ -30,7 +31,7 @@ EXAMPLE = ROOT / "examples" / "train_elastic.py"
 OMPI = ROOT / ".venv-ompi" / "bin"
 # Hard bound of one job's wall time (a hang fails the test, never blocks CI); generous, since
 # four ranks that each import torch share two cores.
-LIMIT = 240
+LIMIT = 300
 UNDER_MPI = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
 
 
@@ -89,6 +90,37 @@ def test_restore_goes_back_to_the_older_commit():
     assert all(torch.equal(first[k], v) for k, v in model.state_dict().items())
     with pytest.raises(LookupError, match="no commit with next step 7"):
         state.restore(7)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_state_put_back_after_a_rebuild_is_the_run_without_it(stage):
+    from mpi4py import MPI
+    from collectives.torch import ShardedDataParallel
+
+    def make():
+        sdp = ShardedDataParallel(_model(), stage=stage, comm=MPI.COMM_SELF, algorithm="ring",
+                                  registered_buffers=False)
+        return sdp, torch.optim.Adam(sdp.parameters(), lr=0.1)
+
+    def step(sdp, opt, i):
+        g = torch.Generator().manual_seed(i)
+        opt.zero_grad()
+        sdp(torch.randn(5, 4, generator=g)).square().mean().backward()
+        opt.step()
+
+    sdp, opt = make()
+    for i in range(2):
+        step(sdp, opt, i)
+    part = sdp.shard_state(opt)
+    step(sdp, opt, 2)                    # discarded by the failure
+    sdp.rebuild(MPI.COMM_SELF)
+    sdp.load_shards(opt, [part])
+    step(sdp, opt, 2)
+    ref, ref_opt = make()
+    for i in range(3):
+        step(ref, ref_opt, i)
+    a, b = sdp.full_state_dict(), ref.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 def test_failure_injector_parse():
@@ -228,3 +260,22 @@ def test_detects_no_fault_tolerance_under_mpich(tmp_path):
                           capture_output=True, text=True, timeout=LIMIT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split().count("False") == 2
+
+
+@pytest.mark.timeout(3 * LIMIT)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_shards_rebuilt_from_their_copies(tmp_path, stage):
+    steps, restored = 10, tmp_path / "restored.pt"
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--zero", stage, "--kill",
+                                     "1:5", "--save-restored", restored))
+    assert rc == 0, err[-3000:]
+    s = _summary(out)
+    assert [r["lost"] for r in s["recoveries"]] == [[1]] and s["digests_equal"], s
+    assert s["recoveries"][0]["steps_lost"] <= 1 and s["ranks_end"] == 3
+    assert set(range(steps)) <= {st for st, _ in _steps(out)}
+    rc, out, err = _finish(_ompi_job(3, EXAMPLE, "--steps", steps, "--zero", stage, "--quiet",
+                                     "--resume", restored))
+    assert rc == 0, err[-3000:]
+    ref = _summary(out)
+    assert ref["started_at"] == s["recoveries"][0]["restored"]
+    assert ref["digest"] == s["digest"]

@@ -12,7 +12,8 @@ kept: after a failure, a survivor may have committed one step more than another 
 collective completed, theirs failed), and the survivors agree on the older one
 (``collectives.elastic.loop``). ``restore(next_step)`` loads the commit with that next step back
 into the same objects (parameters are copied in place, so an optimizer keeps its references) and
-sets ``state.step`` to it.
+sets ``state.step`` to it. A ``ShardedDataParallel`` model commits its own shards and their
+optimizer state, and a copy of its predecessor's (``collectives.elastic.zero``).
 
 Objects built on a communicator (DDP, ZeRO, a Mesh, a torch process group) are rebuilt on the
 shrunk one by the callables given to ``on_rebuild(fn)`` (``fn(comm)``), called before the
@@ -86,8 +87,8 @@ class State:
     # -- commit and restore -------------------------------------------------------------------
     def snapshot(self, next_step: int) -> Commit:
         """A commit of the current state whose next step is ``next_step`` (not kept)."""
-        model = None if self.model is None else _clone_tensors(_model_state(self.model))
-        opt = None if self.optimizer is None else copy.deepcopy(_optim_state(self))
+        model = None if self.model is None else _model_state(self)
+        opt = None if self.optimizer is None else _optim_state(self)
         data = None
         if self.data is not None and hasattr(self.data, "state_dict"):
             data = copy.deepcopy(self.data.state_dict())
@@ -135,9 +136,9 @@ class State:
     def load(self, c: Commit) -> None:
         """Load ``c`` into the objects (the commit itself is not kept)."""
         if c.model is not None:
-            _load_model(self.model, c.model)
+            _load_model(self, c.model)
         if c.optimizer is not None:
-            _load_optim(self, copy.deepcopy(c.optimizer))
+            self.optimizer.load_state_dict(copy.deepcopy(c.optimizer))
         if c.data is not None:
             self.data.load_state_dict(copy.deepcopy(c.data))
         self.extra.update(copy.deepcopy(c.extra))
@@ -153,28 +154,27 @@ class State:
             fn(comm)
 
 
-# A sharded model keeps a part of the state per rank: its own methods say how it is saved.
-def _model_state(model) -> dict:
-    own = getattr(model, "elastic_state_dict", None)
-    return own() if own is not None else model.state_dict()
+# A sharded model (ShardedDataParallel) keeps a part of the state per rank, and the
+# optimizer's state of that part: both are committed together, with a redundant copy
+# (collectives.elastic.zero).
+def _sharded(model) -> bool:
+    return hasattr(model, "shard_state") and hasattr(model, "load_shards")
 
 
-def _load_model(model, sd) -> None:
-    own = getattr(model, "load_elastic_state_dict", None)
-    if own is not None:
-        own(sd)
+def _model_state(state):
+    if _sharded(state.model):
+        from . import zero
+        return zero.commit(state.model, state.optimizer)
+    return _clone_tensors(state.model.state_dict())
+
+
+def _load_model(state, saved) -> None:
+    if _sharded(state.model):
+        from . import zero
+        zero.restore(state.model, state.optimizer, saved, state.comm)
     else:
-        model.load_state_dict(sd)
+        state.model.load_state_dict(saved)
 
 
-def _optim_state(state) -> dict:
-    own = getattr(state.model, "elastic_optim_state_dict", None)
-    return own(state.optimizer) if own is not None else state.optimizer.state_dict()
-
-
-def _load_optim(state, sd) -> None:
-    own = getattr(state.model, "load_elastic_optim_state_dict", None)
-    if own is not None:
-        own(state.optimizer, sd)
-    else:
-        state.optimizer.load_state_dict(sd)
+def _optim_state(state):
+    return None if _sharded(state.model) else copy.deepcopy(state.optimizer.state_dict())

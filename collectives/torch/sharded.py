@@ -111,8 +111,17 @@ class ShardedDataParallel(torch.nn.Module):
             comm = MPI.COMM_WORLD
         self.module = module
         self.stage = stage
-        self.comm = comm
         self.algorithm = algorithm
+        self.bucket_cap_mb, self.registered_buffers = bucket_cap_mb, registered_buffers
+        self._previous_shards = None   # the shards before a rebuild, until load_shards
+        self._attach(comm)
+
+    def _attach(self, comm) -> None:
+        """Units, flat buffers (rank 0's parameters) and hooks over ``comm`` (collective)."""
+        module, stage = self.module, self.stage
+        bucket_cap_mb, algorithm = self.bucket_cap_mb, self.algorithm
+        registered_buffers = self.registered_buffers
+        self.comm = comm
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         same_parameters(named, comm, "ShardedDataParallel")
@@ -476,6 +485,77 @@ class ShardedDataParallel(torch.nn.Module):
                     new[key] = val.clone() if torch.is_tensor(val) else val
             optimizer.state[unit.shard] = new
 
+    # -- going on over fewer ranks (collectives.elastic) ------------------------------------------
+    def rebuild(self, comm) -> None:
+        """Go on over ``comm`` instead (collective over it): new units, padded for its size,
+        and new hooks; the old hooks are removed now. The shards then hold rank 0's
+        parameters of ``comm``: ``load_shards`` puts the committed state back. An optimizer
+        over the old shards is moved to the new ones by ``load_shards``."""
+        for handle in self._hooks:
+            handle.remove()
+        with torch.no_grad():
+            for unit in self._units:
+                for p, shape in zip(unit.params, unit.full.shapes):
+                    p.grad = None
+                    if tuple(p.shape) != tuple(shape):   # stage 3: freed between uses
+                        p.data = torch.zeros(shape, dtype=unit.full.dtype,
+                                             device=unit.full.device)
+        self._previous_shards = list(self._shards)
+        self._attach(comm)
+
+    def shard_state(self, optimizer) -> dict:
+        """This rank's part of the state, copied: per unit its flat shard and the optimizer's
+        state of it; the module's buffers (whole on every rank); the rank count it is cut
+        for. Local: no communication."""
+        self._check_optimizer(optimizer)
+        units = []
+        with torch.no_grad():
+            for unit in self._units:
+                st = optimizer.state.get(unit.shard, {})
+                units.append({"shard": unit.shard.detach().clone(),
+                              "optim": {k: v.clone() if torch.is_tensor(v) else v
+                                        for k, v in st.items()}})
+        names = {n for u in self._units for n in u.names}
+        buffers = {k: v.detach().clone() for k, v in self.module.state_dict().items()
+                   if k not in names}
+        return {"nranks": self.nranks, "units": units, "buffers": buffers}
+
+    def load_shards(self, optimizer, parts: list) -> None:
+        """Put back the state that ``shard_state`` cut into ``len(parts)`` shards (``parts[r]``:
+        old rank r's, from whichever rank held it), resharded for this communicator; the
+        optimizer's parameters are moved from the old shards to the new ones (by position).
+        Every rank passes the same ``parts``."""
+        previous = self._previous_shards
+        if previous is not None:
+            where = {id(p): k for k, p in enumerate(previous)}
+            for group in optimizer.param_groups:
+                group["params"] = [self._shards[where[id(p)]] if id(p) in where else p
+                                   for p in group["params"]]
+            for p in previous:
+                optimizer.state.pop(p, None)
+            self._previous_shards = None
+        n = len(parts)
+        if any(p["nranks"] != n for p in parts):
+            raise ValueError(f"shards cut for {[p['nranks'] for p in parts]} ranks, {n} given")
+        state, optim = dict(parts[0]["buffers"]), {}
+        for k, unit in enumerate(self._units):
+            flat = torch.cat([p["units"][k]["shard"] for p in parts])
+            old_numel = parts[0]["units"][k]["shard"].numel()
+            for name, view in zip(unit.names, _split(flat, unit.full.shapes)):
+                state[name] = view
+            for key, val in parts[0]["units"][k]["optim"].items():
+                if torch.is_tensor(val) and val.dim() == 1 and val.numel() == old_numel:
+                    full = torch.cat([p["units"][k]["optim"][key] for p in parts])
+                    for name, view in zip(unit.names, _split(full, unit.full.shapes)):
+                        optim.setdefault(name, {})[key] = view
+                else:
+                    for name in unit.names:
+                        optim.setdefault(name, {})[key] = val
+        self.load_full_state_dict(state)
+        if optim:
+            self.load_full_optim_state_dict(optimizer, optim)
+        self.forward_refresh()
+
     # -- accounting -----------------------------------------------------------------------------
     def memory_report(self, optimizer=None) -> dict:
         """Bytes on this rank (unique storages) of parameters, gradients and optimizer state."""
@@ -507,6 +587,18 @@ class ShardedDataParallel(torch.nn.Module):
 
 
 # -- autograd and module hooks: weak references to the wrapper -----------------------------------
+def _split(flat, shapes) -> list:
+    """Views of ``flat`` (a unit's parameters end to end, then padding) per shape."""
+    out, at = [], 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(flat[at:at + n].view(shape))
+        at += n
+    return out
+
+
 def _before_forward(ref, unit, module, args):
     sdp = ref()
     if sdp is not None:
