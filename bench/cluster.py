@@ -154,9 +154,9 @@ def check_available() -> str | None:
 
 
 def _unshare(command, hosts: int, mtu: int, qdisc: str, tcp_buffer: int) -> list[str]:
-    tools = net._tools()
-    return [tools["unshare"] or "unshare", "--net", "--mount", "--pid", "--fork",
-            "--kill-child", "sh", "-c", _SCRIPT, "sh", tools["ip"] or "ip", tools["tc"] or "tc",
+    found = net.tools()
+    return [found["unshare"] or "unshare", "--net", "--mount", "--pid", "--fork",
+            "--kill-child", "sh", "-c", _SCRIPT, "sh", found["ip"] or "ip", found["tc"] or "tc",
             str(hosts), str(mtu), qdisc, str(tcp_buffer), *command]
 
 

@@ -46,7 +46,8 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["TCP_ENV", "NODE_ENV", "check_available", "Network", "parse_rate", "execute", "main"]
+__all__ = ["TCP_ENV", "NODE_ENV", "check_available", "tools", "Network", "parse_rate", "execute",
+           "parse", "launch", "main"]
 
 # MPI between ranks of one machine over TCP, not shared memory. MPICH: no local (shm) path, the
 # OFI netmod on libfabric's tcp provider. Open MPI: the tcp and self BTLs only, on the loopback
@@ -103,7 +104,7 @@ def _check(value: str, pattern, what: str, example: str) -> str:
     return str(value).strip()
 
 
-def _tools() -> dict[str, str | None]:
+def tools() -> dict[str, str | None]:
     path = os.environ.get("PATH", "") + os.pathsep + _SBIN
     return {t: shutil.which(t, path=path) for t in TOOLS}
 
@@ -115,7 +116,7 @@ def check_available() -> str | None:
         return (f"bench net needs root to create a network namespace and shape its loopback "
                 f"(this process runs as uid {os.geteuid()}): run it as root, e.g. "
                 f"sudo {shlex.quote(sys.executable)} -m bench net ...")
-    missing = [t for t, p in _tools().items() if p is None]
+    missing = [t for t, p in tools().items() if p is None]
     if missing:
         return (f"bench net needs {', '.join(missing)} (not found on PATH or in /usr/sbin): "
                 f"install util-linux (unshare) and iproute2 (ip, tc)")
@@ -128,9 +129,9 @@ def check_available() -> str | None:
 
 
 def _argv(command, qdisc: str) -> list[str]:
-    tools = _tools()
-    return [tools["unshare"] or "unshare", "--net", "--pid", "--fork", "--kill-child",
-            "sh", "-c", _SCRIPT, "sh", tools["ip"] or "ip", tools["tc"] or "tc", qdisc, *command]
+    found = tools()
+    return [found["unshare"] or "unshare", "--net", "--pid", "--fork", "--kill-child",
+            "sh", "-c", _SCRIPT, "sh", found["ip"] or "ip", found["tc"] or "tc", qdisc, *command]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -169,7 +169,7 @@ def test_without_root_it_refuses_and_runs_nothing(monkeypatch, tmp_path, capsys)
 
 def test_without_the_tools_it_says_which_are_missing(monkeypatch):
     monkeypatch.setattr(net.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(net, "_tools", lambda: {"unshare": None, "ip": "/usr/sbin/ip",
+    monkeypatch.setattr(net, "tools", lambda: {"unshare": None, "ip": "/usr/sbin/ip",
                                                 "tc": None})
     why = cluster.check_available()
     assert why.startswith("bench cluster needs unshare, tc")

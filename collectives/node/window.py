@@ -49,7 +49,8 @@ from .. import config
 from ..p2p import idle  # the one way to wait: spin, yield the core, sleep when far behind
 from . import cma
 
-__all__ = ["Window", "window", "ShmWork", "Info", "idle", "round_up", "SLOTS", "PHASES", "LATER"]
+__all__ = ["Window", "window", "ShmWork", "Info", "idle", "round_up", "slot_bytes", "rank_bytes",
+           "SLOTS", "PHASES", "LATER"]
 
 SLOTS = 4                    # rounds in flight per rank: slack for a descheduled peer
 PHASES = 3                   # counters: copied in, reduced, done reading
@@ -75,6 +76,19 @@ def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def slot_bytes(ranks: int, chunk: int | None = None) -> int:
+    """A slot's bytes for ``chunk`` (default ``COLLECTIVES_SHM_CHUNK_BYTES``) on ``ranks``
+    ranks: at least one element of the widest dtype (16 bytes) per rank, whole cache lines."""
+    return round_up(max(64, 16 * ranks, chunk or config.get("COLLECTIVES_SHM_CHUNK_BYTES")),
+                    64)
+
+
+def rank_bytes(ranks: int, chunk: int) -> int:
+    """One rank's part of a window of ``ranks`` ranks with slots of ``chunk`` bytes: the
+    counters' header (whole pages) and ``SLOTS`` slots."""
+    return round_up((PHASES + 1) * ranks * _LINE, 4096) + SLOTS * chunk
+
+
 # -- the window ------------------------------------------------------------------------------
 class Window:
     """One shared window on a node: every rank's ``SLOTS`` slots and its three counters.
@@ -90,9 +104,8 @@ class Window:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.chunk = chunk
-        header = round_up((PHASES + 1) * self.size * _LINE, 4096)
-        self.header = header
-        self.stride = header + SLOTS * chunk
+        self.stride = rank_bytes(self.size, chunk)
+        self.header = header = self.stride - SLOTS * chunk
         self.win = MPI.Win.Allocate_shared(self.stride, 1, comm=comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.mem = []
@@ -336,9 +349,7 @@ class Window:
 
 def window(ctx, chunk: int | None = None) -> Window:
     """The (cached) shared window of ``ctx`` for ``chunk`` bytes per slot; collective."""
-    # A slot holds at least one element of the widest dtype (16 bytes) per rank.
-    chunk = round_up(max(64, 16 * ctx.size, chunk or config.get("COLLECTIVES_SHM_CHUNK_BYTES")),
-                     64)
+    chunk = slot_bytes(ctx.size, chunk)
     windows = ctx.slot(_Windows).by_chunk
     win = windows.get(chunk)
     if win is not None:

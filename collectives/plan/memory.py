@@ -155,12 +155,8 @@ def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -
 def window_bytes(ranks: int) -> int:
     """Resident bytes of one communicator's shared window on a node of ``ranks`` ranks
     (``collectives.node.window``): every rank faults in every rank's slots and header."""
-    from collectives import config
-    from collectives.node.window import PHASES, SLOTS, _LINE
-    chunk = max(64, 16 * ranks, config.get("COLLECTIVES_SHM_CHUNK_BYTES"))
-    chunk = -(-chunk // 64) * 64
-    header = -(-((PHASES + 1) * ranks * _LINE) // 4096) * 4096
-    return ranks * (header + SLOTS * chunk)
+    from collectives.node.window import rank_bytes, slot_bytes
+    return ranks * rank_bytes(ranks, slot_bytes(ranks))
 
 
 def _pow2(n: int) -> int:

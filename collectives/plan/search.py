@@ -60,7 +60,7 @@ def candidates(model: GPTShape, ranks: int, global_batch: int, ranks_per_node: i
                runnable: bool = False, max_micro_batch: int | None = None,
                microbatches: int | None = None):
     """Every plan of the enumeration above (unpriced); ``microbatches`` fixes a pipeline's."""
-    from collectives.torch.pipeline.schedules import _rounds
+    from collectives.torch.pipeline.schedules import per_round
     for tp in _divisors(ranks):
         if tp > max(ranks_per_node, 1) or model.heads % tp or model.ffn % tp or model.vocab % tp:
             continue
@@ -86,7 +86,7 @@ def candidates(model: GPTShape, ranks: int, global_batch: int, ranks_per_node: i
                     pipes += [(name, 1, m, b) for name in ("gpipe", "1f1b", "zero_bubble")]
                     for v in range(2, model.layers // pp + 1):
                         try:
-                            _rounds(pp, m, v)
+                            per_round(pp, m, v)
                         except ValueError:
                             continue
                         pipes.append(("interleaved", v, m, b))

@@ -46,7 +46,7 @@ data in one process, and ``pp.Pipeline`` executes it.
 from __future__ import annotations
 
 __all__ = ["Action", "Schedule", "schedule", "SCHEDULES", "F", "B", "W", "SEND_F", "RECV_F",
-           "SEND_B", "RECV_B", "COMPUTE"]
+           "SEND_B", "RECV_B", "COMPUTE", "per_round"]
 
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -119,7 +119,7 @@ class Schedule:
                 f"virtual={self.virtual})")
 
 
-def _rounds(p: int, m: int, v: int) -> int:
+def per_round(p: int, m: int, v: int) -> int:
     """Micro-batches per round for interleaving (torch's flexible rule), checked."""
     rounds = max(1, m // p)
     if v > 1 and m % rounds:
@@ -139,9 +139,9 @@ def _one_f_one_b(r: int, p: int, m: int, v: int, *, split: bool, factor: int) ->
     round) % v; each chunk takes its next micro-batch. With ``split``, the W of the oldest
     backward follows each backward once rank r has done r of them (ZB-H1), the rest at the end.
     """
-    per_round = _rounds(p, m, v) if v > 1 else m
+    group = per_round(p, m, v) if v > 1 else m
     total = m * v
-    warmup = min((v - 1) * per_round + factor * (p - 1 - r), total)
+    warmup = min((v - 1) * group + factor * (p - 1 - r), total)
     next_f = [0] * v
     next_b = [0] * v
     out: list[Action] = []
@@ -149,13 +149,13 @@ def _one_f_one_b(r: int, p: int, m: int, v: int, *, split: bool, factor: int) ->
     weights = 0
 
     def forward(k):
-        c = (k // per_round) % v
+        c = (k // group) % v
         out.append(Action(F, next_f[c], c * p + r))
         next_f[c] += 1
 
     def backward(k):
         nonlocal weights
-        c = v - 1 - ((k - warmup) // per_round) % v
+        c = v - 1 - ((k - warmup) // group) % v
         b = Action(B, next_b[c], c * p + r)
         next_b[c] += 1
         out.append(b)
@@ -225,6 +225,6 @@ def schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Sch
         raise ValueError(f"schedule {name!r} takes virtual=1 (one stage per rank), got {v}; "
                          f"'interleaved' takes several")
     if v > 1:
-        _rounds(p, m, v)
+        per_round(p, m, v)
     lists = [with_messages(order(r, p, m, v), r, p, p * v) for r in range(p)]
     return Schedule(name, p, m, v, lists, split_backward=split)
