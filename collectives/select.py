@@ -115,7 +115,7 @@ DEFAULT_TABLE = {
         "3": [[64 << 10, NATIVE], [2 << 20, "shm"], [None, "ring"]],
     },
     "allgather": {
-        MULTI: {"default": [[64 << 10, NATIVE], [None, "hierarchical"]]},
+        MULTI: {"default": [[8 << 10, NATIVE], [None, "hierarchical"]]},
         "2": [[128 << 10, NATIVE], [4 << 20, "ring"], [None, NATIVE]],
         "3": [[None, NATIVE]],
     },
