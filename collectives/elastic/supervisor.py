@@ -10,7 +10,7 @@ newest complete checkpoint (``collectives.elastic.checkpoint``), which loads at 
 steps lost are those since that checkpoint, at most the checkpoint interval while a checkpoint
 is written faster than the interval's steps run.
 
-The job runs in a session of its own. When it fails, everything left in that session is killed
+The job runs in a process group of its own. When it fails, everything left in that group is killed
 before the next start; on SIGINT or SIGTERM the supervisor passes the signal on, kills what is
 still there after ``--grace`` seconds, and exits 130 (SIGINT) or 143: no process is left behind.
 The supervisor prints one JSON line at the end (``attempts``: ranks, exit status and seconds of
@@ -66,7 +66,7 @@ class Supervisor:
         self._kill_session(signum)
 
     def _end_session(self) -> None:
-        """Nothing of the job outlives it: SIGKILL whatever is left in its session."""
+        """Nothing of the job outlives it: SIGKILL whatever is left in its process group."""
         self._kill_session(signal.SIGKILL)
 
     def run(self) -> int:
