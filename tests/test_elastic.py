@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from collectives import elastic  # noqa: E402
+from tests.elastic_jobs import finish, kill_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_elastic.py"
@@ -167,13 +166,7 @@ def _ompi_job(n, *args, ft=True):
 
 
 def _finish(proc, limit=LIMIT):
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"job did not end within {limit} s\n{out[-3000:]}\n{err[-3000:]}")
-    return proc.returncode, out, err
+    return finish(proc, limit)
 
 
 def _summary(out: str) -> dict:
@@ -199,19 +192,9 @@ def test_sigkill_from_outside_survivors_finish_and_match_a_reference(tmp_path):
     steps, victim, at = 16, 2, 7
     restored = tmp_path / "restored.pt"
     proc = _ompi_job(4, EXAMPLE, "--steps", steps, "--announce", "--save-restored", restored)
-    pids, out_lines = {}, []
-    deadline = time.monotonic() + LIMIT
-    for line in proc.stdout:               # rank 0 prints each step as it completes
-        out_lines.append(line)
-        w = line.split()
-        if len(w) == 4 and w[0] == "rank" and w[2] == "pid":
-            pids[int(w[1])] = int(w[3])
-        if len(w) == 6 and w[0] == "step" and int(w[1]) == at:
-            os.kill(pids[victim], signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline
+    read = kill_at(proc, victim, at, LIMIT)
     rc, out, err = _finish(proc)
-    out = "".join(out_lines) + out
+    out = read + out
     assert rc == 0, err[-3000:]
     s = _summary(out)
     assert s["path"] == "ulfm" and s["ranks_end"] == 3 and s["digests_equal"], s

@@ -24,6 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from collectives import elastic  # noqa: E402
+from tests.elastic_jobs import finish, kill_at  # noqa: E402
 from collectives.elastic import checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,13 +150,7 @@ def _supervise(*args, np_=3, min_np=2):
 
 
 def _finish(proc):
-    try:
-        out, err = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"did not end within {LIMIT} s\n{out[-3000:]}\n{err[-3000:]}")
-    return proc.returncode, out, err
+    return finish(proc, LIMIT)
 
 
 def _json_lines(out):
@@ -169,18 +164,9 @@ def test_supervisor_restarts_from_the_newest_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = _supervise("--steps", steps, "--checkpoint-dir", ckpt, "--checkpoint-every", every,
                       "--checkpoint-keep", steps, "--announce")
-    seen, pids, deadline = [], {}, time.monotonic() + LIMIT
-    for line in proc.stdout:
-        seen.append(line)
-        w = line.split()
-        if len(w) == 4 and w[0] == "rank" and w[2] == "pid":
-            pids[int(w[1])] = int(w[3])
-        if len(w) == 6 and w[0] == "step" and int(w[1]) == at:
-            os.kill(pids[victim], signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline
+    read = kill_at(proc, victim, at, LIMIT)
     rc, out, err = _finish(proc)
-    out = "".join(seen) + out
+    out = read + out
     assert rc == 0, err[-3000:]
     job, sup = _json_lines(out)[-2:]
     assert sup["supervisor"] and [a["ranks"] for a in sup["attempts"]] == [3, 2]
