@@ -3,17 +3,15 @@ gradients of the same run without it, bitwise (the recompute runs the same kerne
 inputs), in one process, with tensor parallelism 2-3 (with and without sequence parallelism)
 under DDP and ZeRO 1-2, ZeRO-3 (a recomputed layer gathered again), and every pipeline
 schedule; what autograd saves for a block drops to the block's input under full recompute."""
-import os
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import train_gpt  # noqa: E402
+from bench.tp import train_gpt_module  # noqa: E402
+
+train_gpt = train_gpt_module()
 
 from collectives.torch import checkpoint  # noqa: E402
 

@@ -193,12 +193,8 @@ def test_a_stage_that_never_answers_is_named_by_the_watchdog():
 # -- pipeline x data (x tensor): the GPT of examples/train_gpt.py ----------------------------
 
 def _example():
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench.tp import train_gpt_module
+    return train_gpt_module()
 
 
 @pytest.mark.mpi

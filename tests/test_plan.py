@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import train_gpt  # noqa: E402
+from bench.tp import train_gpt_module  # noqa: E402
+
+train_gpt = train_gpt_module()
 
 from collectives import plan  # noqa: E402
 from collectives.plan.record import Plan  # noqa: E402

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import train_gpt  # noqa: E402
+from bench.tp import train_gpt_module  # noqa: E402
+
+train_gpt = train_gpt_module()
 
 from collectives.torch import tensor_parallel as tp  # noqa: E402
 
