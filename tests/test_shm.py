@@ -459,3 +459,33 @@ def test_auto_swaps_shm_off_node(monkeypatch, tmp_path):
     ok = picked == "shm" and chose == want and \
         bool((got == size * (size + 1) / 2).all()) and bool((block == size).all())
     assert_all(ok, f"table {picked}, auto {chose}")
+
+
+@pytest.mark.mpi
+def test_a_call_keeps_no_output_alive():
+    """A caller's output goes when the caller drops it, with the cyclic collector off: no
+    reference cycle of the combining code keeps it (a training loop would hold every step's
+    activations until the collector ran)."""
+    import gc
+    import weakref
+
+    from mpi4py import MPI
+    from tests.mpiutil import assert_all
+    one_node_only()
+    world = MPI.COMM_WORLD
+    kept = []
+    gc.collect()
+    gc.disable()
+    try:
+        for count in (1, 1 << 10, 1 << 17):
+            for run in (lambda x: coll.allreduce(x, algorithm="shm"),
+                        lambda x: coll.reduce(x, root=0, algorithm="shm")):
+                out = run(np.ones(count, np.float32))
+                if out is not None:
+                    ref = weakref.ref(out)
+                    del out
+                    if ref() is not None:
+                        kept.append(count)
+    finally:
+        gc.enable()
+    assert_all(not kept, f"rank {world.Get_rank()}: outputs of {kept} elements still alive")

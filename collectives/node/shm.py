@@ -81,25 +81,28 @@ def _combine(win: Window, op, dst, parts, root: int = 0) -> None:
     rounds and reduce give tree's bits (``bits``).
     ``dst`` may be ``parts[root]`` (the tree's root reads its own first); partial results of
     the subtrees live in the window's scratch, one chunk per tree level."""
-    k = len(parts)
-
-    def node(v: int, depth: int):  # v's subtree combined: an input as it is, or scratch
-        _, first, second = btree(v, k)
-        mine = parts[(v + root) % k]
-        if first is None and second is None:
-            return mine
-        out = dst if depth == 0 else win.scratch(dst.dtype, depth)[:dst.shape[0]]
-        if first is not None:
-            op.reduce(out, node(first, depth + 1), mine)
-            mine = out
-        if second is not None:
-            op.reduce(out, mine, node(second, depth + 1))
-        return out
-
-    if k == 1:
+    if len(parts) == 1:
         np.copyto(dst, parts[0])
     else:
-        node(0, 0)
+        _combine_node(win, op, dst, parts, root, 0, 0)
+
+
+def _combine_node(win: Window, op, dst, parts, root: int, v: int, depth: int):
+    """Tree node v's subtree combined (``_combine``): an input as it is, or scratch. A
+    module-level function, not a closure: a closure that calls itself is a reference cycle,
+    and it would keep every call's ``dst`` (a caller's output) until the cyclic collector
+    runs."""
+    _, first, second = btree(v, len(parts))
+    mine = parts[(v + root) % len(parts)]
+    if first is None and second is None:
+        return mine
+    out = dst if depth == 0 else win.scratch(dst.dtype, depth)[:dst.shape[0]]
+    if first is not None:
+        op.reduce(out, _combine_node(win, op, dst, parts, root, first, depth + 1), mine)
+        mine = out
+    if second is not None:
+        op.reduce(out, mine, _combine_node(win, op, dst, parts, root, second, depth + 1))
+    return out
 
 
 def _fold(op, dst, parts, start: int) -> None:
