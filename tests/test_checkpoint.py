@@ -117,6 +117,27 @@ def test_recompute_names_and_errors():
     assert not checkpoint.recomputing()
 
 
+def test_a_dropped_recomputed_model_goes_at_once():
+    """Marking holds no cycle: a recomputed model that nobody references any more is freed
+    when its last reference goes, with the cyclic collector off (a pipeline rank drops the
+    stages it does not train right after cutting the model)."""
+    import gc
+    import weakref
+    model = train_gpt.GPT(264, 32, 2, 2, "math")
+    checkpoint.recompute(model, checkpoint.GPT_POLICIES["full"])
+    checkpoint.recompute(model, checkpoint.GPT_POLICIES["selective"])
+    model(torch.randint(0, 264, (2, 8))).sum().backward()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert alive == 0
+
+
 def test_parallelize_takes_recompute_in_its_plan():
     from mpi4py import MPI
 

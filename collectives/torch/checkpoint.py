@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import weakref
 
 import torch
 from torch import nn
@@ -77,21 +78,25 @@ def _contexts():
 
 class _Checkpointed:
     """The ``forward`` of a recomputed module: its class's forward under non-reentrant
-    checkpointing (a plain call where no gradient is being recorded)."""
+    checkpointing (a plain call where no gradient is being recorded). It holds the module
+    weakly: the module holds it (an instance attribute), and a strong reference back would
+    make a cycle that keeps a dropped module's parameters until the cyclic collector runs."""
 
-    __slots__ = ("forward",)
+    __slots__ = ("module", "function")
 
-    def __init__(self, forward):
-        self.forward = forward
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+        self.function = type(module).forward
 
     def __call__(self, *args, **kwargs):
+        forward = self.function.__get__(self.module())
         if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         if _counting is not None:  # what the checkpoint keeps: the inputs, outside autograd
             for t in args:
                 if isinstance(t, torch.Tensor):
                     _count(_counting, t)
-        return _torch_checkpoint(self.forward, *args, use_reentrant=False,
+        return _torch_checkpoint(forward, *args, use_reentrant=False,
                                  context_fn=_contexts, **kwargs)
 
 
@@ -115,7 +120,7 @@ def recompute(module: nn.Module, patterns) -> list[str]:
         marked.append(name)
         if not isinstance(m.__dict__.get("forward"), _Checkpointed):
             # the class's forward bound to this instance; the instance attribute shadows it
-            m.forward = _Checkpointed(type(m).forward.__get__(m))
+            m.forward = _Checkpointed(m)
     empty = [p for p in patterns if p not in used]
     if empty:
         raise ValueError(f"recompute patterns {empty} name no module of the "
