@@ -240,6 +240,32 @@ def test_buckets_rebuilt_in_ready_order_same_on_every_rank():
 
 
 @pytest.mark.mpi
+def test_rebuilt_registered_buckets_take_the_old_windows():
+    """The rebuild in ready order maps no second set of windows: the old buckets go before
+    the new ones are made, and these take the old windows from the pool, so a rank keeps one
+    window a bucket resident."""
+    from collectives.executor import cached_context
+    from collectives.node import registered
+    from collectives.node.registered import _Node
+    comm = world()
+    if not registered.single_node(comm):
+        pytest.skip("registered buckets need one node")
+    ddp = DDP(_net(0, hidden=600), comm=comm, registered_buckets=True)
+    before = ddp.bucket_layout()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for _ in range(2):
+        ddp(torch.randn(SHARD, IN), extra=True).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    node = cached_context(comm).slots[_Node]
+    windows = len(node.live) + len(node.released) + len(node.pool)
+    buckets = len(ddp.bucket_layout())
+    assert_all(ddp.bucket_layout() != before and windows == buckets,
+               f"{windows} registered windows for {buckets} buckets (layout {before} rebuilt "
+               f"as {ddp.bucket_layout()})")
+
+
+@pytest.mark.mpi
 def test_no_sync_accumulation_matches_one_process():
     _run(accumulate=3, bucket_cap_mb=0.01)
     _run(accumulate=2, set_to_none=False)

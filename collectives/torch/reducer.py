@@ -180,6 +180,18 @@ class Reducer:
         params = self.params
         alloc = functools.partial(flat_zeros, comm=self.comm) \
             if self.registered_on is not None else None
+        if alloc is not None and getattr(self, "buckets", None):
+            # Registered windows are pooled once released on every rank, and reused by the
+            # next buffers that fit: the gradients wait in plain copies while the old buckets
+            # go, so that the new ones take their windows instead of mapping a second set
+            # (which would stay resident in the pool).
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad = p.grad.clone()
+            for b in self.buckets:
+                b.release()
+            self.buckets = self.slots = None
         buckets = [Bucket(k, members, params, alloc)
                    for k, members in enumerate(self.groups(order))]
         self.launcher = Launcher(len(b.members) for b in buckets)
