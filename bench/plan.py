@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,8 @@ def _parser():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch-plans", type=int, default=10, help="plans per job (10)")
     p.add_argument("--limit", type=int, default=None, help="the first N plans only")
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="the plans whose name matches REGEX only ('pp4', 'tp4 pp1 zero0')")
     p.add_argument("--json", default=None, help="write every row as JSON")
     p.add_argument("--mpiexec", default=None)
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)   # predict:FILE, run:FILE
@@ -143,7 +146,10 @@ def main(argv=None) -> int:
         _launch(args, f"predict:{path}")
         with open(path) as f:
             predicted = json.load(f)
-        plans = predicted["plans"][:args.limit]
+        plans = [q for q in predicted["plans"]
+                 if args.only is None or re.search(args.only, q["name"])][:args.limit]
+        with open(path, "w") as f:   # the jobs read the plans they run by index
+            json.dump(dict(predicted, plans=plans), f)
         shape = predicted["shape"]
         print(f"# bench plan: {len(plans)} plans of a GPT (dim {shape['dim']}, "
               f"{shape['layers']} layers, {shape['heads']} heads, seq {shape['seq']}, "

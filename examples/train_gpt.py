@@ -334,12 +334,14 @@ def choose(args, world, compute=None):
 
 
 def warm_up(args, world, text) -> None:
-    """Two steps of a tiny model on the same plan (mesh, wrappers, schedule, recompute): the
-    code, the MPI library's and the toolkit's first-use allocations are then held before
-    ``run`` takes its baseline, and what it measures is the model's."""
-    tiny = argparse.Namespace(**vars(args))
-    tiny.dim, tiny.seq, tiny.steps = 4 * args.heads, 2 * max(args.tp or 1, 4), 2
-    run(tiny, world, text)
+    """Two steps of the same plan (mesh, wrappers, schedule, recompute) at the same widths,
+    sequence and micro-batches, with one block a stage: the code and the first-use
+    allocations of the libraries, which depend on the sizes of the matrices and messages
+    (the math library's and the MPI library's buffers for large operands), are then held
+    before ``run`` takes its baseline, and what it measures is the model's."""
+    warm = argparse.Namespace(**vars(args))
+    warm.layers, warm.steps = args.pp * args.virtual, 2
+    run(warm, world, text)
 
 
 def run(args, world, text, on_step=None) -> dict:
@@ -434,6 +436,9 @@ def pipelined(args, mesh, text=None, on_step=None) -> dict:
                             virtual=args.virtual,
                             loss_fn=lambda z, y: tp.vocab_parallel_cross_entropy(z, y, tp_comm),
                             zero=args.zero)
+    # this rank trains its stages only: the rest of the model it built goes now, not with
+    # the function's frame after the last step
+    del model
     opt = torch.optim.AdamW(list(job.parameters()), lr=args.lr)
     text = corpus(args.corpus_bytes) if text is None else text
     rows = args.batch // dp
