@@ -91,6 +91,159 @@ def test_in_flight_is_the_simulators_peak(name, v, p, m):
         assert peak == [min(p - r, m) for r in range(p)]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
+                                     ("interleaved", 2)])
+def test_held_is_what_the_pipeline_runner_keeps(name, v, monkeypatch):
+    """What ``pp.Pipeline`` keeps through a step, sampled after every action (what autograd
+    saves, each storage once, through saved-tensor hooks; the stage outputs and the tensors it
+    sends, through weak references), peaks at what ``plan.memory.held`` prices: its graphs
+    times each stage's saved bytes plus its hidden states times one message's."""
+    import weakref
+
+    from mpi4py import MPI
+
+    from collectives import p2p
+    from collectives.plan.memory import held
+    from collectives.torch import pipeline as pp
+    from collectives.torch.pipeline import runner as runner_module
+    from mpiutil import assert_all
+    world = MPI.COMM_WORLD
+    p, m, width, rows = world.Get_size(), 4, 16, 8
+    if p < 2:
+        pytest.skip("needs 2 ranks or more")
+    try:
+        sched = pp.schedule(name, p, m, v)
+    except ValueError:
+        pytest.skip("schedule not defined for these sizes")
+    r, S = world.Get_rank(), p * v
+    torch.manual_seed(0)
+    every = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
+                                 torch.nn.Linear(width, width)) for _ in range(S)]
+    mine = sched.local_stages(r)
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+
+    def loss(z, target):
+        return (z - target).square().mean()
+
+    # each stage's saved bytes for one micro-batch (the first stage's input is the batch's,
+    # held outside the runner), and one message's
+    graph = {}
+    for s in mine:
+        inp = torch.randn(rows // m, width, requires_grad=s > 0)
+        saved, out = checkpoint.saved_bytes(lambda: every[s](inp))
+        if s == 0:
+            saved -= inp.nbytes
+        if s == S - 1:
+            more, _ = checkpoint.saved_bytes(lambda: loss(out, y[:rows // m]))
+            saved += more
+        graph[s] = saved
+    message = rows // m * width * 4
+    want = max(sum(k * graph[s] for s, k in graphs) + sent * message
+               for graphs, sent in held(name, p, m, v, r))
+
+    saved_now: weakref.WeakSet = weakref.WeakSet()
+    messages: list = []
+    peak = [0]
+
+    class Saved:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def pack(t):
+        box = Saved(t)
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            saved_now.add(box)
+        return box
+
+    def sample(*_):
+        storages = {box.t.untyped_storage().data_ptr(): box.t.untyped_storage().nbytes()
+                    for box in list(saved_now)}
+        for ref in messages:
+            t = ref()
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        storages.pop(x.untyped_storage().data_ptr(), None)
+        peak[0] = max(peak[0], sum(storages.values()))
+
+    def output(mod, args, out):
+        if mod is not every[S - 1]:
+            messages.append(weakref.ref(out))
+        sample()
+
+    for s in mine:
+        every[s].register_forward_hook(output)
+    send, backward = runner_module.Pipeline._send, runner_module.Pipeline._backward
+    isend = p2p.isend
+
+    def sends(comm, t, *args):    # the tensor the send keeps until it completes
+        messages.append(weakref.ref(t))
+        return isend(comm, t, *args)
+
+    monkeypatch.setattr(p2p, "isend", sends)
+
+    def sending(self, *args):
+        send(self, *args)
+        sample()
+
+    def backward_then_sample(self, *args):
+        backward(self, *args)
+        sample()
+
+    def loss_fn(z, target):
+        out = loss(z, target)
+        sample()
+        return out
+
+    runner = pp.Pipeline([every[s] for s in mine], comm=world, schedule=sched, loss_fn=loss_fn)
+    runner._send = sending.__get__(runner)
+    runner._backward = backward_then_sample.__get__(runner)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        runner.step(x, y)
+    found = world.allgather((peak[0], want))
+    assert_all(peak[0] == want, f"(held by the runner, priced by held()) on each rank: {found}")
+
+
+@pytest.mark.mpi
+def test_node_windows_priced_are_the_ones_the_calls_map():
+    """``scratch`` asks the selection table whether a call maps the node's shared window: for
+    the calls the plans make (the tensor-parallel activations out of place, the loss's sums
+    and the tied embedding's gradient in place), at sizes on both sides of the table's rules,
+    the answer is whether the call on a fresh communicator maps one."""
+    from mpi4py import MPI
+
+    import collectives as coll
+    from collectives.executor import cached_context
+    from collectives.node.window import _Windows
+    from collectives.plan.memory import _node_path
+    from collectives.torch import all_reduce
+    from mpiutil import assert_all
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks or more")
+    wrong, seen = [], set()
+    for inplace in (False, True):
+        for nbytes in (64, 4 << 10, 128 << 10, 512 << 10, 4 << 20):
+            comm = world.Dup()
+            x = torch.ones(nbytes // 4)
+            if inplace:
+                all_reduce(x, comm=comm)
+            else:
+                coll.allreduce(x, comm=comm)
+            ctx = cached_context(comm)
+            mapped = ctx is not None and _Windows in ctx.slots and \
+                bool(ctx.slots[_Windows].by_chunk)
+            priced = _node_path("allreduce", nbytes, world.Get_size(), inplace)
+            seen.add(mapped)
+            if mapped != priced:
+                wrong.append(f"{nbytes} bytes, in place {inplace}: mapped {mapped}, "
+                             f"priced {priced}")
+            comm.Free()
+    assert_all(not wrong and seen == {False, True}, "; ".join(wrong) or f"mapped: {seen}")
+
+
 def test_model_states_are_megatrons_bytes_per_parameter():
     """Mixed precision without activations' share: 18 bytes a parameter without ZeRO, 6 + 12/dp
     with the optimizer sharded (Megatron's distributed optimizer), 4 + 2/dp + ... further."""

@@ -26,16 +26,18 @@ this table is the toolkit's float32 layers without dropout, checked tensor by te
 
 The first stage adds the embedding's saved ids and masks (9 n bytes); the last stage the final
 norm (``e n' h + 8 n'``), the head's input (``e n h``) and the vocabulary-parallel
-cross-entropy's softmax, target and mask (``e n V / t + 9 n``). A pipeline's runner also keeps
-each in-flight stage output for its backward, and every message it sends (outputs forward,
-input gradients backward, ``e n' h`` each) until the step ends.
+cross-entropy's softmax, target and mask (``e n V / t + 9 n``).
 
-The fullest rank is the pipeline's first (the most blocks, in-flight micro-batches and the
-embedding) or its last (the head and the loss): those two are priced. In-flight micro-batches
-per pipeline rank come from the schedule itself: the most
-(micro-batch, stage) pairs a rank holds between F and the end of its backward, walked from
-``pp.SCHEDULES``' compute order of that rank (GPipe m, 1F1B min(p - r, m), interleaved and zero
-bubble as they are built).
+A pipeline rank's activations come from the schedule itself, walked from ``pp.SCHEDULES``'
+compute order of that rank (``held``): after each action, the (micro-batch, stage) graphs it
+holds between F and the end of their backward (at most GPipe m, 1F1B min(p - r, m),
+interleaved and zero bubble as they are built: ``in_flight``), and the hidden states
+(``e n' h`` each) the runner keeps: every stage output (kept for its backward, then by its
+send) and every input gradient it sent, until the step's sends complete at its end. The peak
+is the moment that holds the most bytes of both, graphs times their stages' saved bytes plus
+hidden states times one's. The fullest rank is the pipeline's first (the most blocks,
+in-flight micro-batches and the embedding) or its last (the head and the loss): those two are
+priced (``rank_memory`` prices any).
 
 Model states per rank (``P`` the rank's parameters: its stages' blocks, its tensor-parallel
 shards, the norms whole): parameters ``P wp`` (ZeRO-3: ``P wp / dp`` plus the layers gathered
@@ -55,19 +57,22 @@ node's shared-memory path maps one window of ``SLOTS`` slots of ``COLLECTIVES_SH
 per rank, and every rank faults in all of them: ``k (header + 4 chunk)`` resident bytes for a
 group of k ranks (``window_bytes``): a group one of whose calls ``auto`` sends through a node
 algorithm (asked of the selection table at the call's size), the data-parallel group (whose
-registered flat buffers take the one-pass path) and, with data parallelism, a pipeline's tied
-pair; the one-pass collectives also touch slices of the peers' registered buffers
-(``scratch``).
+registered flat buffers take the one-pass path) and a pipeline's tied pair on its two end
+ranks (its in-place sum of the embedding's gradient takes the node path where the table says
+so, and always with data parallelism, whose gradient lies in a registered bucket); the
+one-pass collectives also touch slices of the peers' registered buffers (``scratch``).
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from .model import GPTShape
 from .record import Plan
 
-__all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "scratch", "window_bytes",
-           "BUCKET_BYTES"]
+__all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "rank_memory", "held",
+           "scratch", "window_bytes", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 << 20  # DistributedDataParallel's and ZeRO's bucket_cap_mb
 
@@ -126,6 +131,46 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
     return tuple(sorted(best_live.items()))
 
 
+@functools.lru_cache(maxsize=16384)
+def held(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
+    """What pipeline rank ``rank`` holds through one step, walked from its compute order:
+    ``(((stage, graphs), ...), messages)`` after each of its actions (the peak is one of these
+    moments whatever the bytes of a graph and of a message). ``graphs``: (micro-batch, stage)
+    pairs between F and the end of their backward; ``messages``: the hidden states the
+    runner keeps alive, each stage's output after its F (kept for the backward, then by its
+    send) and each input gradient it sent after its B, on every stage that sends them, until
+    the step's sends complete at its end (``pp.Pipeline``; past 64 sends in flight it
+    releases the completed ones, so for long steps this is an upper bound)."""
+    from collectives.torch.pipeline.schedules import B, F, SCHEDULES, W
+    order, split, _ = SCHEDULES[schedule]
+    last = W if split else B
+    S = p * v
+    live: dict = {}
+    sent = 0
+    moments = []
+    for kind, _mb, s in order(rank, p, m, v):
+        if kind == F:
+            live[s] = live.get(s, 0) + 1
+            sent += s != S - 1
+        if kind == B:
+            sent += s != 0
+        if kind == last:
+            live[s] -= 1
+        moments.append((tuple(sorted((k, c) for k, c in live.items() if c)), sent))
+    return tuple(moments)
+
+
+@functools.lru_cache(maxsize=16384)
+def _held_matrix(schedule: str, p: int, m: int, v: int, rank: int):
+    """``held`` as a matrix, a row a moment: the graphs of each of the rank's stages (in
+    order r, r + p, ...), then the hidden states; priced by one product (the search prices
+    thousands of plans)."""
+    stages = list(range(rank, p * v, p))
+    rows = [[dict(graphs).get(s, 0) for s in stages] + [sent]
+            for graphs, sent in held(schedule, p, m, v, rank)]
+    return np.unique(np.array(rows, dtype=np.float64), axis=0)
+
+
 def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -> dict:
     wp, wg, wo, _ = model.bytes
     t, dp = plan.tp, plan.dp
@@ -163,15 +208,17 @@ def _pow2(n: int) -> int:
     return 1 << max(12, (max(n, 1) - 1).bit_length())
 
 
-def _node_path(collective: str, nbytes: int, size: int) -> bool:
+def _node_path(collective: str, nbytes: int, size: int, inplace: bool = False) -> bool:
     """Whether ``auto`` takes a node algorithm (one that maps the node's shared window) for
-    this call on one node: the choice the toolkit's table makes, asked, not assumed."""
+    this call on one node: the choice the toolkit's table makes, asked, not assumed, with
+    the call's ``inplace`` (``out=x``) as the caller makes it (the table's rules differ)."""
     from collectives.select import REGISTRY, auto
-    name = auto(collective, int(nbytes), size, single_node=True)
+    name = auto(collective, int(nbytes), size, single_node=True, inplace=inplace)
     return REGISTRY[collective][name].needs == "one node"
 
 
-def scratch(model: GPTShape, plan: Plan, ranks_per_node: int, states: dict) -> int:
+def scratch(model: GPTShape, plan: Plan, ranks_per_node: int, states: dict,
+            end: bool = True) -> int:
     """The collectives' memory on a rank of a host-memory job, for its groups that fit on one
     node: the shared window of each communicator one of whose calls takes a node algorithm
     (``auto``'s choice for the tensor-parallel activations, the loss's and the tied gradient's
@@ -180,21 +227,24 @@ def scratch(model: GPTShape, plan: Plan, ranks_per_node: int, states: dict) -> i
     bucket), and the pages of the peers' registered buffers this rank touches: a one-pass
     allreduce or reduce-scatter reads and writes slice r of every peer's buffer ((dp - 1) / dp
     of one buffer in all), an all-gather reads every peer's shard (the same). Registered
-    windows are whole powers of two."""
+    windows are whole powers of two. ``end``: the rank is one of the pipeline's two ends,
+    whose tied pair sums the embedding's gradient."""
     t, dp, p = plan.tp, plan.dp, plan.pp
     e, n = model.bytes[3], plan.micro_batch * model.seq
     x = e * n * model.dim
     out = 0
     if 1 < t <= ranks_per_node:
-        calls = [("reduce_scatter", x), ("allgather", x // t)] if plan.sequence_parallel \
-            else [("allreduce", x)]
-        calls += [("allreduce", 4 * n), ("allreduce", 8 * n)]   # the loss's max, then sums
-        if any(_node_path(c, b, t) for c, b in calls):
+        # the activations' collectives out of place, the loss's max and sums in place
+        calls = [("reduce_scatter", x, False), ("allgather", x // t, False)] \
+            if plan.sequence_parallel else [("allreduce", x, False)]
+        calls += [("allreduce", 4 * n, True), ("allreduce", 8 * n, True)]
+        if any(_node_path(c, b, t, inplace) for c, b, inplace in calls):
             out += window_bytes(t)
-    if 1 < p <= ranks_per_node and _node_path("broadcast", 8, p):
+    if 1 < p <= ranks_per_node and _node_path("broadcast", 8, p, True):
         out += window_bytes(p)
-    if p > 1 and 2 <= ranks_per_node and (
-            dp > 1 or _node_path("allreduce", model.bytes[1] * model.vocab * model.dim // t, 2)):
+    tied = model.bytes[1] * model.vocab * model.dim // t   # summed in place
+    if end and p > 1 and 2 <= ranks_per_node and (
+            dp > 1 or _node_path("allreduce", tied, 2, True)):
         out += window_bytes(2)
     if dp < 2 or dp > ranks_per_node:
         return out
@@ -206,9 +256,9 @@ def scratch(model: GPTShape, plan: Plan, ranks_per_node: int, states: dict) -> i
     return out
 
 
-def memory(model: GPTShape, plan: Plan, ranks_per_node: int = 0) -> tuple[int, dict]:
-    """(predicted peak bytes on the fullest rank, its terms). ``ranks_per_node`` > 0: the
-    collectives run on host memory, so their node windows count (``scratch``)."""
+def rank_memory(model: GPTShape, plan: Plan, r: int, ranks_per_node: int = 0) -> tuple[int, dict]:
+    """(predicted peak bytes on pipeline rank ``r``, its terms); ``memory`` is the fullest of
+    the pipeline's end ranks."""
     p, v, b = plan.pp, plan.virtual, plan.micro_batch
     t, sp = plan.tp, plan.sequence_parallel
     e, n, h = model.bytes[3], b * model.seq, model.dim
@@ -217,37 +267,41 @@ def memory(model: GPTShape, plan: Plan, ranks_per_node: int = 0) -> tuple[int, d
     per_layer = layer_activations(model, b, t, sp, plan.recompute)
     recompute_live = (layer_activations(model, b, t, sp, "none") - per_layer
                       if plan.recompute != "none" else 0)
-    best, terms = -1, {}
-    for r in sorted({0, p - 1}):  # the most in-flight and the embedding; the head
-        stages = list(range(r, S, p))
-        first, last = 0 in stages, S - 1 in stages
-        states = _states(model, plan, sum(counts[s] for s in stages), first, last)
-        held = in_flight(plan.schedule, p, plan.microbatches, v, r) if p > 1 else ((0, 1),)
-        acts = sum(k * (counts[s] * per_layer + _edge_activations(model, b, t, sp, s == 0,
-                                                                  s == S - 1))
-                   for s, k in held)
-        if p > 1:
-            # the runner keeps a stage's output for its backward (autograd saves none of it),
-            # and every message it sends until the step ends (p2p.Sends): its stages' outputs
-            # forward and their inputs' gradients backward, one hidden state each
-            message = e * (n // t if sp else n) * h
-            kept = sum(k for s, k in held if s != S - 1)
-            sent = plan.microbatches * sum((s != S - 1) + (s != 0) for s in stages)
-            acts += (kept + sent) * message
-        backward = e * (n * model.vocab // t + 2 * n * h) if last else 3 * e * n * h
-        if last:
-            backward = max(backward, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
-        transient = backward + recompute_live
-        optimizer = 4 * (states["optimizer"] // max(model.bytes[2], 1))
-        if ranks_per_node:
-            full = _states(model, Plan(1, t, p, sp, plan.schedule, v, plan.microbatches, 0,
-                                       plan.recompute, b), sum(counts[s] for s in stages),
-                           first, last)
-            states["scratch"] = states.get("scratch", 0) + scratch(model, plan, ranks_per_node,
-                                                                   full)
-        total = sum(states.values()) + max(acts + transient, optimizer)
-        if total > best:
-            best = total
-            terms = dict(states, activations=acts, transient=max(transient, optimizer - acts),
-                         rank=r)
-    return best, terms
+    stages = list(range(r, S, p))
+    first, last = 0 in stages, S - 1 in stages
+    states = _states(model, plan, sum(counts[s] for s in stages), first, last)
+    graph = {s: counts[s] * per_layer + _edge_activations(model, b, t, sp, s == 0, s == S - 1)
+             for s in stages}
+    if p > 1:
+        # the graphs in flight, and the hidden states the runner keeps (the stages' outputs,
+        # for their backward and then in their sends, and the input gradients it sent), at
+        # the moment of the step that holds the most of both (``held``)
+        message = e * (n // t if sp else n) * h
+        moments = _held_matrix(plan.schedule, p, plan.microbatches, v, r)
+        acts = int((moments @ np.array([graph[s] for s in stages] + [message],
+                                       dtype=np.float64)).max())
+    else:
+        acts = graph[0]
+    backward = e * (n * model.vocab // t + 2 * n * h) if last else 3 * e * n * h
+    if last:
+        backward = max(backward, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
+    transient = backward + recompute_live
+    optimizer = 4 * (states["optimizer"] // max(model.bytes[2], 1))
+    if ranks_per_node:
+        full = _states(model, Plan(1, t, p, sp, plan.schedule, v, plan.microbatches, 0,
+                                   plan.recompute, b), sum(counts[s] for s in stages),
+                       first, last)
+        states["scratch"] = states.get("scratch", 0) + scratch(model, plan, ranks_per_node,
+                                                               full, r in (0, p - 1))
+    total = sum(states.values()) + max(acts + transient, optimizer)
+    return total, dict(states, activations=acts, transient=max(transient, optimizer - acts),
+                       rank=r)
+
+
+def memory(model: GPTShape, plan: Plan, ranks_per_node: int = 0) -> tuple[int, dict]:
+    """(predicted peak bytes on the fullest rank, its terms). ``ranks_per_node`` > 0: the
+    collectives run on host memory, so their node windows count (``scratch``). The fullest
+    rank is the pipeline's first (the most in-flight micro-batches and the embedding) or its
+    last (the head and the loss)."""
+    return max((rank_memory(model, plan, r, ranks_per_node) for r in sorted({0, plan.pp - 1})),
+               key=lambda found: found[0])
