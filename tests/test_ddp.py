@@ -247,7 +247,7 @@ def test_rebuilt_registered_buckets_take_the_old_windows():
     from collectives.executor import cached_context
     from collectives.node import registered
     from collectives.node.registered import _Node
-    comm = world()
+    comm = world().Dup()   # a communicator of its own: no other test's windows
     if not registered.single_node(comm):
         pytest.skip("registered buckets need one node")
     ddp = DDP(_net(0, hidden=600), comm=comm, registered_buckets=True)
@@ -260,9 +260,12 @@ def test_rebuilt_registered_buckets_take_the_old_windows():
     node = cached_context(comm).slots[_Node]
     windows = len(node.live) + len(node.released) + len(node.pool)
     buckets = len(ddp.bucket_layout())
-    assert_all(ddp.bucket_layout() != before and windows == buckets,
+    layout = ddp.bucket_layout()
+    del ddp, opt
+    comm.Free()
+    assert_all(layout != before and windows == buckets,
                f"{windows} registered windows for {buckets} buckets (layout {before} rebuilt "
-               f"as {ddp.bucket_layout()})")
+               f"as {layout})")
 
 
 @pytest.mark.mpi
