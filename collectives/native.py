@@ -132,8 +132,11 @@ def _allgather(call, MPI):
 
 def _alltoall(call, MPI):
     x, out = call.x.flat, call.out.flat
-    sends, recvs = call.counts[0], call.counts[1]
-    if _even(sends) and _even(recvs) and sends[0] == recvs[0]:
+    sends, recvs, matrix = call.counts
+    # The block form only where every rank knows that every rank sends every rank as much
+    # (the matrix of equal blocks, or a learned one): a rank whose own counts happen to be
+    # even, among ranks whose are not, must call MPI_Alltoallv as they do.
+    if matrix is not None and _even(sends) and matrix.count(sends) == len(matrix):
         return "Alltoall", ([x, MPI.BYTE], [out, MPI.BYTE])
     return "Alltoallv", ([x, _layout(tuple(sends), x.dtype.itemsize), MPI.BYTE],
                          [out, _layout(tuple(recvs), out.dtype.itemsize), MPI.BYTE])

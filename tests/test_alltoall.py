@@ -173,6 +173,29 @@ def test_alltoall_ragged_counts(dtype):
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_alltoall_ragged_where_some_ranks_counts_are_even():
+    """Ranks whose own counts are all equal, among a rank whose are not: every rank takes the
+    vector form (MPI_Alltoallv) alike, learned counts or recv_counts given, blocking or not,
+    on a settled signature too."""
+    import collectives as coll
+    comm = _world()
+    r, p = comm.Get_rank(), comm.Get_size()
+    sends = [[2 if i == j == p - 1 else 1 for j in range(p)] for i in range(p)]
+    x = np.concatenate([_rows(r, j, sends[r][j], np.int32) for j in range(p)])
+    want = np.concatenate([_rows(i, r, sends[i][r], np.int32) for i in range(p)])
+    recv = [sends[i][r] for i in range(p)]
+    for alg in ("native", "auto", "pairwise"):
+        for _ in range(2):
+            got = coll.alltoall(x, sends[r], algorithm=alg)
+            assert_all(np.array_equal(got, want), f"{alg}, counts learned")
+            got = coll.alltoall(x, sends[r], recv_counts=recv, algorithm=alg)
+            assert_all(np.array_equal(got, want), f"{alg}, recv_counts given")
+            got = coll.ialltoall(x, sends[r], recv_counts=recv, algorithm=alg).wait()
+            assert_all(np.array_equal(got, want), f"i{alg}, recv_counts given")
+
+
+@pytest.mark.mpi
 def test_alltoall_torch_and_trailing_shape():
     torch = pytest.importorskip("torch")
     import collectives as coll
