@@ -46,10 +46,20 @@ def _fill(call, collective, ctx, x, out, op, root, counts, inplace, blocking):
 def make_call(collective, ctx, x, out, op=None, root=0, counts=None, inplace=False,
               blocking=True) -> Call:
     """A ``Call`` (``Call(...)`` without the keyword handling: this runs on every call)."""
-    call = _blank(Call)
-    call.collective, call.ctx, call.x, call.out, call.op = collective, ctx, x, out, op
-    call.root, call.counts, call.inplace, call.blocking = root, counts, inplace, blocking
-    call.algorithm, call.seq, call.algo, call.plan = None, -1, None, None
+    call = _blank(Call)  # one store a statement: a tuple on the right would be built first
+    call.collective = collective
+    call.ctx = ctx
+    call.x = x
+    call.out = out
+    call.op = op
+    call.root = root
+    call.counts = counts
+    call.inplace = inplace
+    call.blocking = blocking
+    call.algorithm = None
+    call.seq = -1
+    call.algo = None
+    call.plan = None
     return call
 
 

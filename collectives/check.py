@@ -33,7 +33,7 @@ _VERB = {"collective": "called", "algorithm": "chose", "sequence": "are at"}
 
 def enabled(check=None) -> bool:
     """Per-call ``check`` wins; else ``COLLECTIVES_CHECK``."""
-    return config.get("COLLECTIVES_CHECK") if check is None else bool(check)
+    return config.current.COLLECTIVES_CHECK if check is None else bool(check)
 
 
 def _code(field: str, value) -> int:

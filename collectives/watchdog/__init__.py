@@ -102,7 +102,8 @@ def enter(ctx, call, phase: str = "run") -> Entry | None:
     reused, and the watchdog thread stamps its start when it first sees it running (to within
     a tick, which bounds the timeout's error) instead of every call reading the clock.
     """
-    if config.get("COLLECTIVES_TIMEOUT") <= 0 and config.get("COLLECTIVES_STALL_WARNING") <= 0:
+    settings = config.current
+    if settings.COLLECTIVES_TIMEOUT <= 0 and settings.COLLECTIVES_STALL_WARNING <= 0:
         return None
     channel = ctx.slots.get(Channel)
     if channel is None:
