@@ -280,11 +280,16 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
             key = ("allgather", algorithm, x.dtype, x.shape, given, out is None, out is x)
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, call.out.obj)
-    xb, counts, rows = shapes.gathered(ctx, x, rows, check, "allgather")
-    if given is None and mode is BLOCKING and type(x) is np.ndarray:  # rows learned: after
-        key = ("allgather", algorithm, x.dtype, x.shape, "learned", counts, out is None, out is x)
-        if (call := bound(ctx, key, x, out, xb)) is not None:
-            return start(call, algorithm, check, call.out.obj)
+    if rows is not None:
+        xb, counts, rows = shapes.given(ctx, x, rows, check, "allgather")
+    else:  # learned: the signature holds the exchanged table, known now
+        xb, error, table = shapes.learn(ctx, x, "allgather")
+        if mode is BLOCKING and type(x) is np.ndarray:
+            key = ("allgather", algorithm, x.dtype, x.shape, table.tobytes(), out is None,
+                   out is x)
+            if (call := bound(ctx, key, x, out, xb)) is not None:
+                return start(call, algorithm, check, call.out.obj)
+        counts, rows = shapes.learned(ctx, table, xb, error, "allgather")
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -349,12 +354,13 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         error = exc
     if counts is not None and recv_counts is None:  # ragged: learn what comes from whom
-        recv, matrix = shapes.alltoall_counts(ctx, xb, send, recv, error)
-        if numpy:  # the signature, now that every rank's counts are known
-            key = ("alltoall", algorithm, x.dtype, x.shape, "learned", matrix, out is None,
+        table = shapes.alltoall_counts(ctx, xb, send if error is None else None)
+        if numpy:  # the signature holds the exchanged table, known now
+            key = ("alltoall", algorithm, x.dtype, x.shape, table.tobytes(), out is None,
                    out is x)
             if (call := bound(ctx, key, x, out, xb)) is not None:
                 return start(call, algorithm, check, call.out.obj)
+        recv, matrix = shapes.alltoall_learned(ctx, table, error)
     elif error is not None:
         raise _check.failed(ctx, "alltoall", check, error)
     elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
@@ -416,12 +422,16 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
         root = _root(root, ctx.size)
     except ValueError as exc:
         raise _check.failed(ctx, "gather", check, exc)
-    xb, counts, rows = shapes.gathered(ctx, x, rows, check, "gather")
-    if numpy and given is None:  # rows learned: the signature, now that they are known
-        key = ("gather", algorithm, root, x.dtype, x.shape, "learned", counts, out is None,
-               out is x)
-        if (call := bound(ctx, key, x, out, xb)) is not None:
-            return start(call, algorithm, check, result_of(call))
+    if rows is not None:
+        xb, counts, rows = shapes.given(ctx, x, rows, check, "gather")
+    else:  # learned: the signature holds the exchanged table, known now
+        xb, error, table = shapes.learn(ctx, x, "gather")
+        if numpy:
+            key = ("gather", algorithm, root, x.dtype, x.shape, table.tobytes(), out is None,
+                   out is x)
+            if (call := bound(ctx, key, x, out, xb)) is not None:
+                return start(call, algorithm, check, result_of(call))
+        counts, rows = shapes.learned(ctx, table, xb, error, "gather")
     outb, result = None, None
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     if ctx.rank == root:

@@ -139,16 +139,20 @@ class _NumpyBuffer(Buffer):
     kind, device, _new = "numpy", "cpu", None
 
 
-def numpy_buffer(x: np.ndarray, readonly: bool = False) -> Buffer:
+def numpy_buffer(x: np.ndarray, readonly: bool = False, into: Buffer | None = None) -> Buffer:
     """The ``Buffer`` of a numpy array already known to be C-contiguous and of a supported
     dtype (``wrap`` without its checks). Every call wraps its buffers: filled slot by slot,
-    this is 0.5 us quicker than ``__init__``."""
-    buf = _blank(_NumpyBuffer)
+    this is 0.5 us quicker than ``__init__``. ``into``: a numpy ``Buffer`` of x's shape and
+    dtype to fill instead, as a signature's plan keeps its own (``signature.Plan``)."""
+    if into is None:
+        buf = _blank(_NumpyBuffer)
+        shape = buf.shape = x.shape
+        buf.count = x.size
+        buf.dtype = x.dtype
+    else:
+        buf, shape = into, into.shape
     buf.obj = x
-    shape = buf.shape = x.shape
     buf.flat = x if len(shape) == 1 else x.reshape(-1)
-    buf.count = x.size
-    buf.dtype = x.dtype
     buf.readonly = readonly
     return buf
 

@@ -56,7 +56,7 @@ def comm_context(comm, collective: str | None = None):
             raise TypeError(f"comm must be an mpi4py.MPI.Comm, got "
                             f"{type(comm).__name__}") from None
     try:
-        if config.validate():  # the first call, or the first since config.reload/set
+        if not config.validated and config.validate():  # the first call since reload/set
             select.load_table()  # a named tuning file must exist and parse
     except ValueError as exc:
         # Every rank raises here at once (the ranks met in the context's Dup); each says so
@@ -187,7 +187,7 @@ def start(call: Call, algorithm, check, result, algo=None):
     ctx.seq = seq + 1
     if ctx.pending:
         drain(ctx)
-    checking = check if check is not None else config.get("COLLECTIVES_CHECK")
+    checking = check if check is not None else config.current.COLLECTIVES_CHECK
     entry = None
     if ctx.size > 1:
         phase = "check" if checking else "run"
@@ -217,10 +217,14 @@ def start(call: Call, algorithm, check, result, algo=None):
     except BaseException as exc:
         if entry is not None:
             _watchdog.unwatch(entry, exc)
+        if run is not None:
+            plan.empty()
         raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
     if call.blocking:
         if entry is not None:  # the communicator's reused entry keeps no buffer until next time
             entry.release()
+        if run is not None:  # nor do the plan's Buffers
+            plan.empty()
         if finalize is not None:
             finalize()
         return result
@@ -250,7 +254,7 @@ def _choose_and_run(call: Call, algo, named: bool, plan: Plan | None):
     if algo is None:
         memo = ctx.slots.get(_AutoMemo)  # the memo's hit, inline
         algo = memo.picks.get((collective, nbytes, call.inplace)) if memo is not None and \
-            memo.setting is config.get("COLLECTIVES_TUNING") else None
+            memo.setting is config.current.COLLECTIVES_TUNING else None
         if algo is None:
             algo = _auto(ctx, collective, nbytes, call.inplace)
     call.algorithm, call.algo = algo.name, algo

@@ -21,7 +21,8 @@ from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
 
 __all__ = ["balanced", "counts_of", "CountBuffers", "MatrixBuffers", "allgather_counts",
-           "gathered", "elements", "alltoall_counts", "row_counts", "rows_of", "MAX_AXES", "scatter_header",
+           "learn", "learned", "given", "elements", "alltoall_counts", "alltoall_learned",
+           "row_counts", "rows_of", "MAX_AXES", "scatter_header",
            "scatter_known"]
 
 
@@ -57,12 +58,13 @@ def counts_of(counts, size: int) -> tuple[int, ...]:
 class _Exchange:
     """A small exchange before a collective's data moves, as the watchdog sees it: the
     communicator's reused blocking entry (``watchdog.enter``), described only when a report
-    needs it."""
+    needs it. One a communicator, reused like the entry: exchanges on it come one at a
+    time."""
 
     __slots__ = ("collective", "seq", "how")
 
-    def __init__(self, collective: str, seq: int, how: str):
-        self.collective, self.seq, self.how = collective, seq, how
+    def __init__(self, ctx):
+        self.collective, self.seq, self.how = "", -1, ""
 
     def describe(self) -> str:
         return f"{self.collective} #{self.seq} ({self.how})"
@@ -71,7 +73,13 @@ class _Exchange:
 def _exchange(ctx, collective: str, how: str, method, *args) -> None:
     """``method(*args)``, an exchange every rank of ``ctx`` joins, watched like a blocking
     collective."""
-    entry = _watchdog.enter(ctx, _Exchange(collective, ctx.seq, how)) if ctx.size > 1 else None
+    entry = None
+    if ctx.size > 1:
+        what = ctx.slots.get(_Exchange) or ctx.slot(_Exchange)
+        what.collective = collective
+        what.seq = ctx.seq
+        what.how = how
+        entry = _watchdog.enter(ctx, what)
     try:
         method(*args)
     except BaseException as exc:
@@ -95,29 +103,49 @@ class CountBuffers:
         self.send, self.recv = [self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]
 
 
-def allgather_counts(ctx, xb: Buffer | None, error=None,
-                      collective="allgather") -> tuple[tuple[int, ...], int]:
-    """Every rank's element count, from one small Allgather of (rows, elements per row).
-
-    A rank whose ``x`` was refused (``xb`` None, ``error`` set) still joins, with rows -1, so
-    that every rank raises (``check.settle``) instead of the others waiting.
-    """
-    shape = None if xb is None else xb.shape
+def allgather_counts(ctx, xb: Buffer | None, collective="allgather") -> array:
+    """Every rank's (rows, elements per row) of ``x``, from one small Allgather: the
+    communicator's table (``CountBuffers.table``, valid until its next exchange), rank after
+    rank. A rank whose ``x`` was refused (``xb`` None) joins with rows -1, so that every rank
+    raises (``learned``) instead of the others waiting."""
     # Plain ints and buffers kept on the communicator: this runs on every allgather without
     # counts, and numpy's reductions on two-element arrays made it 25 us at 8 B, n = 2,
     # against 3 us for the MPI_Allgather.
-    rows = -1 if xb is None else shape[0] if shape else 1
-    row = -1 if xb is None else 1 if len(shape) < 2 else math.prod(shape[1:])
     bufs = ctx.slots.get(CountBuffers) or ctx.slot(CountBuffers)
-    mine, table = bufs.mine, bufs.table
-    mine[0] = rows
-    mine[1] = row
+    mine = bufs.mine
+    if xb is None:
+        mine[0] = mine[1] = -1
+    else:
+        shape = xb.shape
+        mine[0] = shape[0] if shape else 1
+        mine[1] = 1 if len(shape) < 2 else math.prod(shape[1:])
     _exchange(ctx, collective, "exchanging row counts: MPI_Allgather", ctx.comm.Allgather,
               bufs.send, bufs.recv)
+    return bufs.table
+
+
+def learn(ctx, x, collective) -> tuple[Buffer | None, Exception | None, array]:
+    """``(x wrapped, None, table)`` of an allgather or gather without counts, or ``(None, the
+    error refusing x, table)``: ``table`` is every rank's (rows, elements per row)
+    (``allgather_counts``), which ``learned`` reads. The table, as bytes, is part of the
+    call's signature: alike tables read alike."""
+    try:
+        xb, error = wrap(x, "x"), None
+    except (TypeError, ValueError) as exc:
+        xb, error = None, exc
+    return xb, error, allgather_counts(ctx, xb, collective)
+
+
+def learned(ctx, table: array, xb: Buffer | None, error,
+            collective) -> tuple[tuple[int, ...], int]:
+    """``(every rank's element count, total rows)`` from ``learn``'s table; the error of a
+    rank whose x was refused (``check.settle``) or of trailing axes that differ, on every
+    rank."""
     every = table.tolist()
     every_rows, every_row = every[0::2], every[1::2]
     if min(every_rows) < 0:
         _check.settle(ctx.comm, collective, error)
+    row = every_row[ctx.rank]
     if every_row.count(row) != ctx.size:
         shapes = ", ".join(f"rank {r}: {e} per row" for r, e in enumerate(every_row))
         raise ValueError(f"{collective}: x's trailing axes must agree on every rank ({shapes})")
@@ -126,46 +154,51 @@ def allgather_counts(ctx, xb: Buffer | None, error=None,
     return tuple(r * row for r in every_rows), sum(every_rows)
 
 
-def gathered(ctx, x, rows, check, collective) -> tuple[Buffer, tuple[int, ...], int]:
-    """``(x wrapped, every rank's element count, total rows)`` of an allgather or gather:
-    from ``rows`` (every rank's rows, given alike on every rank: nothing to exchange, as
-    ``MPI_Allgather``), else learned with one small exchange (``allgather_counts``)."""
+def given(ctx, x, rows, check, collective) -> tuple[Buffer, tuple[int, ...], int]:
+    """``(x wrapped, every rank's element count, total rows)`` of an allgather or gather
+    whose ``rows`` (every rank's, given alike on every rank) are checked against x: nothing
+    to exchange, as ``MPI_Allgather``."""
     try:
-        xb, error = wrap(x, "x"), None
-        if rows is not None:
-            rows = counts_of(rows, ctx.size)
-            mine, row = rows_of(xb)
-            if rows[ctx.rank] != mine:
-                raise ValueError(f"{collective}: counts[{ctx.rank}] is {rows[ctx.rank]}, but "
-                                 f"x has {mine} rows on rank {ctx.rank}")
-            return xb, elements(rows, row), sum(rows)
+        xb = wrap(x, "x")
+        rows = counts_of(rows, ctx.size)
+        mine, row = rows_of(xb)
+        if rows[ctx.rank] != mine:
+            raise ValueError(f"{collective}: counts[{ctx.rank}] is {rows[ctx.rank]}, but "
+                             f"x has {mine} rows on rank {ctx.rank}")
     except (TypeError, ValueError) as exc:
-        if rows is not None:
-            raise _check.failed(ctx, collective, check, exc)
-        xb, error = None, exc
-    counts, total = allgather_counts(ctx, xb, error, collective)
-    return xb, counts, total
+        raise _check.failed(ctx, collective, check, exc)
+    return xb, elements(rows, row), sum(rows)
 
 
 def elements(counts, row: int) -> tuple[int, ...]:
     return counts if row == 1 else tuple(c * row for c in counts)
 
 
-def alltoall_counts(ctx, xb, send, recv, error):
-    """``(recv, matrix)`` in rows: ``recv`` as given, or learned with one small Allgather of
-    every rank's (elements per row, send counts), which also gives every rank the whole
-    ``matrix`` (rank i's send counts in row i). A rank whose arguments were refused joins with
-    -1, so that every rank raises (``check.settle``) instead of the others waiting."""
+def alltoall_counts(ctx, xb, send) -> array:
+    """Every rank's (elements per row, send counts), from one small Allgather: the
+    communicator's table (``MatrixBuffers.table``, valid until its next exchange), rank i's
+    send counts in row i. A rank whose arguments were refused (``send`` None) joins with -1,
+    so that every rank raises (``alltoall_learned``) instead of the others waiting. The
+    table, as bytes, is part of the call's signature."""
     bufs = ctx.slots.get(MatrixBuffers) or ctx.slot(MatrixBuffers)
-    mine, table, size = bufs.mine, bufs.table, ctx.size
-    if error is None:
-        mine[0] = rows_of(xb)[1]
-        mine[1:] = array("q", send)
+    mine = bufs.mine
+    if send is None:
+        mine[:] = array("q", (-1,) * (ctx.size + 1))
     else:
-        mine[:] = array("q", (-1,) * (size + 1))
+        shape = xb.shape
+        mine[0] = math.prod(shape[1:])
+        mine[1:] = array("q", send)
     _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather", ctx.comm.Allgather,
               bufs.send, bufs.recv)
+    return bufs.table
+
+
+def alltoall_learned(ctx, table: array, error):
+    """``(recv, matrix)`` in rows from ``alltoall_counts``' table: what this rank receives
+    from each rank, and every rank's send counts; the error of a rank whose arguments were
+    refused (``check.settle``) or of trailing axes that differ, on every rank."""
     every = table.tolist()  # plain ints: numpy's reductions on a few counts cost more
+    size = ctx.size
     width = size + 1
     per_row = every[0::width]  # each rank's elements per row, then its send counts
     row = per_row[ctx.rank]

@@ -35,12 +35,25 @@ class Plan:
     record chosen and ``run(call) -> work`` how the record runs a call of this signature.
     A plan is made unsettled (``algo`` and ``run`` None) by the API for a call whose
     signature has none yet; ``start`` settles and keeps it where the choice depended on the
-    signature alone (not on the buffers, as a preference's agreement does)."""
+    signature alone (not on the buffers, as a preference's agreement does).
 
-    __slots__ = ("key", "derived", "algo", "run")
+    ``x`` and ``out``: the ``Buffer``s that its calls fill with the caller's arrays
+    (``bound``) and ``empty`` drops them from when the call returns, so that a call wraps
+    its arrays without making objects."""
+
+    __slots__ = ("key", "derived", "algo", "run", "x", "out")
 
     def __init__(self, key, derived=None):
         self.key, self.derived, self.algo, self.run = key, derived, None, None
+        self.x = self.out = None
+
+    def empty(self) -> None:
+        """A call of this plan returned: its Buffers hold none of the caller's arrays."""
+        x, out = self.x, self.out
+        if x is not None:
+            x.obj = x.flat = None
+        if out is not None:
+            out.obj = out.flat = None
 
 
 # Where a call's out is: not given (the API makes it), x itself, an array apart from x, or
@@ -71,10 +84,11 @@ def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
     a check fails: the full path then takes the call, and says why. ``plan.derived``: the
     collective, op, root, counts, the output's shape, in place, where out is (``NEW``,
     ``SAME``, ``APART``, ``NONE``), whether this rank receives into it, and the Buffer
-    standing for x where x is not read on this rank (or None)."""
+    standing for x where x is not read on this rank (or None). The call's Buffers are the
+    plan's own, filled (``Plan.empty`` drops the arrays when the call returns)."""
     plans = ctx.slots.get(Plans)  # planned(ctx, key), inline: this runs on every call
     if plans is None or plans.version != CHANGES[0] or \
-            plans.setting is not config.get("COLLECTIVES_TUNING"):
+            plans.setting is not config.current.COLLECTIVES_TUNING:
         return None
     try:
         plan = plans.table.get(key)
@@ -88,7 +102,10 @@ def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
             flags = x.flags
             if not flags.c_contiguous:
                 return None
-        xb = numpy_buffer(x, not flags.writeable) if stand_in is None else stand_in
+        if stand_in is None:
+            xb = plan.x = numpy_buffer(x, not flags.writeable, plan.x)
+        else:
+            xb = stand_in
     if placed is APART:
         if type(out) is not np.ndarray or out.shape != shape or \
                 (out.dtype is not xb.dtype and out.dtype != xb.dtype):
@@ -98,9 +115,9 @@ def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
                 (out.base is None and xb.obj.base is None) or
                 not np.may_share_memory(xb.flat, out)):
             return None
-        outb = numpy_buffer(out)
+        outb = plan.out = numpy_buffer(out, False, plan.out)
     elif placed is NEW:
-        outb = numpy_buffer(np.empty(shape, xb.dtype))
+        outb = plan.out = numpy_buffer(np.empty(shape, xb.dtype), False, plan.out)
     elif placed is SAME:
         if xb.readonly:
             return None
@@ -136,7 +153,7 @@ def planned(ctx, key) -> Plan | None:
     key cannot be hashed: such a call has no plan)."""
     plans = ctx.slots.get(Plans)
     if plans is None or plans.version != CHANGES[0] or \
-            plans.setting is not config.get("COLLECTIVES_TUNING"):
+            plans.setting is not config.current.COLLECTIVES_TUNING:
         return None
     try:
         return plans.table.get(key)

@@ -88,6 +88,20 @@ def _cases(n, r):
         "allgather counts as floats": (
             lambda c: coll.allgather(x4(), counts=[4] * n, comm=c),
             lambda c: coll.allgather(x4(), counts=[4.0] * n, comm=c)),
+        "allgather learned, another rank's rows changed": (
+            lambda c: coll.allgather(x4(), comm=c),
+            lambda c: coll.allgather(np.ones(5 if r == n - 1 else 4, f4) * r, comm=c)),
+        "allgather learned, x not contiguous": (
+            lambda c: coll.allgather(x4(), comm=c),
+            lambda c: coll.allgather(np.arange(8, dtype=f4)[::2], comm=c)),
+        "gather learned, another rank's rows changed": (
+            lambda c: coll.gather(x4(), comm=c),
+            lambda c: coll.gather(np.ones((5 if r == n - 1 else 4, 1), f4)[:, 0] * r, comm=c)),
+        "alltoall learned, another rank's counts changed": (
+            lambda c: coll.alltoall(np.arange(n, dtype=f4) + r, [1] * n, comm=c),
+            lambda c: coll.alltoall(np.arange(n, dtype=f4) + r,
+                                    [1] * n if r != n - 1 or n == 1 else [2] + [1] * (n - 2) + [0],
+                                    comm=c)),
         "gather out of another shape": (
             lambda c: coll.gather(x4(), counts=[4] * n,
                                   out=np.zeros(rows, f4) if r == 0 else None, comm=c),
