@@ -88,7 +88,8 @@ KINDS = {
     "same": "the same x and out every call",
     "fresh": "a fresh x every call (the bare call too)",
     "no out": "the API allocates the result (the bare call allocates its out)",
-    "list": "counts given as a list",
+    "list": "counts given as a list (alltoall's send and receive counts: the bare call is "
+            "MPI_Alltoallv with them, as each rank knows only its own)",
     "learned": "no counts: learned with one exchange (the bare row adds one MPI_Allgather of "
                "the counts)",
     "persistent": "coll.<name>_init once, then start() and wait() (bare: MPI_<Name>_init, "
@@ -184,8 +185,9 @@ def _collective_calls(comm, collective: str, nbytes: int = 8) -> tuple[dict, lis
                       lambda: coll.alltoall(fresh(count * n), out=every)),
             "no out": (lambda: comm.Alltoall(big, np.empty_like(every)),
                        lambda: coll.alltoall(big)),
-            "list": (lambda: comm.Alltoall(big, every),
-                     lambda: coll.alltoall(big, rows_list, recv_counts=rows_list, out=every)),
+            "list": (lambda: comm.Alltoallv([big, rows_list], [every, rows_list]),
+                     lambda: coll.alltoall(big, rows_list, recv_counts=rows_list, out=every),
+                     "Alltoallv"),
             "learned": both(lambda: comm.Alltoall(big, every),
                             lambda: coll.alltoall(big, rows_list, out=every)),
             "persistent": persistent(lambda: comm.Alltoall_init(big, every),
@@ -222,8 +224,9 @@ def _collective_calls(comm, collective: str, nbytes: int = 8) -> tuple[dict, lis
     }
     name, kinds = calls[collective]
     del MPI
-    return {kind: (bare, api, f"{name}_init" if kind == "persistent" else name)
-            for kind, (bare, api) in kinds.items()}, made
+    return {kind: (pair[0], pair[1], pair[2] if len(pair) > 2 else
+                   f"{name}_init" if kind == "persistent" else name)
+            for kind, pair in kinds.items()}, made
 
 
 def measure_collectives(comm, collectives=COLLECTIVES, rounds: int = 9, calls: int = 2000,
