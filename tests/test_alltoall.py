@@ -196,6 +196,30 @@ def test_alltoall_ragged_where_some_ranks_counts_are_even():
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_alltoall_random_count_matrices():
+    """Count matrices drawn alike on every rank (rows of equal counts among ragged ones, zeros,
+    whole rows of zeros), each through every algorithm that takes ragged blocks, learned and
+    with recv_counts, blocking and not."""
+    import collectives as coll
+    comm = _world()
+    r, p = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(2026)  # the same draws on every rank
+    for draw in range(12):
+        rows = [np.full(p, rng.integers(0, 3)) if rng.random() < 0.5 else
+                rng.integers(0, 4, p) for _ in range(p)]
+        sends = [[int(c) for c in row] for row in rows]
+        x = np.concatenate([_rows(r, j, sends[r][j], np.float64) for j in range(p)])
+        want = np.concatenate([_rows(i, r, sends[i][r], np.float64) for i in range(p)])
+        recv = [sends[i][r] for i in range(p)]
+        for alg in ("native", "pairwise", "auto"):
+            got = coll.alltoall(x, sends[r], algorithm=alg)
+            assert_all(np.array_equal(got, want), f"{alg} {sends}, learned")
+            got = coll.ialltoall(x, sends[r], recv_counts=recv, algorithm=alg).wait()
+            assert_all(np.array_equal(got, want), f"i{alg} {sends}, recv_counts given")
+
+
+@pytest.mark.mpi
 def test_alltoall_torch_and_trailing_shape():
     torch = pytest.importorskip("torch")
     import collectives as coll
