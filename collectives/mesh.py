@@ -5,6 +5,7 @@
     mesh.comm(("dp", "tp"))  # several axes flattened into one communicator
     mesh.coord("pp"), mesh.size("dp"), mesh.shape, mesh.names
     mesh.group("tp")         # the same ranks as a torch ProcessGroup on the toolkit's backend
+    mesh.communicators()     # every MPI communicator made so far (to revoke after a failure)
 
 Vocabulary: a *coordinate* is a rank's position on every axis; ranks are laid out in row-major
 order, so the *last axis varies fastest* and a group along it is consecutive ranks (a
@@ -145,6 +146,11 @@ class Mesh:
         if idx not in self._comms:
             self._comms[idx] = self._cart.Sub([i in idx for i in range(len(self._shape))])
         return self._comms[idx]
+
+    def communicators(self) -> list:
+        """The MPI communicators this mesh has made so far: its cartesian one, then one per
+        axis set asked for (what to revoke when a rank of the mesh fails)."""
+        return [self._cart, *self._comms.values()]
 
     def group(self, axes):
         """This rank's group along ``axes`` as a torch ``ProcessGroup`` on the default group's
