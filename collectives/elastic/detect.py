@@ -13,10 +13,13 @@
    the revoke of step 1 works but a dead process ends the whole job);
 3. the ranks agree (an allreduce of the verdicts): one answer for the job.
 
-``process_failure(exc)`` is true for ``ERR_PROC_FAILED``, ``ERR_PROC_FAILED_PENDING`` and
+``process_failure(exc, comm)`` is true for ``ERR_PROC_FAILED``, ``ERR_PROC_FAILED_PENDING`` and
 ``ERR_REVOKED`` (a survivor that revoked a communicator tells the others so), also when the MPI
 error is the cause of another error, or its text is (torch's ``Future`` passes on an error raised
-in a callback as a ``RuntimeError`` with its message only).
+in a callback as a ``RuntimeError`` with its message only). ``ERR_IN_STATUS`` counts too where
+``comm`` knows a failed process (``Comm.Get_failed``): a test or wait on several requests
+reports a dead peer's request that way, its own class hidden in a status the caller may not
+keep (the executor reads it as a truncation: ``MessageSizeError``).
 """
 from __future__ import annotations
 
@@ -35,13 +38,30 @@ def failure_classes() -> tuple[int, ...]:
     return tuple(getattr(MPI, n) for n in names if getattr(MPI, n, None) is not None)
 
 
-def process_failure(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is MPI reporting a failed process."""
+def _knows_failed(comm) -> bool:
+    """Whether ``comm`` has a process this one knows to have failed (local)."""
+    try:
+        group = comm.Get_failed()
+    except (NotImplementedError, Exception):  # noqa: BLE001 - no ULFM: no such knowledge
+        return False
+    try:
+        return group.Get_size() > 0
+    finally:
+        group.Free()
+
+
+def process_failure(exc: BaseException | None, comm=None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is MPI reporting a failed process
+    (of ``comm``, for an error in a status: see the module doc)."""
     import sys
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None:
         return False
     classes = failure_classes()
+    if comm is not None and getattr(mpi, "ERR_IN_STATUS", None) is not None:
+        in_status = mpi.ERR_IN_STATUS
+    else:
+        in_status = None
     # torch's Future carries an error raised in a callback over as a RuntimeError holding only
     # its text: MPI's own string for the class is what is left of it.
     texts = [mpi.Get_error_string(c).split(":")[0] for c in classes]
@@ -50,6 +70,8 @@ def process_failure(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         if isinstance(exc, mpi.Exception):
             if exc.Get_error_class() in classes:
+                return True
+            if exc.Get_error_class() == in_status and _knows_failed(comm):
                 return True
         elif any(t and t in str(exc) for t in texts):
             return True

@@ -7,23 +7,18 @@
 2. *Shrink* it: ULFM's shrink is an agreement among the survivors on who failed (a failure during
    the shrink is absorbed by it), and returns a communicator of the survivors, in their old
    order.
-3. *Forget* the revoked communicators' caches (``collectives.topology.forget``): the next
-   collective on the shrunk one makes a fresh private ``Dup`` and learns its topology again.
+3. *Forget* the revoked communicators' caches (``collectives.topology.forget``, each of them:
+   the watchdog then stops asking on their side channels, whose every use would fail): the
+   next collective on the shrunk one makes a fresh private ``Dup`` and learns its topology
+   again.
    Revoked communicators are never freed: Open MPI 5 crashes when a revoke notice from another
    rank reaches a communicator that is gone.
 """
 from __future__ import annotations
 
-__all__ = ["shrink", "world_ranks"]
+__all__ = ["shrink"]
 
 _REVOKED: list = []
-
-
-def world_ranks(comm, ranks) -> list[int]:
-    """``ranks`` of ``comm`` as ranks of ``COMM_WORLD`` (local)."""
-    from mpi4py import MPI
-    return list(MPI.Group.Translate_ranks(comm.Get_group(), list(ranks),
-                                          MPI.COMM_WORLD.Get_group()))
 
 
 def _revoke(c) -> None:
@@ -37,15 +32,16 @@ def _revoke(c) -> None:
 
 def shrink(comm, others=()) -> tuple:
     """Revoke ``comm`` (and what was built on it, and ``others``), shrink it to the survivors:
-    ``(shrunk, lost)``, ``lost`` the failed ranks as ranks of ``COMM_WORLD``."""
+    ``(shrunk, lost)``, ``lost`` the failed ranks as ranks of ``comm``."""
     from mpi4py import MPI
     from .. import topology
-    for c in [comm, *topology.derived(comm), *others]:
-        _revoke(c)
+    for c in [comm, *others]:
+        for d in [c, *topology.derived(c)]:
+            _revoke(d)
     new = comm.Shrink()
     kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())),
                                      comm.Get_group())
     lost = sorted(set(range(comm.Get_size())) - set(kept))
-    lost_world = world_ranks(comm, lost)
-    topology.forget(comm)
-    return new, lost_world
+    for c in [comm, *others]:
+        topology.forget(c)
+    return new, lost

@@ -25,7 +25,7 @@ import collectives as coll
 
 __all__ = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
            "all_to_all_single", "all_to_all", "gather", "scatter", "Work", "wait_future",
-           "progress", "op_name", "unpack_into", "equal_blocks"]
+           "settle", "progress", "op_name", "unpack_into", "equal_blocks"]
 
 _TORCH_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg",
               "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -131,6 +131,15 @@ class Work:
 
     def __repr__(self):
         return f"<collectives.torch.Work {'done' if self._done else 'in flight'}>"
+
+
+def settle() -> None:
+    """Complete every pending Work now, in start order, each with its result or its error:
+    after a process failure (``collectives.elastic``), whose revoked communicators fail the
+    abandoned ones at once, so that none is left for ``progress`` or a later wait to meet."""
+    with _LOCK:
+        while _PENDING:
+            _PENDING.popleft()._finish()
 
 
 def wait_future(fut):
