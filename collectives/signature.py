@@ -109,18 +109,18 @@ def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
     if placed is APART:
         if type(out) is not np.ndarray or out.shape != shape or \
                 (out.dtype is not xb.dtype and out.dtype != xb.dtype):
-            return None
+            return plan.empty()  # x's Buffer may hold x: the full path takes the call
         flags = out.flags
         if not (flags.c_contiguous and flags.writeable) or not (
                 (out.base is None and xb.obj.base is None) or
                 not np.may_share_memory(xb.flat, out)):
-            return None
+            return plan.empty()
         outb = plan.out = numpy_buffer(out, False, plan.out)
     elif placed is NEW:
         outb = plan.out = numpy_buffer(np.empty(shape, xb.dtype), False, plan.out)
     elif placed is SAME:
         if xb.readonly:
-            return None
+            return plan.empty()
         outb = xb
     else:
         outb = None

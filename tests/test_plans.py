@@ -137,11 +137,15 @@ def test_a_settled_signature_answers_as_a_fresh_call(case):
         settle(warm)
         settle(warm)  # the second call runs on the settled plan
         got, want = _outcome(lambda: probe(warm)), _outcome(lambda: probe(fresh))
+        plans = dispatch.comm_context(warm).slots[signature.Plans].table.values()
+        held = [p.key[0] for p in plans for b in (p.x, p.out) if b is not None and
+                (b.obj is not None or b.flat is not None)]
     finally:
         warm.Free()
         fresh.Free()
     assert_all(got == want, f"{case}: {got} after a settled plan, {want} on a fresh "
                             f"communicator")
+    assert_all(not held, f"{case}: the plans of {held} hold an array after the call")
 
 
 @pytest.mark.mpi
