@@ -3,28 +3,40 @@
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:10
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:10 --zero 3
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 1:5,3:9,2:14
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --replace
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --tp 2
     mpiexec -n 4 python examples/train_elastic.py            # MPICH: no failure survived in-job
     python -m collectives.elastic run --np 4 --min-np 2 -- python examples/train_elastic.py \\
         --checkpoint-dir /tmp/ckpt --checkpoint-every 5 --kill 2:12
 
-``--zero 2`` (or 1, 3) trains with ``ShardedDataParallel`` instead of DDP: its shards and
-their optimizer state are committed with a copy on the next rank (``collectives.elastic.zero``),
-so a dead rank's shard is rebuilt from its copy. A small MLP learns a fixed random teacher network on synthetic data made here (nothing is
-downloaded). Every step trains on the same global batch whatever the rank count
-(``elastic.GlobalBatches``): the survivors of a failure share it. Rank 0 prints ``step S ranks R
-loss L`` per step and, at the end, one JSON line: ``steps``, ``ranks`` at the start and end,
-``steps_lost`` (committed steps given up, summed over recoveries), ``recoveries`` (each with its
-``seconds`` from the error to the restored state and ``since_commit`` from the last commit,
-which bounds the time the failure cost), ``path`` (``ulfm``: shrink and go on; ``restart``: a
-run of the supervisor), the SHA-256 ``digest`` of the parameters and ``digests_equal`` (every
-rank computed it; equal on all of them), ``commit_ms`` and ``step_ms`` (mean per step), and with
-checkpoints ``checkpoint_ms`` (the mean time the training loop spent per checkpoint).
+``--zero 2`` (or 1, 3) trains with ``ShardedDataParallel`` instead of DDP: its shards and their
+optimizer state are committed with a copy on the next rank (``collectives.elastic.zero``), so a
+dead rank's shard is rebuilt from its copy. ``--replace`` starts a replacement for every rank
+lost (``elastic.run(replace=True)``: spawn and merge; it receives the committed state from rank
+0 and the job is back to its size). ``--tp 2`` trains examples/train_gpt.py's GPT (a small one:
+``--width``, 4 heads, 2 layers) on a mesh of (ranks / 2) x 2 (dp x tp):
+``tensor_parallel.parallelize`` over "tp", DDP over "dp", on an ``elastic.ElasticMesh``, which
+drops the dead rank's tp group (its partner leaves; the complete groups go on). Steps draw
+``--global-batch`` windows of train_gpt.py's corpus, split over the dp groups. Otherwise a small
+MLP learns a fixed random teacher network on synthetic data made here (nothing is downloaded).
+Every step trains on the same global batch whatever the rank count (``elastic.GlobalBatches``):
+the survivors of a failure share it. Rank 0 prints ``step S ranks R loss L`` per step and, at
+the end, one JSON line: ``steps``, ``ranks`` at the start and end, ``steps_lost`` (committed
+steps given up, summed over recoveries), ``recoveries`` (each with its ``seconds`` from the
+error to the restored state and ``since_commit`` from the last commit, which bounds the time the
+failure cost), ``path`` (``ulfm``: shrink and go on; ``restart``: a run of the supervisor), the
+SHA-256 ``digest`` of the parameters and ``digests_equal`` (every rank computed it; equal on all
+of them), ``commit_ms`` and ``step_ms`` (mean per step), and with checkpoints ``checkpoint_ms``
+(the mean time the training loop spent per checkpoint); with ``--tp``, ``mesh``
+(its shape at the end). A rank that leaves (``--tp``) prints ``rank R left at step S``.
 
-``--kill RANK:STEP,...`` kills ``COMM_WORLD`` rank RANK with SIGKILL as it starts step STEP
-(``elastic.FailureInjector``), in a job that starts from step 0 (not in one that the supervisor
-restarted from a checkpoint); ``--announce`` makes every rank print ``rank R pid P`` first, for
-a kill from outside the job. ``--save-restored PATH`` writes, at the first recovery, the state
-the survivors went back to (for a reference run); ``--resume PATH`` starts from such a file.
+``--kill RANK:STEP,...`` kills the process named RANK (``COMM_WORLD`` rank, or ``W + k`` for the
+k-th replacement) with SIGKILL as it starts step STEP (``elastic.FailureInjector``), in a job
+that starts from step 0 (not in one that the supervisor restarted from a checkpoint);
+``--announce`` makes every rank print ``rank R pid P`` first, for a kill from outside the job.
+``--save-restored PATH`` writes, at the first recovery, the state the survivors went back to
+(for a reference run; with ``--tp``, each tp rank's shards and optimizer state); ``--resume
+PATH`` starts from such a file.
 """
 import argparse
 import hashlib
@@ -37,6 +49,11 @@ import time
 # ones included (with it, the last survivors of a job that lost ranks may wait there for
 # ever). Set before MPI starts; other MPI libraries ignore it.
 os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
+# One rank a node, as the toolkit's topology sees it: ``auto`` (the tensor-parallel layers'
+# choice) then never picks a shared-memory algorithm, whose wait on a dead rank no MPI error
+# interrupts (docs/elastic.md). The DDP and ZeRO paths name algorithm="ring" instead.
+if "--tp" in sys.argv:
+    os.environ.setdefault("COLLECTIVES_RANKS_PER_NODE", "1")
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -65,6 +82,11 @@ def parse():
     p.add_argument("--resume", default=None)
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage (ShardedDataParallel, shards kept redundantly); 0: DDP")
+    p.add_argument("--tp", type=int, default=0,
+                   help="tensor-parallel size: a GPT on an elastic dp x tp mesh; 0: the MLP")
+    p.add_argument("--replace", action="store_true",
+                   help="start a replacement for every rank lost (ULFM: spawn and merge); it "
+                        "receives the state from rank 0")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--announce", action="store_true",
                    help="every rank prints 'rank R pid P' first (to be killed from outside)")
@@ -96,23 +118,51 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     world = MPI.COMM_WORLD
-    if args.announce:
+    if args.announce and MPI.Comm.Get_parent() == MPI.COMM_NULL:  # not a replacement
         print(f"rank {world.Get_rank()} pid {os.getpid()}", flush=True)
-    x, y = make_data(args.samples, seed=args.seed)
-    module = nn.Sequential(nn.Linear(16, args.width), nn.Tanh(),
-                           nn.Linear(args.width, args.width), nn.Tanh(),
-                           nn.Linear(args.width, 4))
-    # Point-to-point algorithms only: shared-memory ones wait on memory that a dead rank never
-    # writes, which no MPI error interrupts (docs/elastic.md).
-    if args.zero:
-        model = ShardedDataParallel(module, stage=args.zero, comm=world, algorithm="ring",
-                                    registered_buffers=False)
-    else:
-        model = DistributedDataParallel(module, comm=world, algorithm="ring",
+    emesh = gpt = None
+    if args.tp:
+        import numpy as np
+        import train_gpt as gpt   # beside this script
+        from collectives.torch import tensor_parallel as tp
+        emesh = elastic.ElasticMesh((world.Get_size() // args.tp, args.tp), ("dp", "tp"))
+        text = gpt.corpus(1 << 17)
+        module = gpt.GPT(256, args.width, 4, 2)
+        tp.parallelize(module, emesh.mesh.comm("tp"), gpt.plan(module, False))
+        model = DistributedDataParallel(module, comm=emesh.mesh.comm("dp"), algorithm="ring",
                                         registered_buckets=False)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        opt = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
+
+        def forward(step, comm):
+            xs, ys = gpt.batch(text, step, args.global_batch, 32, args.seed)
+            rows = np.array_split(np.arange(args.global_batch), emesh.mesh.size("dp"))
+            part = torch.from_numpy(rows[emesh.mesh.coord("dp")])
+            return tp.vocab_parallel_cross_entropy(model(xs[part]), ys[part],
+                                                   emesh.mesh.comm("tp"))
+    else:
+        x, y = make_data(args.samples, seed=args.seed)
+        module = nn.Sequential(nn.Linear(16, args.width), nn.Tanh(),
+                               nn.Linear(args.width, args.width), nn.Tanh(),
+                               nn.Linear(args.width, 4))
+        # Point-to-point algorithms only: shared-memory ones wait on memory that a dead rank
+        # never writes, which no MPI error interrupts (docs/elastic.md).
+        if args.zero:
+            model = ShardedDataParallel(module, stage=args.zero, comm=world, algorithm="ring",
+                                        registered_buffers=False)
+        else:
+            model = DistributedDataParallel(module, comm=world, algorithm="ring",
+                                            registered_buckets=False)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+        def forward(step, comm):
+            idx = torch.from_numpy(batches.indices(step, comm.Get_rank(), comm.Get_size()))
+            return nn.functional.mse_loss(model(x[idx]), y[idx])
     batches = elastic.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
-    state = elastic.State(model=model, optimizer=opt, step=0)
+    # With a mesh the State keeps the tensor-parallel module (this rank's shards); the mesh
+    # rebuilds the layers' group and DDP over dp after a failure.
+    state = elastic.State(model=module if emesh else model, optimizer=opt, step=0)
+    if emesh:
+        emesh.attach(state, module, model)
     ckpt = None
     if args.checkpoint_dir:
         from collectives.elastic import checkpoint
@@ -122,7 +172,10 @@ def main():
         ckpt.load_newest(state)
     if args.resume:
         saved = torch.load(args.resume, weights_only=False)
-        if args.zero:
+        if args.tp:
+            mine = saved["tp_shards"][emesh.mesh.coord("tp")]
+            state.load(elastic.Commit(saved["next_step"], mine[0], mine[1], None, {}))
+        elif args.zero:
             model.load_full_state_dict(saved["model"])
             model.load_full_optim_state_dict(opt, saved["optimizer"])
             state.step = saved["next_step"]
@@ -135,14 +188,15 @@ def main():
     timing = {"commit": 0.0, "step": 0.0, "n": 0}
     ranks0 = world.Get_size()
 
-    @elastic.run(state, comm=world, min_ranks=args.min_ranks)
+    @elastic.run(state, comm=world, min_ranks=args.min_ranks, replace=args.replace,
+                 select=emesh.select if emesh else None,
+                 revoke=emesh.revoke if emesh else None)
     def train(state, comm):
         rank, size = comm.Get_rank(), comm.Get_size()
         for state.step in range(state.step, args.steps):
             inject(state.step)
             t0 = time.perf_counter()
-            idx = torch.from_numpy(batches.indices(state.step, rank, size))
-            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+            loss = forward(state.step, comm)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -159,11 +213,17 @@ def main():
                 print(f"step {state.step} ranks {size} loss {mean.item():.6f}", flush=True)
         return comm
 
+    restored = []
+
     def save_restored(c):
         # The first restore only: the state that a reference run starts from.
-        if os.path.exists(args.save_restored):
+        if restored or (not args.tp and os.path.exists(args.save_restored)):
             return
-        if args.zero:   # whole tensors, gathered from the new shards (collective)
+        restored.append(c.next_step)
+        if args.tp:     # each tp rank's own shards (collective over the tp group)
+            shards = emesh.mesh.comm("tp").gather((c.model, c.optimizer), root=0)
+            saved = {"next_step": c.next_step, "tp_shards": shards}
+        elif args.zero:   # whole tensors, gathered from the new shards (collective)
             saved = {"next_step": c.next_step, "model": model.full_state_dict(),
                      "optimizer": model.full_optim_state_dict(opt)}
         else:
@@ -176,9 +236,16 @@ def main():
         state.on_restore(save_restored)
 
     comm = train()
+    if comm is None:    # left: its tensor-parallel group lost a rank (--tp)
+        print(f"rank {world.Get_rank()} left at step {state.step}", flush=True)
+        return
     if ckpt is not None:
         ckpt.close()
-    mine = digest(model.full_state_dict() if args.zero else module.state_dict())
+    if args.tp:
+        full = tp.full_state_dict(module, emesh.mesh.comm("tp"))
+    else:
+        full = model.full_state_dict() if args.zero else module.state_dict()
+    mine = digest(full)
     digests = comm.allgather(mine)
     if comm.Get_rank() == 0:
         n = max(1, timing["n"])
@@ -192,6 +259,8 @@ def main():
             "step_ms": round(1e3 * timing["step"] / n, 3),
             "commit_ms": round(1e3 * timing["commit"] / n, 3),
         }
+        if emesh is not None:
+            summary["mesh"] = list(emesh.mesh.shape)
         if ckpt is not None:
             summary["checkpoint_ms"] = round(1e3 * ckpt.mean_seconds(), 3)
             summary["checkpoints"] = ckpt.written

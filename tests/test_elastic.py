@@ -129,6 +129,36 @@ def test_failure_injector_parse():
         elastic.FailureInjector.parse("2-5")
 
 
+def test_run_refuses_what_it_cannot_do():
+    from collectives.torch import ShardedDataParallel
+    from mpi4py import MPI
+    state = elastic.State(model=_model())
+    with pytest.raises(ValueError, match="exclude each other"):
+        elastic.run(state, select=lambda c: c, replace=True)
+    with pytest.raises(ValueError, match="replace must be True or"):
+        elastic.run(state, replace="python train.py")
+    sdp = ShardedDataParallel(_model(), stage=2, comm=MPI.COMM_SELF, algorithm="ring",
+                              registered_buffers=False)
+    with pytest.raises(ValueError, match="replicated state"):
+        elastic.run(elastic.State(model=sdp), replace=True)
+
+
+def test_rebind_keeps_the_shards_or_refuses():
+    from mpi4py import MPI
+    from collectives.elastic.mesh import rebind
+    from collectives.torch import tensor_parallel as tp
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    tp.parallelize(module, MPI.COMM_SELF, {"0": "colwise", "1": "rowwise"})
+    other = MPI.COMM_SELF.Dup()
+    rebind(module, other)
+    assert all(m.comm is other for m in module if getattr(m, "tp_split", None))
+    two = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    if two is not None:
+        with pytest.raises(ValueError, match="the shards would not match"):
+            rebind(module, two)
+    other.Free()
+
+
 def test_global_batches_keep_the_global_batch():
     b = elastic.GlobalBatches(100, 12, seed=1)
     for size in (1, 3, 4):
@@ -262,3 +292,79 @@ def test_zero_shards_rebuilt_from_their_copies(tmp_path, stage):
     ref = _summary(out)
     assert ref["started_at"] == s["recoveries"][0]["restored"]
     assert ref["digest"] == s["digest"]
+
+
+# -- a dp x tp mesh, and replacements ---------------------------------------------------------
+# Open MPI 5's ULFM may abort a job by name when a revoke completes a send still in flight
+# between two live ranks (its fatal "Send error after request freed"); docs/elastic.md says
+# how often. The mesh test runs the job again then, and names the race if every try met it.
+OMPI_RACE = "Send error after request freed"
+
+
+def _mesh_job(*args, tries=3):
+    for _ in range(tries):
+        rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--tp", 2, *args))
+        if rc == 0 or OMPI_RACE not in out + err:
+            return rc, out, err
+    pytest.xfail(f"Open MPI's ULFM ended the job by name {tries} times: {OMPI_RACE}")
+
+
+@pytest.mark.timeout(6 * LIMIT)
+def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path):
+    steps, restored = 10, tmp_path / "restored.pt"
+    rc, out, err = _mesh_job("--steps", steps, "--kill", "2:5", "--save-restored", restored)
+    assert rc == 0, err[-3000:]
+    s = _summary(out)
+    assert s["mesh"] == [1, 2] and s["ranks_end"] == 2 and s["digests_equal"], s
+    (r,) = s["recoveries"]
+    assert (r["lost"], r["left"], r["ranks"]) == ([2], [3], 2) and r["steps_lost"] <= 1
+    assert "rank 3 left at step" in out
+    assert set(range(steps)) <= {st for st, _ in _steps(out)}
+    assert [size for st, size in _steps(out) if st in (4, 9)] == [4, 2]
+    # The tp group that went on, from its commit, is a 1 x 2 job started from that commit.
+    rc, out, err = _finish(_ompi_job(2, EXAMPLE, "--tp", 2, "--steps", steps, "--quiet",
+                                     "--resume", restored))
+    assert rc == 0, err[-3000:]
+    ref = _summary(out)
+    assert ref["started_at"] == r["restored"] and ref["mesh"] == [1, 2]
+    assert ref["digest"] == s["digest"]
+
+
+def _uninterrupted(steps):
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--quiet"))
+    assert rc == 0, err[-3000:]
+    return _summary(out)["digest"]
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_a_replacement_receives_the_state_from_a_peer(tmp_path):
+    steps = 12
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--kill", "2:5",
+                                     "--replace"))
+    assert rc == 0, err[-3000:]     # no later failure: every process finalizes
+    s = _summary(out)
+    (r,) = s["recoveries"]
+    assert (r["lost"], r["joined"], r["ranks"]) == ([2], [4], 4) and r["steps_lost"] <= 1
+    assert s["ranks_end"] == 4 and s["digests_equal"]     # the replacement's digest too
+    assert {size for _, size in _steps(out)} == {4}
+    # The restored commit and the global batch are kept: the run equals one that never failed.
+    assert _uninterrupted(steps) == s["digest"]
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_replacements_bring_the_job_back_to_four_ranks(tmp_path):
+    steps = 12
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--kill", "1:3,3:6,2:9",
+                                     "--replace"))
+    # After a failure among processes a spawn connected, they end without MPI_Finalize (it
+    # would wait for the dead ones), and mpirun exits 1 though every rank finished.
+    assert rc == 0 or (rc == 1 and "LAUNCHER JOB OBJECT NOT FOUND" in out + err), err[-3000:]
+    s = _summary(out)
+    rs = s["recoveries"]
+    assert [r["lost"] for r in rs] == [[1], [3], [2]], s
+    assert [r["joined"] for r in rs] == [[4], [5], [6]]
+    assert [r["ranks"] for r in rs] == [4, 4, 4] and all(r["steps_lost"] <= 1 for r in rs)
+    assert s["ranks_end"] == 4 and s["digests_equal"]     # the replacements' digests too
+    assert set(range(steps)) <= {st for st, _ in _steps(out)}
+    assert {size for _, size in _steps(out)} == {4}
+    assert _uninterrupted(steps) == s["digest"]

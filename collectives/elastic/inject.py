@@ -7,7 +7,9 @@
 
 A rank is killed as a node failure or the kernel's out-of-memory killer would: SIGKILL, with no
 chance to say goodbye (a rank that *exits* is another case: Open MPI's launcher ends the whole
-job for it). Ranks are ``COMM_WORLD`` ranks, which stay a process's name after a shrink.
+job for it). Ranks are names (``collectives.elastic.replace``): ``COMM_WORLD`` ranks, which stay
+a process's name after a shrink, and past them the replacements (``W + k`` for the ``k``-th
+replacement of a job of ``W`` ranks).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ __all__ = ["FailureInjector"]
 
 
 class FailureInjector:
-    """A set of (COMM_WORLD rank, step) at which that rank kills itself."""
+    """A set of (name, step) at which that process kills itself (names: ``COMM_WORLD`` ranks,
+    then replacements)."""
 
     def __init__(self, plan=()):
         self.plan: set[tuple[int, int]] = set()
@@ -47,11 +50,11 @@ class FailureInjector:
         return out
 
     def __call__(self, step: int) -> None:
-        """Kill this process now if its ``COMM_WORLD`` rank is to fail at ``step``."""
+        """Kill this process now if its name is to fail at ``step``."""
         if not self.plan:
             return
-        from mpi4py import MPI
-        if (MPI.COMM_WORLD.Get_rank(), step) in self.plan:
+        from .replace import name
+        if (name(), step) in self.plan:
             sys.stdout.flush()
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)

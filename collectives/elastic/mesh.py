@@ -1,0 +1,136 @@
+"""A data x tensor-parallel ``Mesh`` that survives a dead rank: the dead rank's tensor-parallel
+group is dropped whole.
+
+    emesh = elastic.ElasticMesh((2, 2), ("dp", "tp"))     # collective over COMM_WORLD
+    tp.parallelize(module, emesh.mesh.comm("tp"), plan)
+    model = DistributedDataParallel(module, comm=emesh.mesh.comm("dp"), algorithm="ring",
+                                    registered_buckets=False)
+    state = elastic.State(model=module, optimizer=opt)
+    emesh.attach(state, module, model)
+    @elastic.run(state, select=emesh.select, revoke=emesh.revoke)
+    def train(state, comm): ...       # emesh.mesh: the mesh in force
+
+The documented behaviour. A tensor-parallel (tp) group holds one copy of the model, cut in
+``tp`` shards; the data-parallel (dp) axis holds ``dp`` such copies, equal bitwise (DDP). A dead
+rank takes a shard of one copy with it, and no other rank holds that shard of that copy, but
+every other complete tp group holds the whole model. So after a failure:
+
+1. ``select`` (collective over the shrunk communicator): the survivors tell each other their
+   coordinates in the old mesh; a tp group with all ``tp`` of its ranks alive is *complete*.
+   The ranks of incomplete groups *leave*: they take part in the recovery to its end, then
+   ``train()`` returns ``None`` on them (their processes end, by exiting normally). No complete
+   group left is a ``RanksLost`` on every survivor.
+2. ``rebuild`` (``attach``): the complete groups form a new mesh of ``dp'`` (their count) by
+   ``tp``, in their old order, each rank at its old tp coordinate; the tensor-parallel layers
+   go on over the new tp communicator (the same shards: a rank's tp coordinate is unchanged)
+   and DDP over the new dp one.
+3. The loop restores the commit: every rank kept its own shards and their optimizer state,
+   which is the committed state of its copy. Nothing is resharded, so the run after the
+   failure is the run of a ``dp' x tp`` job started from that commit, bitwise.
+
+4 ranks as (dp=2, tp=2), rank 2 killed: tp groups [0, 1] and [2, 3]; [2, 3] is incomplete, so
+rank 3 leaves and ranks 0 and 1 go on as (dp=1, tp=2). A further failure then leaves no
+complete group: ``RanksLost``, by name. At (dp=3, tp=2) a failure leaves (dp=2, tp=2).
+
+Not covered: sequence parallelism (its gradient hooks hold the old communicator: ``attach``
+refuses such a model), ZeRO over dp, pipeline axes, and replacements (``select`` and
+``replace`` exclude each other). A torch process group of the toolkit's backend is bound to
+``COMM_WORLD`` ranks (``collectives.torch.backend``), so a job that uses one is not rebuilt
+here.
+"""
+from __future__ import annotations
+
+from ..mesh import Mesh
+from .loop import RanksLost
+
+__all__ = ["ElasticMesh", "rebind"]
+
+
+def rebind(module, comm) -> None:
+    """Point every tensor-parallel layer of ``module`` at ``comm`` (same size and this rank's
+    same index in it: the shards stay as they are); no communication."""
+    layers = [m for m in module.modules() if getattr(m, "tp_split", None)]
+    for m in layers:
+        old = m.comm
+        if (old.Get_size(), old.Get_rank()) != (comm.Get_size(), comm.Get_rank()):
+            raise ValueError(f"rebind: the layer's group has {old.Get_size()} ranks and this "
+                             f"rank at {old.Get_rank()}, the new one {comm.Get_size()} and "
+                             f"{comm.Get_rank()}: the shards would not match")
+        m.comm = comm
+
+
+class ElasticMesh:
+    """A mesh with a data-parallel axis ``dp`` and a tensor-parallel axis ``tp`` whose
+    incomplete tp groups are dropped after a failure (see the module doc); collective."""
+
+    def __init__(self, shape, names=("dp", "tp"), comm=None, dp: str = "dp", tp: str = "tp"):
+        from .replace import name
+        names = tuple(names)
+        if len(names) != 2 or set(names) != {dp, tp}:
+            raise ValueError(f"ElasticMesh: names {names} must be the two axes {dp!r} and "
+                             f"{tp!r}")
+        self.names, self.dp, self.tp = names, dp, tp
+        self.mesh = Mesh(shape, names, comm)
+        self._made: list = []      # every communicator made for a mesh so far
+        # The tp groups by process name, in dp order: dropping the incomplete ones is the
+        # same whether a rank applies it once or again on a retry with fewer survivors.
+        where = self.mesh.comm(names).allgather(
+            (self.mesh.coord(dp), self.mesh.coord(tp), name()))
+        self.groups = [[n for _, t, n in sorted(g for g in where if g[0] == d)]
+                       for d in range(self.mesh.size(dp))]
+
+    def attach(self, state, module, model=None) -> None:
+        """Rebuild on the communicator that goes on after a failure: this mesh, ``module``'s
+        tensor-parallel layers (``rebind``) and ``model`` (a data-parallel wrapper over the dp
+        axis: its ``rebuild``)."""
+        if any(getattr(m, "sequence_parallel", False) for m in module.modules()):
+            raise ValueError("ElasticMesh.attach: a sequence-parallel model's gradient hooks "
+                             "hold the old tensor-parallel communicator; not rebuilt")
+        if hasattr(state.model, "rebuild"):
+            raise ValueError("ElasticMesh.attach: give the State the inner module, not the "
+                             "data-parallel wrapper (whose rebuild takes the dp communicator)")
+
+        def rebuild(comm):
+            self.rebuild(comm)
+            rebind(module, self.mesh.comm(self.tp))
+            if model is not None:
+                model.rebuild(self.mesh.comm(self.dp))
+        state.on_rebuild(rebuild)
+
+    def revoke(self) -> list:
+        """Every communicator this mesh has made (to revoke on a failure)."""
+        return [*self._made, *self.mesh.communicators()]
+
+    def select(self, comm):
+        """The survivors of complete tp groups, as one communicator ordered by the new mesh
+        (``None`` on a rank that leaves); collective over ``comm``, the shrunk communicator."""
+        from mpi4py import MPI
+        from .replace import name
+        alive = set(comm.allgather(name()))
+        self.groups = [g for g in self.groups if alive.issuperset(g)]
+        if not self.groups:
+            raise RanksLost(f"no tensor-parallel group of {self.mesh.size(self.tp)} ranks is "
+                            f"complete among the {comm.Get_size()} survivors")
+        me = name()
+        at = next(((d, g.index(me)) for d, g in enumerate(self.groups) if me in g), None)
+        if at is None:
+            comm.Split(MPI.UNDEFINED, 0)
+            return None
+        coord = {self.dp: at[0], self.tp: at[1]}
+        sizes = self._shape(len(self.groups))
+        key = 0
+        for n, size in zip(self.names, sizes):
+            key = key * size + coord[n]
+        kept = comm.Split(0, key)
+        self._made.append(kept)
+        return kept
+
+    def _shape(self, groups: int) -> tuple[int, int]:
+        tp = len(self.groups[0]) if self.groups else self.mesh.size(self.tp)
+        sizes = {self.dp: groups, self.tp: tp}
+        return tuple(sizes[n] for n in self.names)
+
+    def rebuild(self, comm) -> None:
+        """A new mesh over ``comm`` (``select``'s): the complete groups along dp, tp kept."""
+        self._made.extend(self.mesh.communicators())
+        self.mesh = Mesh(self._shape(len(self.groups)), self.names, comm)
