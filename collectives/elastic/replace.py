@@ -17,16 +17,16 @@ itself alone, so names, not ``COMM_WORLD`` ranks, say who is who after a replace
    step to go on from, the rebuild of the model on it, and the committed state, broadcast from
    rank 0 (a survivor): a replacement receives it from a live peer, never from disk.
 
-The intercommunicators are kept: ``MPI_Comm_disconnect`` waits for every process on both
-sides, which a dead one never joins. ``MPI_Finalize`` does the same for every communicator that
-joins processes of several launches (Open MPI's ``ompi_dpm_dyn_finalize``): once a process of
-such a communicator has died, the survivors would wait there for ever (and freeing those
-communicators first crashes it). So once a failure is recovered among processes that a spawn
-connected, every process of the job ends without ``MPI_Finalize``
-(``end_without_finalize``: at exit, after the interpreter's other exit handlers have run
-(flushed), ``os._exit(0)``); the survivors tell the replacements of that recovery to do the
-same. ``mpirun`` then exits 1 and prints "LAUNCHER JOB OBJECT NOT FOUND" though every rank
-finished. A job whose replacements never see another failure finalizes as usual.
+The intercommunicators are kept: ``MPI_Comm_disconnect`` waits for every process on both sides,
+which a dead one never joins. ``MPI_Finalize`` does the same for every communicator that joins
+processes of several launches (Open MPI's ``ompi_dpm_dyn_finalize``): once a process of such a
+communicator has died, the survivors would wait there for ever (and freeing those communicators
+first crashes it). So once a failure is recovered among processes that a spawn connected, every
+process of the job ends without ``MPI_Finalize`` (``end_without_finalize``: the first of its
+exit handlers flushes the output and calls ``os._exit(0)``; the others, registered before it,
+are skipped); the survivors tell the replacements of that recovery to do the same. ``mpirun``
+then exits 1 and prints "LAUNCHER JOB OBJECT NOT FOUND" though every rank finished. A job whose
+replacements never see another failure finalizes as usual.
 """
 from __future__ import annotations
 
