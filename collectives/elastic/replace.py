@@ -25,7 +25,8 @@ first crashes it). So once a failure is recovered among processes that a spawn c
 process of the job ends without ``MPI_Finalize`` (``end_without_finalize``: the first of its
 exit handlers flushes the output and calls ``os._exit(0)``; the others, registered before it,
 are skipped); the survivors tell the replacements of that recovery to do the same. ``mpirun``
-then exits 1 and prints "LAUNCHER JOB OBJECT NOT FOUND" though every rank finished. A job whose
+then exits 1 and says that processes exited without calling "finalize" ("exiting improperly", or
+"LAUNCHER JOB OBJECT NOT FOUND" for the spawned ones) though every rank finished. A job whose
 replacements never see another failure finalizes as usual.
 """
 from __future__ import annotations
