@@ -8,7 +8,6 @@ commutative user-defined ``MPI.Op`` over a contiguous datatype of one element, w
 from __future__ import annotations
 
 import functools
-import itertools
 
 import numpy as np
 
@@ -296,8 +295,8 @@ def _even(counts: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(counts: tuple, itemsize: int) -> tuple[list, list]:
-    """Allgatherv's byte counts and displacements (a program's few shapes repeat: cached, as
-    numpy's cumsum on a few counts cost more than the 8-byte call itself)."""
-    nbytes = [c * itemsize for c in counts]
-    return nbytes, list(itertools.accumulate(nbytes[:-1], initial=0))
+def _layout(counts: tuple, itemsize: int) -> list:
+    """A vector call's byte counts, block after block: mpi4py places the blocks one after the
+    other when given counts alone (a list of displacements would be read on every call).
+    Cached: a program's few shapes repeat."""
+    return [c * itemsize for c in counts]
