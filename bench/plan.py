@@ -12,9 +12,11 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
    share) on every rank at once, so that it runs on the cores as shared as in training.
 2. *Measure.* The plans run in batches of ``--batch-plans``, one job a batch (a job builds a
    mesh and its communicators per plan, and MPI holds a few thousand at most), each plan for
-   ``--steps`` steps after two steps of a tiny model of the same plan (``train_gpt.warm_up``:
-   code and first-use allocations held before the baseline). ``--rounds`` rounds run the
-   batches in a rotated order, so that load from other jobs falls on all of them alike.
+   ``--steps`` steps after two steps of the same plan at the same widths with one block a
+   stage (``train_gpt.warm_up``: code and the libraries' first-use allocations, which depend
+   on operand sizes, held before the baseline). ``--rounds`` rounds run the batches in a
+   rotated order, so that load from other jobs falls on all of them alike; ``--only REGEX``
+   keeps the plans whose name matches.
 
 Measured by the processes themselves: the peak memory, the most any rank's resident set rose
 (``VmHWM`` after a reset through ``/proc/self/clear_refs``) above what it held before the plan's
