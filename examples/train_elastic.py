@@ -133,12 +133,12 @@ def main():
                                         registered_buckets=False)
         opt = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
 
-        def forward(step, comm):
+        def tokens(step):
+            """This dp group's rows of step ``step``'s windows (inputs, targets)."""
             xs, ys = gpt.batch(text, step, args.global_batch, 32, args.seed)
             rows = np.array_split(np.arange(args.global_batch), emesh.mesh.size("dp"))
             part = torch.from_numpy(rows[emesh.mesh.coord("dp")])
-            return tp.vocab_parallel_cross_entropy(model(xs[part]), ys[part],
-                                                   emesh.mesh.comm("tp"))
+            return xs[part], ys[part]
     else:
         x, y = make_data(args.samples, seed=args.seed)
         module = nn.Sequential(nn.Linear(16, args.width), nn.Tanh(),
@@ -153,10 +153,6 @@ def main():
             model = DistributedDataParallel(module, comm=world, algorithm="ring",
                                             registered_buckets=False)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-
-        def forward(step, comm):
-            idx = torch.from_numpy(batches.indices(step, comm.Get_rank(), comm.Get_size()))
-            return nn.functional.mse_loss(model(x[idx]), y[idx])
     batches = elastic.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
     # With a mesh the State keeps the tensor-parallel module (this rank's shards); the mesh
     # rebuilds the layers' group and DDP over dp after a failure.
@@ -196,7 +192,12 @@ def main():
         for state.step in range(state.step, args.steps):
             inject(state.step)
             t0 = time.perf_counter()
-            loss = forward(state.step, comm)
+            if emesh:
+                xb, yb = tokens(state.step)
+                loss = tp.vocab_parallel_cross_entropy(model(xb), yb, emesh.mesh.comm("tp"))
+            else:
+                idx = torch.from_numpy(batches.indices(state.step, rank, size))
+                loss = nn.functional.mse_loss(model(x[idx]), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -147,8 +147,13 @@ class _Loop:
         merged = replacing.join() if self.argv is not None else None
         if merged is not None:
             comm = self.arrive(merged)
-        else:
-            self.names = comm.allgather(replacing.name())
+        else:   # a process the launcher started: names are COMM_WORLD ranks (no communication)
+            from mpi4py import MPI
+            here, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+            self.names = list(MPI.Group.Translate_ranks(here, list(range(comm.Get_size())),
+                                                        world))
+            here.Free()
+            world.Free()
         while True:
             try:
                 return fn(state, comm)
