@@ -399,6 +399,42 @@ def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
     assert "aborting the job: MPI_Abort(COMM_WORLD, 124)" in err
 
 
+def test_a_failed_side_channel_does_not_stop_the_watchdog(self_ctx, capsys, monkeypatch):
+    """A side channel whose communicator fails under it (a dead peer, a revoked communicator:
+    MPI raises from its probe) is closed and said once; the watchdog goes on and still ends a
+    late collective."""
+    from collectives import watchdog
+    from collectives.watchdog import registry
+    from collectives.watchdog.channel import Channel
+
+    class Revoked:
+        def improbe(self, *args):
+            raise RuntimeError("MPI_ERR_REVOKED: communicator revoked")
+
+    aborted = []
+    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: aborted.append(time.monotonic()))
+    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
+    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
+    broken = Channel(self_ctx)  # registered beside the context's own
+    broken.comm = Revoked()
+    old = watchdog.set_timeout(0.5)
+    entry = watchdog.watch(self_ctx, what="allreduce #0 (ring, 8 x float32, sum)")
+    entry.attach(_Work())
+    start = time.monotonic()
+    try:
+        while not aborted and time.monotonic() - start < 10:
+            time.sleep(0.05)
+    finally:
+        watchdog.set_timeout(old)
+        watchdog.unwatch(entry)
+        broken.close()
+    assert aborted, "the watchdog stopped at the failed channel"
+    err = capsys.readouterr().err
+    assert err.count("side channel of a communicator of 1 ranks failed") == 1, err
+    assert "MPI_ERR_REVOKED" in err and "internal error" not in err, err
+    assert broken.closed and broken not in registry.CHANNELS
+
+
 def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, monkeypatch):
     """``enter``: one entry per communicator, stamped by the watchdog thread when it first sees
     the call running; a call that ended is not reported; a late one fires within a tick or two

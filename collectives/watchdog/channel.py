@@ -51,13 +51,28 @@ class Channel:
                 registry.CHANNELS.remove(self)
 
     def poll(self):
-        """The next message for this rank's watchdog, or None."""
+        """The next message for this rank's watchdog, or None (also once the channel has
+        failed: ``fail``)."""
         from mpi4py import MPI
         with MPI_LOCK:
             if self.closed or stopping() or MPI.Is_finalized():
                 return None
-            msg = self.comm.improbe(MPI.ANY_SOURCE, self.tag)
-            return None if msg is None else msg.recv()
+            try:
+                msg = self.comm.improbe(MPI.ANY_SOURCE, self.tag)
+                return None if msg is None else msg.recv()
+            except Exception as exc:  # noqa: BLE001 - a dead peer, a revoked communicator
+                self.fail(exc)
+                return None
+
+    def fail(self, error: BaseException) -> None:
+        """The channel cannot be used (its communicator has a dead or unreachable peer): it
+        is closed, said once, and the watchdog goes on without it (its timeouts still end the
+        job; questions to this communicator's ranks go unanswered)."""
+        self.closed = True
+        if self in registry.CHANNELS:
+            registry.CHANNELS.remove(self)
+        write(f"[collectives watchdog] rank {self.rank}: the side channel of a communicator of "
+              f"{self.size} ranks failed ({error!r}); its ranks' questions go unanswered")
 
     def send(self, obj, peer: int) -> None:
         from mpi4py import MPI

@@ -76,7 +76,10 @@ def _round() -> None:
         elif every > 0 and age > every * (entry.warned + 1) and stalled is None:
             stalled = entry
     for channel in list(registry.CHANNELS):
-        channel.serve()
+        try:
+            channel.serve()
+        except Exception as exc:  # noqa: BLE001 - one broken channel must not stop the round
+            channel.fail(exc)
     for entry in _setups():
         _serve_setup(entry)
     if late is not None:
