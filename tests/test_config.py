@@ -132,6 +132,24 @@ def test_set_overrides_checks_and_returns_the_old_value(environ):
     assert config.get("COLLECTIVES_SEGMENT_BYTES") == 4 << 20
 
 
+def test_current_is_get_through_set_and_reload(environ):
+    """``config.current.NAME`` is ``get(NAME)`` after every set and reload, and ``validated``
+    says whether every setting was read since the last change."""
+    environ("COLLECTIVES_TIMEOUT", "60")
+    assert config.current.COLLECTIVES_TIMEOUT == 60.0 and not config.validated
+    config.set("COLLECTIVES_TIMEOUT", "500ms")
+    assert config.current.COLLECTIVES_TIMEOUT == 0.5 == config.get("COLLECTIVES_TIMEOUT")
+    assert config.validate() and config.validated
+    config.set("COLLECTIVES_CHECK", "1")
+    assert not config.validated and config.current.COLLECTIVES_CHECK is True
+    config.reload()
+    assert config.current.COLLECTIVES_TIMEOUT == 60.0 and config.current.COLLECTIVES_CHECK is False
+    with pytest.raises(KeyError, match="unknown setting"):
+        config.current.COLLECTIVES_NO_SUCH
+    with pytest.raises(AttributeError):
+        config.current.__wrapped__
+
+
 def test_unknown_setting_is_a_key_error_listing_the_settings():
     for call in (lambda: config.get("COLLECTIVES_NOPE"),
                  lambda: config.set("COLLECTIVES_NOPE", 1)):
