@@ -297,6 +297,24 @@ def self_ctx():
     return context(MPI.COMM_SELF)
 
 
+@pytest.fixture
+def aborted(monkeypatch):
+    """The times the watchdog would have aborted the job (it does not, here); its answers
+    waited for briefly."""
+    from collectives import watchdog
+    times = []
+    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: times.append(time.monotonic()))
+    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
+    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
+    return times
+
+
+def _until(aborted, start, tick=0.05):
+    """Wait until the watchdog fired, or 10 s from ``start``."""
+    while not aborted and time.monotonic() - start < 10:
+        time.sleep(tick)
+
+
 def test_timeout_setting():
     from collectives import config, watchdog
     old = watchdog.set_timeout("2.5")
@@ -374,20 +392,15 @@ def test_watchdog_lists_many_posted_ops_as_runs():
     assert watchdog.registry.spans(many) == "0, 2, 4, 6, 8, 10 and 14 more"
 
 
-def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
+def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, aborted):
     from collectives import watchdog
-    aborted = []
-    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: aborted.append(time.monotonic()))
-    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
-    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
     old = watchdog.set_timeout(0.3)
     with watchdog.label("bucket 0"):
         entry = watchdog.watch(self_ctx, what="allreduce #0 (ring, 8 x float32, sum)")
     entry.attach(_Work())
     start = time.monotonic()
     try:
-        while not aborted and time.monotonic() - start < 10:
-            time.sleep(0.05)
+        _until(aborted, start)
     finally:
         watchdog.set_timeout(old)
         watchdog.unwatch(entry)
@@ -399,7 +412,7 @@ def test_watchdog_fires_reports_and_aborts(self_ctx, capsys, monkeypatch):
     assert "aborting the job: MPI_Abort(COMM_WORLD, 124)" in err
 
 
-def test_a_failed_side_channel_does_not_stop_the_watchdog(self_ctx, capsys, monkeypatch):
+def test_a_failed_side_channel_does_not_stop_the_watchdog(self_ctx, capsys, aborted):
     """A side channel whose communicator fails under it (a dead peer, a revoked communicator:
     MPI raises from its probe) is closed and said once; the watchdog goes on and still ends a
     late collective."""
@@ -411,10 +424,6 @@ def test_a_failed_side_channel_does_not_stop_the_watchdog(self_ctx, capsys, monk
         def improbe(self, *args):
             raise RuntimeError("MPI_ERR_REVOKED: communicator revoked")
 
-    aborted = []
-    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: aborted.append(time.monotonic()))
-    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
-    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
     broken = Channel(self_ctx)  # registered beside the context's own
     broken.comm = Revoked()
     old = watchdog.set_timeout(0.5)
@@ -422,8 +431,7 @@ def test_a_failed_side_channel_does_not_stop_the_watchdog(self_ctx, capsys, monk
     entry.attach(_Work())
     start = time.monotonic()
     try:
-        while not aborted and time.monotonic() - start < 10:
-            time.sleep(0.05)
+        _until(aborted, start)
     finally:
         watchdog.set_timeout(old)
         watchdog.unwatch(entry)
@@ -435,15 +443,11 @@ def test_a_failed_side_channel_does_not_stop_the_watchdog(self_ctx, capsys, monk
     assert broken.closed and broken not in registry.CHANNELS
 
 
-def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, monkeypatch):
+def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, aborted):
     """``enter``: one entry per communicator, stamped by the watchdog thread when it first sees
     the call running; a call that ended is not reported; a late one fires within a tick or two
     of the timeout."""
     from collectives import config, watchdog
-    aborted = []
-    monkeypatch.setattr(watchdog.monitor, "_abort", lambda: aborted.append(time.monotonic()))
-    monkeypatch.setattr(watchdog.monitor, "_FIRED", False)
-    monkeypatch.setattr(watchdog.monitor, "_grace", lambda: 0.1)
 
     class Call:
         seq = 4
@@ -461,8 +465,7 @@ def test_a_blocking_call_is_watched_through_its_reused_entry(self_ctx, capsys, m
         assert entry is done  # the communicator's one entry, reused
         entry.attach(_Work())
         start = time.monotonic()
-        while not aborted and time.monotonic() - start < 10:
-            time.sleep(0.02)
+        _until(aborted, start, 0.02)
     finally:
         watchdog.set_timeout(old)
         config.set("COLLECTIVES_STALL_WARNING", stall)
