@@ -185,8 +185,7 @@ def alltoall_counts(ctx, xb, send) -> array:
     if send is None:
         mine[:] = array("q", (-1,) * (ctx.size + 1))
     else:
-        shape = xb.shape
-        mine[0] = math.prod(shape[1:])
+        mine[0] = rows_of(xb)[1]
         mine[1:] = array("q", send)
     _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather", ctx.comm.Allgather,
               bufs.send, bufs.recv)
