@@ -7,25 +7,34 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
 
 1. *Predict.* ``collectives.plan.search`` lists every plan the example runs on n ranks (dp x tp
    x pp, sequence parallelism, pipeline schedules at ``--microbatches``, ZeRO stage, recompute)
-   with its predicted peak memory per rank and step time; the compute is measured once
-   (``train_gpt.measured_compute``: one block at each micro-batch size and tensor-parallel
-   share) on every rank at once, so that it runs on the cores as shared as in training.
+   with its predicted peak memory per rank and step time. Its compute is measured in place,
+   on every rank at once, so that the cores are shared as in training (``_probe``): one block
+   of the example's model at each micro-batch size, parallelized over its tensor-parallel
+   group as training does it (the collectives, whose cost on cores shared by more ranks than
+   they have is the scheduler's more than the cost model's, and the recompute included),
+   and the tensor-parallel collectives alone; the head and the optimizer by
+   ``train_gpt.measured_compute``.
 2. *Measure.* The plans run in batches of ``--batch-plans``, one job a batch (a job builds a
    mesh and its communicators per plan, and MPI holds a few thousand at most), each plan for
    ``--steps`` steps after two steps of the same plan at the same widths with one block a
    stage (``train_gpt.warm_up``: code and the libraries' first-use allocations, which depend
-   on operand sizes, held before the baseline). ``--rounds`` rounds run the batches in a
-   rotated order, so that load from other jobs falls on all of them alike; ``--only REGEX``
-   keeps the plans whose name matches.
+   on operand sizes, held before the baseline). Just before and just after a plan's measured
+   steps the probe of 1. runs again for that plan, and the mean of the two step times it
+   predicts is the round's prediction: the load the measurement saw is the load its
+   prediction saw (the machine's cores are shared with other jobs that come and go).
+   ``--rounds`` rounds run the batches in a rotated order, so that load from other jobs falls
+   on all of them alike; ``--only REGEX`` keeps the plans whose name matches.
 
 Measured by the processes themselves: the peak memory, the most any rank's resident set rose
 (``VmHWM`` after a reset through ``/proc/self/clear_refs``) above what it held before the plan's
 mesh and model were built, with glibc's mmap threshold fixed so that freed tensors leave the
 resident set (``collectives.plan.measure``); the step time, the median over the steps after the
-first of the slowest rank's step. The table shows the medians over the rounds, the ratios
-predicted / measured and the rounds' spread of the step (interquartile range over the median);
-the summary the error statistics and the planner's first choice against the fastest plan
-measured; the last table what recompute keeps and costs for one block.
+first of the slowest rank's step. The table shows the medians over the rounds: memory
+predicted / measured; the step as planned (the planner's prediction, by which the rows are
+ranked), as predicted in the rounds, as measured, the rounds' spread (interquartile range over
+the median) and the median over the rounds of each round's predicted / measured; the summary
+the error statistics (with the planned step's beside them) and the planner's first choice
+against the fastest plan measured; the last table what recompute keeps and costs for one block.
 """
 from __future__ import annotations
 
@@ -95,8 +104,14 @@ def _job(args) -> int:
         ranks_per_node, cores = ex.node_layout(world)
         net = planner.calibrated(ranks_per_node=ranks_per_node)
         t0 = time.perf_counter()
-        plans = planner.search(shape, world.Get_size(), args.batch, None, ranks_per_node, net,
-                               ex.measured_compute(), top=None, runnable=True,
+        # every block the plans run, measured in place first, in one order on every rank
+        # (its collectives need every rank of its group; the search's order depends on the
+        # times it finds)
+        every = list(planner.candidates(shape, world.Get_size(), args.batch, ranks_per_node,
+                                        runnable=True, microbatches=args.microbatches))
+        probe, compute = _probe(ex, world, {}, net, shape, every)
+        plans = planner.search(shape, world.Get_size(), args.batch, None, ranks_per_node,
+                               probe, compute, top=None, runnable=True,
                                microbatches=args.microbatches)
         took = time.perf_counter() - t0
         if rank0:
@@ -109,15 +124,163 @@ def _job(args) -> int:
     with open(path) as f:
         plans = json.load(f)["plans"]
     text = ex.corpus(1 << 20)
+    shape = ex.shape(ex.parser().parse_args(base))
+    net = planner.calibrated(ranks_per_node=ex.node_layout(world)[0])
+    fields = set(planner.Plan.__dataclass_fields__)
+    groups: dict = {}
     for i in (int(x) for x in args.plans.split(",")):
         run_args = ex.parser().parse_args(base + plans[i]["args"])
         ex.warm_up(run_args, world, text)
+        # the probe: the plan's compute and its tensor-parallel collectives measured again on
+        # every rank at once, just before and just after its measured steps, so that its
+        # prediction and its measurement see the same load (the mean of the two predictions)
+        plan = planner.Plan(**{k: v for k, v in plans[i].items() if k in fields})
+
+        def probed():
+            return planner.step_time(shape, plan, *_probe(ex, world, groups, net, shape,
+                                                          [plan]))[0]
+
+        before = probed()
         s = ex.run(run_args, world, text)
+        paired = (before + probed()) / 2
         if rank0:
             with open(path + ".rows", "a") as f:
                 f.write(json.dumps({"i": i, "peak_bytes": s["peak_bytes"],
-                                    "step_s": s["step_ms"] / 1e3, "loss": s["loss"]}) + "\n")
+                                    "step_s": s["step_ms"] / 1e3, "paired_s": paired,
+                                    "loss": s["loss"]}) + "\n")
     return 0
+
+
+class _Probed:
+    """The calibrated network with some collectives measured: ``table`` maps (kind, bytes,
+    ranks, stride) to seconds; the rest are the cost model's."""
+
+    def __init__(self, net, table: dict):
+        self._net, self.table = net, table
+
+    def __getattr__(self, name):
+        return getattr(self._net, name)
+
+    def collective(self, kind: str, nbytes: float, n: int, stride: int):
+        secs, sent = self._net.collective(kind, nbytes, n, stride)
+        return self.table.get((kind, int(nbytes), n, stride), secs), sent
+
+
+class _InSitu:
+    """The plan's compute probed as it runs: one block of the example's model, parallelized
+    over the plan's tensor-parallel group as training parallelizes it (its collectives and
+    recompute included), forward and backward on every rank at once, the median of
+    ``repeats``; the tensor-parallel collectives the time model adds to a block are taken off
+    again (``net``'s, measured alone), so that the block costs what it cost here. The head and
+    the optimizer: ``measured_compute``, measured now."""
+
+    def __init__(self, ex, world, groups: dict, net, repeats: int = 5):
+        self._ex, self._world, self._groups, self._net = ex, world, groups, net
+        self.repeats = repeats
+        self._rest = ex.measured_compute(repeats)
+        self._cache: dict = {}
+
+    def layer(self, model, b: int, tp: int, sp: bool, recompute: str):
+        """(forward, backward) seconds of one block on one micro-batch, measured in place
+        (``measure`` first where the callers' order may differ between ranks)."""
+        key = (b, tp, sp, recompute)
+        if key not in self._cache:
+            self.measure(model, key)
+        return self._cache[key]
+
+    def measure(self, model, key) -> None:
+        """Time the block of ``key`` (micro-batch, tp, sp, recompute): collective over the
+        world."""
+        import torch
+
+        from collectives.plan import Plan
+        from collectives.plan.timing import _layer_comm
+        from collectives.torch import checkpoint
+        from collectives.torch import tensor_parallel as tpar
+        b, tp, sp, recompute = key
+        if key not in self._cache:
+            torch.manual_seed(0)
+            gpt = self._ex.GPT(model.vocab, model.dim, model.heads, 1, model.attention)
+            if tp > 1:   # the group _tp_collectives made
+                tpar.parallelize(gpt, self._groups[tp], self._ex.plan(gpt, sp, recompute))
+            elif recompute != "none":
+                checkpoint.recompute(gpt, checkpoint.GPT_POLICIES[recompute])
+            block = gpt.blocks[0]
+            x = torch.randn(b, model.seq // tp if sp else model.seq, model.dim,
+                            requires_grad=True)
+            fw, bw = [], []
+            for _ in range(self.repeats + 1):
+                self._world.Barrier()
+                t0 = time.perf_counter()
+                out = block(x)
+                t1 = time.perf_counter()
+                out.float().pow(2).mean().backward()
+                fw.append(t1 - t0)
+                bw.append(time.perf_counter() - t1)
+            cf, cb, _ = _layer_comm(self._net, model, Plan(1, tp, 1, sp, "1f1b", 1, 1, 0,
+                                                           recompute, b))
+            self._cache[key] = (max(statistics.median(fw[1:]) - cf, 0.0),
+                                max(statistics.median(bw[1:]) - cb, 0.0))
+
+    def head(self, model, b: int, tp: int, sp: bool):
+        """(forward, backward) seconds of the norm, head and loss, measured now."""
+        return self._rest.head(model, b, tp, sp)
+
+    def optimizer(self, params: int) -> float:
+        """Seconds of one optimizer step, measured now."""
+        return self._rest.optimizer(params)
+
+
+def _probe(ex, world, groups: dict, net, shape, plans) -> tuple:
+    """(network, compute) measured now for ``plans``, on every rank at once: the
+    tensor-parallel collectives of each (micro-batch, tp, sp) they use, then each block
+    (``_InSitu``), in one sorted order."""
+    table: dict = {}
+    for b, t, sp in sorted({(q.micro_batch, q.tp, q.sequence_parallel) for q in plans}):
+        table.update(_tp_collectives(world, groups, shape, t, sp, b))
+    probe = _Probed(net, table)
+    compute = _InSitu(ex, world, groups, probe)
+    keys = set()
+    for q in plans:
+        keys.add((q.micro_batch, q.tp, q.sequence_parallel, q.recompute))
+        if q.schedule == "zero_bubble" and q.pp > 1:   # its split backward asks for "none"
+            keys.add((q.micro_batch, q.tp, q.sequence_parallel, "none"))
+    for key in sorted(keys):
+        compute.measure(shape, key)
+    return probe, compute
+
+
+def _tp_collectives(world, groups: dict, shape, t: int, sp: bool, b: int,
+                    repeats: int = 7) -> dict:
+    """Seconds of each collective a block runs over the plan's tensor-parallel axis (the
+    hidden state of one micro-batch: all-reduced, or all-gathered and reduce-scattered under
+    sequence parallelism), timed on every group of ranks at once (the mesh lays tp fastest:
+    ranks ``k t .. k t + t - 1``), the median of ``repeats`` after a barrier each."""
+    import numpy as np
+
+    import collectives as coll
+    if t == 1:
+        return {}
+    if t not in groups:
+        groups[t] = world.Split(world.Get_rank() // t, world.Get_rank())
+    comm = groups[t]
+    nbytes = shape.bytes[3] * b * shape.seq * shape.dim
+    x = np.ones(nbytes // shape.bytes[3], dtype=np.float32 if shape.bytes[3] == 4
+                else np.float16)
+    calls = {"allreduce": lambda: coll.allreduce(x, comm=comm),
+             "allgather": lambda: coll.allgather(x[:len(x) // t], comm=comm),
+             "reduce_scatter": lambda: coll.reduce_scatter(x, comm=comm)}
+    kinds = ("allgather", "reduce_scatter") if sp else ("allreduce",)
+    table = {}
+    for kind in kinds:
+        times = []
+        for _ in range(repeats + 1):
+            world.Barrier()
+            t0 = time.perf_counter()
+            calls[kind]()
+            times.append(time.perf_counter() - t0)
+        table[(kind, nbytes, t, 1)] = statistics.median(times[1:])
+    return table
 
 
 def _launch(args, job: str, plans: str | None = None) -> None:
@@ -167,39 +330,48 @@ def main(argv=None) -> int:
             print(f"# round {r + 1} done", flush=True)
         memory = [[] for _ in plans]
         steps = [[] for _ in plans]
+        paired = [[] for _ in plans]
         losses = [None] * len(plans)
         with open(path + ".rows") as f:
             for line in f:
                 row = json.loads(line)
                 memory[row["i"]].append(row["peak_bytes"])
                 steps[row["i"]].append(row["step_s"])
+                paired[row["i"]].append(row["paired_s"])
                 losses[row["i"]] = row["loss"]
     rows = []
-    for q, mem, st, loss in zip(plans, memory, steps, losses):
+    for q, mem, st, pa, loss in zip(plans, memory, steps, paired, losses):
         m_mem, m_step = statistics.median(mem), statistics.median(st)
         rows.append({"plan": q["name"], "predicted_bytes": q["memory"], "measured_bytes": m_mem,
-                     "memory_ratio": q["memory"] / m_mem, "predicted_s": q["step_time"],
-                     "measured_s": m_step, "step_ratio": q["step_time"] / m_step,
+                     "memory_ratio": q["memory"] / m_mem, "planned_s": q["step_time"],
+                     "planned_ratio": q["step_time"] / m_step,
+                     "predicted_s": statistics.median(pa), "measured_s": m_step,
+                     "step_ratio": statistics.median(p / m for p, m in zip(pa, st)),
                      "step_spread": _quartiles(st), "loss": loss, "measured_bytes_rounds": mem,
-                     "measured_s_rounds": st})
-    print("| plan | predicted MiB | measured MiB | pred/meas | predicted ms | measured ms "
-          "| spread | pred/meas |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+                     "measured_s_rounds": st, "predicted_s_rounds": pa})
+    print("| plan | predicted MiB | measured MiB | pred/meas | planned ms | predicted ms "
+          "| measured ms | spread | pred/meas |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(f"| {row['plan']} | {row['predicted_bytes'] / 2**20:.1f} | "
               f"{row['measured_bytes'] / 2**20:.1f} | {row['memory_ratio']:.3f} | "
-              f"{row['predicted_s'] * 1e3:.1f} | {row['measured_s'] * 1e3:.1f} | "
-              f"{row['step_spread']:.0%} | {row['step_ratio']:.2f} |")
+              f"{row['planned_s'] * 1e3:.1f} | {row['predicted_s'] * 1e3:.1f} | "
+              f"{row['measured_s'] * 1e3:.1f} | {row['step_spread']:.0%} | "
+              f"{row['step_ratio']:.2f} |")
     mem_err = [abs(r["memory_ratio"] - 1) for r in rows]
     step_err = [abs(r["step_ratio"] - 1) for r in rows]
+    planned_err = [abs(r["planned_ratio"] - 1) for r in rows]
     first = rows[0]   # the planner's ranking: plans come fastest predicted first
     fastest = min(rows, key=lambda r: r["measured_s"])
     print(f"\nmemory: predicted / measured {min(r['memory_ratio'] for r in rows):.3f} to "
           f"{max(r['memory_ratio'] for r in rows):.3f}, within 10% for "
           f"{sum(e <= 0.10 for e in mem_err)} of {len(rows)}, below 95% of measured for "
           f"{sum(r['memory_ratio'] < 0.95 for r in rows)}")
-    print(f"step time: |error| median {statistics.median(step_err):.0%}, worst "
-          f"{max(step_err):.0%}")
+    print(f"step time, predicted with the compute probed in the same round: |error| median "
+          f"{statistics.median(step_err):.0%}, worst {max(step_err):.0%} (median ratio "
+          f"{statistics.median(r['step_ratio'] for r in rows):.2f}); with the compute measured "
+          f"once, when planning: median {statistics.median(planned_err):.0%}, worst "
+          f"{max(planned_err):.0%}")
     print(f"first choice {first['plan']}: measured {first['measured_s'] * 1e3:.1f} ms; fastest "
           f"measured {fastest['plan']}: {fastest['measured_s'] * 1e3:.1f} ms "
           f"({first['measured_s'] / fastest['measured_s'] - 1:+.0%})")

@@ -383,7 +383,10 @@ def test_bench_plan_measures_every_plan_it_predicts():
     rows = result["rows"]
     assert len(rows) == 4 and len({r["plan"] for r in rows}) == 4
     assert all(r["measured_bytes"] > 0 and r["measured_s"] > 0 for r in rows)
-    assert [r["predicted_s"] for r in rows] == sorted(r["predicted_s"] for r in rows)
+    # ranked by the planner's prediction; each round's own prediction beside its measurement
+    assert [r["planned_s"] for r in rows] == sorted(r["planned_s"] for r in rows)
+    assert all(len(r["predicted_s_rounds"]) == len(r["measured_s_rounds"]) == 1 and
+               r["predicted_s"] > 0 for r in rows)
     saved = {k: v[0] for k, v in result["recompute"].items()}
     assert saved["full"] == 2 * 16 * 32 * 4   # the block's input: b s h floats
     assert saved["full"] < saved["selective"] < saved["none"]
