@@ -274,22 +274,23 @@ def broadcast_init(x, root=0, *, comm=None, algorithm="auto", check=None) -> Per
 
 def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     ctx = comm_context(comm, "allgather")
-    key = given = None
+    key = given = table = learned = None
     if mode is BLOCKING and type(x) is np.ndarray and (given := counts_key(rows)) is not False:
+        key = ("allgather", algorithm, x.dtype, x.shape, given, out is None, out is x)
         if given is not None:  # every rank's rows given: the signature is known before
-            key = ("allgather", algorithm, x.dtype, x.shape, given, out is None, out is x)
             if (call := bound(ctx, key, x, out)) is not None:
+                return start(call, algorithm, check, call.out.obj)
+        elif (plan := planned(ctx, key)) is not None and x.flags.c_contiguous:
+            table, same = shapes.again(ctx, learned := plan.learned)
+            if same and (call := bound(ctx, key, x, out, plan)) is not None:
                 return start(call, algorithm, check, call.out.obj)
     if rows is not None:
         xb, counts, rows = shapes.given(ctx, x, rows, check, "allgather")
-    else:  # learned: the signature holds the exchanged table, known now
-        xb, error, table = shapes.learn(ctx, x, "allgather")
-        if mode is BLOCKING and type(x) is np.ndarray:
-            key = ("allgather", algorithm, x.dtype, x.shape, table.tobytes(), out is None,
-                   out is x)
-            if (call := bound(ctx, key, x, out, xb)) is not None:
-                return start(call, algorithm, check, call.out.obj)
-        counts, rows = shapes.learned(ctx, table, xb, error, "allgather")
+    else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
+        xb, error, table = shapes.learn(ctx, x, "allgather", table)
+        counts, rows = shapes.learned(ctx, table, error, "allgather")
+        if key is not None:
+            learned = shapes.kept(ctx, shapes.CountBuffers, "allgather", learned)
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -301,7 +302,7 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, outb.obj)
     plan = None if key is None else Plan(key, ("allgather", None, 0, counts, shape, False,
-                                               where(x, out), True, None))
+                                               where(x, out), True, None), learned)
     call.plan = plan
     return start(call, algorithm, check, outb.obj)
 
@@ -328,13 +329,17 @@ def allgather_init(x, *, counts=None, out=None, comm=None, algorithm="auto",
 def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     ctx = comm_context(comm, "alltoall")
     size = ctx.size
-    key = None
-    numpy = mode is BLOCKING and type(x) is np.ndarray
-    if numpy and (counts is None or recv_counts is not None):  # nothing to learn
-        given, expected = counts_key(counts), counts_key(recv_counts)
-        if given is not False and expected is not False:
-            key = ("alltoall", algorithm, x.dtype, x.shape, given, expected, out is None, out is x)
+    key = table = learned = None
+    if mode is BLOCKING and type(x) is np.ndarray and (given := counts_key(counts)) is not False \
+            and (expected := counts_key(recv_counts)) is not False:
+        key = ("alltoall", algorithm, x.dtype, x.shape, given, expected, out is None, out is x)
+        if given is None or expected is not None:  # nothing to learn
             if (call := bound(ctx, key, x, out)) is not None:
+                return start(call, algorithm, check, call.out.obj)
+        elif (plan := planned(ctx, key)) is not None and x.flags.c_contiguous:
+            # ragged: what comes from whom, exchanged with the plan's own row
+            table, same = shapes.again(ctx, learned := plan.learned)
+            if same and (call := bound(ctx, key, x, out, plan)) is not None:
                 return start(call, algorithm, check, call.out.obj)
     recv = matrix = error = xb = send = None
     try:
@@ -354,13 +359,11 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     except (TypeError, ValueError) as exc:
         error = exc
     if counts is not None and recv_counts is None:  # ragged: learn what comes from whom
-        table = shapes.alltoall_counts(ctx, xb, send if error is None else None)
-        if numpy:  # the signature holds the exchanged table, known now
-            key = ("alltoall", algorithm, x.dtype, x.shape, table.tobytes(), out is None,
-                   out is x)
-            if (call := bound(ctx, key, x, out, xb)) is not None:
-                return start(call, algorithm, check, call.out.obj)
+        if table is None:  # (else exchanged with the plan's)
+            table = shapes.alltoall_counts(ctx, xb, send if error is None else None)
         recv, matrix = shapes.alltoall_learned(ctx, table, error)
+        if key is not None:
+            learned = shapes.kept(ctx, shapes.MatrixBuffers, "alltoall", learned)
     elif error is not None:
         raise _check.failed(ctx, "alltoall", check, error)
     elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
@@ -383,7 +386,7 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
     if mode is PERSISTENT:
         return Persistent(call, algorithm, check, outb.obj, algo)
     plan = None if key is None else Plan(key, ("alltoall", None, 0, counts_e, shape, False,
-                                               where(x, out), True, None))
+                                               where(x, out), True, None), learned)
     call.plan = plan
     return start(call, algorithm, check, outb.obj, algo)
 
@@ -411,12 +414,16 @@ def alltoall_init(x, counts=None, *, recv_counts=None, out=None, comm=None, algo
 
 def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     ctx = comm_context(comm, "gather")
-    key = given = None
+    key = given = table = learned = None
     numpy = mode is BLOCKING and type(x) is np.ndarray and type(root) is int
     if numpy and (given := counts_key(rows)) is not False:
+        key = ("gather", algorithm, root, x.dtype, x.shape, given, out is None, out is x)
         if given is not None:  # every rank's rows given: the signature is known before
-            key = ("gather", algorithm, root, x.dtype, x.shape, given, out is None, out is x)
             if (call := bound(ctx, key, x, out)) is not None:
+                return start(call, algorithm, check, result_of(call))
+        elif (plan := planned(ctx, key)) is not None and x.flags.c_contiguous:
+            table, same = shapes.again(ctx, learned := plan.learned)
+            if same and (call := bound(ctx, key, x, out, plan)) is not None:
                 return start(call, algorithm, check, result_of(call))
     try:
         root = _root(root, ctx.size)
@@ -424,14 +431,11 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
         raise _check.failed(ctx, "gather", check, exc)
     if rows is not None:
         xb, counts, rows = shapes.given(ctx, x, rows, check, "gather")
-    else:  # learned: the signature holds the exchanged table, known now
-        xb, error, table = shapes.learn(ctx, x, "gather")
-        if numpy:
-            key = ("gather", algorithm, root, x.dtype, x.shape, table.tobytes(), out is None,
-                   out is x)
-            if (call := bound(ctx, key, x, out, xb)) is not None:
-                return start(call, algorithm, check, result_of(call))
-        counts, rows = shapes.learned(ctx, table, xb, error, "gather")
+    else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
+        xb, error, table = shapes.learn(ctx, x, "gather", table)
+        counts, rows = shapes.learned(ctx, table, error, "gather")
+        if key is not None:
+            learned = shapes.kept(ctx, shapes.CountBuffers, "gather", learned)
     outb, result = None, None
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     if ctx.rank == root:
@@ -449,7 +453,7 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     if key is not None:
         receives = ctx.rank == root
         plan = Plan(key, ("gather", None, root, counts, shape, False,
-                          where(x, out) if receives else NONE, receives, None))
+                          where(x, out) if receives else NONE, receives, None), learned)
     call.plan = plan
     return start(call, algorithm, check, result)
 

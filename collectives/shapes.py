@@ -21,8 +21,8 @@ from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
 
 __all__ = ["balanced", "counts_of", "CountBuffers", "MatrixBuffers", "allgather_counts",
-           "learn", "learned", "given", "elements", "alltoall_counts", "alltoall_learned",
-           "row_counts", "rows_of", "MAX_AXES", "scatter_header",
+           "learn", "learned", "Learned", "kept", "again", "given", "elements", "alltoall_counts",
+           "alltoall_learned", "row_counts", "rows_of", "MAX_AXES", "scatter_header",
            "scatter_known"]
 
 
@@ -73,12 +73,18 @@ class _Exchange:
 def _exchange(ctx, collective: str, how: str, method, *args) -> None:
     """``method(*args)``, an exchange every rank of ``ctx`` joins, watched like a blocking
     collective."""
+    what = ctx.slots.get(_Exchange) or ctx.slot(_Exchange)
+    what.collective = collective
+    what.how = how
+    _watched(ctx, what, method, *args)
+
+
+def _watched(ctx, what, method, *args) -> None:
+    """``method(*args)`` watched as ``what`` (``collective``, ``how``, ``describe()``; its
+    ``seq`` is set here) on ``ctx``'s reused blocking entry."""
     entry = None
     if ctx.size > 1:
-        what = ctx.slots.get(_Exchange) or ctx.slot(_Exchange)
-        what.collective = collective
         what.seq = ctx.seq
-        what.how = how
         entry = _watchdog.enter(ctx, what)
     try:
         method(*args)
@@ -96,6 +102,7 @@ class CountBuffers:
     int64: setting two numbers and reading a few back costs less than numpy's indexing."""
 
     __slots__ = ("mine", "table", "send", "recv")
+    how = "exchanging row counts: MPI_Allgather"
 
     def __init__(self, ctx):
         from mpi4py import MPI
@@ -119,25 +126,26 @@ def allgather_counts(ctx, xb: Buffer | None, collective="allgather") -> array:
         shape = xb.shape
         mine[0] = shape[0] if shape else 1
         mine[1] = 1 if len(shape) < 2 else math.prod(shape[1:])
-    _exchange(ctx, collective, "exchanging row counts: MPI_Allgather", ctx.comm.Allgather,
-              bufs.send, bufs.recv)
+    _exchange(ctx, collective, bufs.how, ctx.comm.Allgather, bufs.send, bufs.recv)
     return bufs.table
 
 
-def learn(ctx, x, collective) -> tuple[Buffer | None, Exception | None, array]:
+def learn(ctx, x, collective, table: array | None = None) -> tuple[Buffer | None,
+                                                                     Exception | None, array]:
     """``(x wrapped, None, table)`` of an allgather or gather without counts, or ``(None, the
     error refusing x, table)``: ``table`` is every rank's (rows, elements per row)
-    (``allgather_counts``), which ``learned`` reads. The table, as bytes, is part of the
-    call's signature: alike tables read alike."""
+    (``allgather_counts``), which ``learned`` reads; where given, the exchange was made
+    already (``again``), for an x checked before it."""
     try:
         xb, error = wrap(x, "x"), None
     except (TypeError, ValueError) as exc:
         xb, error = None, exc
-    return xb, error, allgather_counts(ctx, xb, collective)
+    if table is None:
+        table = allgather_counts(ctx, xb, collective)
+    return xb, error, table
 
 
-def learned(ctx, table: array, xb: Buffer | None, error,
-            collective) -> tuple[tuple[int, ...], int]:
+def learned(ctx, table: array, error, collective) -> tuple[tuple[int, ...], int]:
     """``(every rank's element count, total rows)`` from ``learn``'s table; the error of a
     rank whose x was refused (``check.settle``) or of trailing axes that differ, on every
     rank."""
@@ -152,6 +160,38 @@ def learned(ctx, table: array, xb: Buffer | None, error,
     if row == 1:
         return tuple(every_rows), sum(every_rows)
     return tuple(r * row for r in every_rows), sum(every_rows)
+
+
+class Learned(_Exchange):
+    """What a signature's plan keeps of its count exchange (``kept``), to make it again on
+    every call (``again``), described to the watchdog as the exchange it is: this rank's row
+    as it sent it (its own copy: the row depends on the signature alone), the
+    communicator's receive buffer, and every rank's rows as they were."""
+
+    __slots__ = ("send", "recv", "table")
+
+    def __init__(self, collective, how, send, recv, table):
+        self.collective, self.seq, self.how = collective, -1, how
+        self.send, self.recv, self.table = send, recv, table
+
+
+def kept(ctx, buffers, collective: str, before: Learned | None = None) -> Learned:
+    """What a plan keeps of the exchange just made on ``ctx`` with ``buffers``
+    (``CountBuffers``, ``MatrixBuffers``): by ``allgather_counts``/``alltoall_counts``, or by
+    ``again`` with an earlier plan's ``before`` (which sent this rank's row from its own)."""
+    bufs = ctx.slots[buffers]
+    send = [array("q", bufs.mine), bufs.send[1]] if before is None else before.send
+    return Learned(collective, bufs.how, send, bufs.recv, array("q", bufs.table))
+
+
+def again(ctx, learned: Learned) -> tuple[array, bool]:
+    """The exchange of a plan's ``learned`` made again: ``(every rank's rows now, whether
+    they are what they were)``. Every rank joins it with the same signature's plan, or with
+    ``allgather_counts``/``alltoall_counts`` (the same message) where it has none."""
+    recv = learned.recv
+    _watched(ctx, learned, ctx.comm.Allgather, learned.send, recv)
+    table = recv[0]
+    return table, table == learned.table
 
 
 def given(ctx, x, rows, check, collective) -> tuple[Buffer, tuple[int, ...], int]:
@@ -187,8 +227,7 @@ def alltoall_counts(ctx, xb, send) -> array:
     else:
         mine[0] = rows_of(xb)[1]
         mine[1:] = array("q", send)
-    _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather", ctx.comm.Allgather,
-              bufs.send, bufs.recv)
+    _exchange(ctx, "alltoall", bufs.how, ctx.comm.Allgather, bufs.send, bufs.recv)
     return bufs.table
 
 
@@ -215,6 +254,7 @@ class MatrixBuffers:
     this rank's (elements per row, send counts), and every rank's."""
 
     __slots__ = ("mine", "table", "send", "recv")
+    how = "exchanging counts: MPI_Allgather"
 
     def __init__(self, ctx):
         from mpi4py import MPI

@@ -38,14 +38,22 @@ class Plan:
     signature alone (not on the buffers, as a preference's agreement does).
 
     ``x`` and ``out``: the ``Buffer``s that its calls fill with the caller's arrays
-    (``bound``) and ``empty`` drops them from when the call returns, so that a call wraps
-    its arrays without making objects."""
+    (``bound``) and ``empty`` drops them from when the call returns; ``call``: the ``Call``
+    made of them, reused by every call of the signature (blocking calls on a communicator
+    come one at a time), but where a call changes its own record (``op="avg"``, summed
+    after dividing first). So a call wraps its arrays without making objects.
 
-    __slots__ = ("key", "derived", "algo", "run", "x", "out")
+    ``learned``: for a signature whose counts every rank learns with one exchange (an
+    allgather or gather without counts, a ragged all-to-all), what that exchange was when the
+    plan was settled (``shapes.kept``): every call exchanges again, and runs as planned where
+    every rank's counts are what they were."""
 
-    def __init__(self, key, derived=None):
+    __slots__ = ("key", "derived", "algo", "run", "x", "out", "call", "learned")
+
+    def __init__(self, key, derived=None, learned=None):
         self.key, self.derived, self.algo, self.run = key, derived, None, None
-        self.x = self.out = None
+        self.x = self.out = self.call = None
+        self.learned = learned
 
     def empty(self) -> None:
         """A call of this plan returned: its Buffers hold none of the caller's arrays."""
@@ -72,40 +80,52 @@ def counts_key(counts):
     be one (floats, bools and numpy arrays take the full path, whose checks tell them apart)."""
     if counts is None:
         return None
-    if (type(counts) is tuple or type(counts) is list) and _INT.issuperset(map(type, counts)):
+    if type(counts) is tuple or type(counts) is list:
+        if len(counts) > 16:  # many ranks: one pass in C
+            return tuple(counts) if _INT.issuperset(map(type, counts)) else False
+        for count in counts:  # a few: quicker than the set that issuperset makes of them
+            if type(count) is not int:
+                return False
         return tuple(counts)
     return False
 
 
-def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
+def bound(ctx, key, x, out, plan: Plan | None = None) -> Call | None:
     """The ``Call`` of a blocking call whose signature ``key`` has a settled plan on ``ctx``
-    (its ``plan``), with the checks that read the arrays themselves made again (x
-    C-contiguous; out writable, C-contiguous and apart from x); None where there is no plan or
-    a check fails: the full path then takes the call, and says why. ``plan.derived``: the
-    collective, op, root, counts, the output's shape, in place, where out is (``NEW``,
-    ``SAME``, ``APART``, ``NONE``), whether this rank receives into it, and the Buffer
-    standing for x where x is not read on this rank (or None). The call's Buffers are the
-    plan's own, filled (``Plan.empty`` drops the arrays when the call returns)."""
-    plans = ctx.slots.get(Plans)  # planned(ctx, key), inline: this runs on every call
-    if plans is None or plans.version != CHANGES[0] or \
-            plans.setting is not config.current.COLLECTIVES_TUNING:
-        return None
-    try:
-        plan = plans.table.get(key)
-    except TypeError:
-        return None
+    (``plan``, where the caller has looked it up), with the checks that read the arrays
+    themselves made again (x C-contiguous; out writable, C-contiguous and apart from x); None
+    where there is no plan or a check fails: the full path then takes the call, and says why.
+    ``plan.derived``: the collective, op, root, counts, the output's shape, in place, where
+    out is (``NEW``, ``SAME``, ``APART``, ``NONE``), whether this rank receives into it, and
+    the Buffer standing for x where x is not read on this rank (or None). The call and its
+    Buffers are the plan's own, filled (``Plan.empty`` drops the arrays when the call
+    returns)."""
     if plan is None:
-        return None
+        plans = ctx.slots.get(Plans)  # planned(ctx, key), inline: this runs on every call
+        if plans is None or plans.version != CHANGES[0] or \
+                plans.setting is not config.current.COLLECTIVES_TUNING:
+            return None
+        try:
+            plan = plans.table.get(key)
+        except TypeError:
+            return None
+        if plan is None:
+            return None
     collective, op, root, counts, shape, inplace, placed, receives, stand_in = plan.derived
-    if xb is None:
-        if x is not None:
-            flags = x.flags
-            if not flags.c_contiguous:
-                return None
-        if stand_in is None:
-            xb = plan.x = numpy_buffer(x, not flags.writeable, plan.x)
-        else:
-            xb = stand_in
+    if x is not None:  # x's layout is checked where it is not read, as the full path does
+        flags = x.flags
+        if not flags.c_contiguous:
+            return None
+    if stand_in is None:
+        xb = plan.x
+        if xb is None:
+            xb = plan.x = numpy_buffer(x, not flags.writeable)
+        else:  # numpy_buffer(x, ..., into=xb), inline
+            xb.obj = x
+            xb.flat = x if len(xb.shape) == 1 else x.reshape(-1)
+            xb.readonly = not flags.writeable
+    else:
+        xb = stand_in
     if placed is APART:
         if type(out) is not np.ndarray or out.shape != shape or \
                 (out.dtype is not xb.dtype and out.dtype != xb.dtype):
@@ -115,7 +135,12 @@ def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
                 (out.base is None and xb.obj.base is None) or
                 not np.may_share_memory(xb.flat, out)):
             return plan.empty()
-        outb = plan.out = numpy_buffer(out, False, plan.out)
+        outb = plan.out
+        if outb is None:
+            outb = plan.out = numpy_buffer(out)
+        else:
+            outb.obj = out
+            outb.flat = out if len(shape) == 1 else out.reshape(-1)
     elif placed is NEW:
         outb = plan.out = numpy_buffer(np.empty(shape, xb.dtype), False, plan.out)
     elif placed is SAME:
@@ -124,9 +149,13 @@ def bound(ctx, key, x, out, xb: Buffer | None = None) -> Call | None:
         outb = xb
     else:
         outb = None
-    call = make_call(collective, ctx, xb, outb if receives else None, op, root, counts, inplace,
-                     True)
-    call.plan = plan
+    call = plan.call
+    if call is None:
+        call = make_call(collective, ctx, xb, outb if receives else None, op, root, counts,
+                         inplace, True)
+        call.plan = plan
+        if op is None or not op.is_avg:  # an average divided first changes its call's record
+            plan.call = call
     return call
 
 
