@@ -39,6 +39,33 @@ def test_layer_activations_are_what_autograd_saves(attention, policy, b, s, h, a
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_wrappers_add_nothing_to_what_a_block_saves(zero):
+    """A block wrapped for data parallelism (DDP, whose gradients are views of its buckets;
+    ZeRO-1, whose parameters are views of its flat buffers) saves for backward what the
+    plain block saves and ``layer_activations`` prices, on every rank."""
+    from mpi4py import MPI
+
+    from collectives.torch import DistributedDataParallel, ShardedDataParallel
+    from mpiutil import assert_all
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks or more")
+    b, s, h, a = 2, 16, 48, 4
+    torch.manual_seed(0)
+    block = train_gpt.GPT(264, h, a, 1, "math").blocks[0]
+    wrapped = DistributedDataParallel(block, comm=world) if zero == 0 else \
+        ShardedDataParallel(block, stage=1, comm=world)
+    x = torch.randn(b, s, h, requires_grad=True)
+    saved, out = checkpoint.saved_bytes(lambda: wrapped(x))
+    out.square().mean().backward()
+    want = plan.layer_activations(plan.gpt(1, h, a, s, 264, attention="math"), b, 1, False,
+                                  "none")
+    found = world.allgather(saved)
+    assert_all(saved == want, f"saved on each rank {found}, priced {want}")
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("tp_size", [2, 3])
 @pytest.mark.parametrize("sp", [False, True])
 def test_layer_activations_under_tensor_parallelism(tp_size, sp):
