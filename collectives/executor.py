@@ -20,6 +20,16 @@ module wraps it to stage device memory through host buffers; the in-process simu
 (``collectives.sim``) implements it with mailboxes. ``Run`` only needs ``isend``, ``irecv``,
 ``waitany``, ``testsome`` and ``finish``.
 
+Under Open MPI's fault tolerance (ULFM, ``mpirun --with-ft ulfm``) the transport tests its
+requests one at a time (``MPI_Test``), never with ``Waitany``, ``Testany`` or ``Testsome``.
+Once a communicator is revoked, ULFM marks each pending request such a call scans with
+``ERR_REVOKED``, though a send to a live peer stays in flight, and when the call then reports
+an error it frees every marked request of the array (``ompi_errhandler_request_invoke``). The
+send's completion (the peer's refusal, which its own revoke sends) then meets a freed request
+with an error, which Open MPI makes fatal to the job ("Send error after request freed").
+``MPI_Test`` frees its own request only, and only once complete. A run that fails with
+requests in flight is kept, buffers and all (``_ABANDONED``): MPI may still complete them.
+
 ``COLLECTIVES_SEGMENT_BYTES`` (``collectives.config``) is the largest message an algorithm
 emits; tests set it small so that short arrays walk the multi-segment paths.
 
@@ -40,7 +50,7 @@ import numpy as np
 
 from . import config
 from .errors import CollectiveError, MessageSizeError, network_error
-from .progress import polite_waits
+from .progress import polite_waits, ulfm_launched
 from .schedule import RECV, REDUCE, SEND, build
 
 __all__ = ["Context", "context", "Run", "MPITransport", "segment_elems", "schedule_for",
@@ -184,7 +194,7 @@ def context(comm) -> Context:
 class MPITransport:
     """Non-blocking byte transfers on one communicator."""
 
-    __slots__ = ("comm", "_byte", "_mpi", "counter", "polite")
+    __slots__ = ("comm", "_byte", "_mpi", "counter", "polite", "singly")
 
     def __init__(self, comm):
         from mpi4py import MPI
@@ -196,6 +206,9 @@ class MPITransport:
         # rank being waited for needs: poll and yield instead (measured: 3 ranks on 2 cores,
         # an 8-byte ring allreduce took 8.3 ms spinning, 0.22 ms yielding).
         self.polite = polite_waits()
+        # Under ULFM, one request at a time (the module doc: a revoke must not free a send
+        # still in flight).
+        self.singly = ulfm_launched()
 
     def isend(self, view, peer: int, tag: int):
         if self.counter is not None:
@@ -217,6 +230,13 @@ class MPITransport:
     def waitany(self, handles):
         """Block until one of ``handles`` completes: ``(index, status)``."""
         status = self._mpi.Status()  # one per call: the progress thread may wait at once
+        if self.singly:
+            while True:
+                for k, handle in enumerate(handles):
+                    if handle.Test(status):
+                        return k, status
+                if self.polite:
+                    os.sched_yield()
         if self.polite:
             testany = self._mpi.Request.Testany
             while True:
@@ -229,14 +249,43 @@ class MPITransport:
 
     def testsome(self, handles):
         """The ``(index, status)`` of the handles complete now (maybe none)."""
+        if self.singly:
+            done, status = [], self._mpi.Status()
+            for k, handle in enumerate(handles):
+                if handle.Test(status):
+                    done.append((k, status))
+                    status = self._mpi.Status()
+            return done
         statuses = []
-        done = self._mpi.Request.Testsome(handles, statuses)
+        try:
+            done = self._mpi.Request.Testsome(handles, statuses)
+        except self._mpi.Exception as exc:
+            err = _status_error(self._mpi, exc, statuses)
+            if err is exc:
+                raise
+            raise err from exc
         if not done:
             return ()
         return list(zip(done, statuses))
 
 
+def _status_error(mpi, exc, statuses):
+    """The error of the request that failed, where a test of several requests reports only
+    ``ERR_IN_STATUS`` (a truncation, or under ULFM a revoked communicator or a dead peer, which
+    elastic training must tell apart); ``exc`` itself otherwise."""
+    if exc.Get_error_class() != mpi.ERR_IN_STATUS:
+        return exc
+    for status in statuses:
+        code = status.Get_error()
+        if code not in (mpi.SUCCESS, mpi.ERR_PENDING):
+            return mpi.Exception(code)
+    return exc
+
+
 _U8 = np.dtype(np.uint8)
+# Runs that failed with requests in flight (a process failure under ULFM): never freed, as
+# their requests may still complete into (or from) their buffers.
+_ABANDONED: list = []
 
 
 class Run:
@@ -369,6 +418,8 @@ class Run:
         except BaseException as exc:
             self.error = network_error(exc, self.describe())
             self.done = True
+            if self.handles:
+                _ABANDONED.append(self)
             if self.error is exc:
                 raise
             raise self.error from exc

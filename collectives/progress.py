@@ -22,7 +22,7 @@ import threading
 from . import config
 from .errors import network_error
 
-__all__ = ["Request", "Done", "DONE", "NativeWork", "Worker", "use_thread"]
+__all__ = ["Request", "Done", "DONE", "NativeWork", "Worker", "use_thread", "ulfm_launched"]
 
 
 def _local_ranks() -> int | None:
@@ -61,6 +61,14 @@ def polite_waits() -> bool:
     if setting in ("spin", "block"):
         return False
     return busy_node()
+
+
+@functools.lru_cache(maxsize=None)
+def ulfm_launched() -> bool:
+    """Whether the launcher runs this job under Open MPI's fault tolerance (ULFM: ``mpirun
+    --with-ft ulfm`` sets ``OMPI_MCA_mpi_ft_enable`` in every rank); read once."""
+    value = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
+    return value in ("1", "true", "yes", "on", "enabled")
 
 
 def use_thread() -> bool:

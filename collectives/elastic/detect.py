@@ -19,11 +19,12 @@ error is the cause of another error, or its text is (torch's ``Future`` passes o
 in a callback as a ``RuntimeError`` with its message only). ``ERR_IN_STATUS`` counts too where
 ``comm`` knows a failed process (``Comm.Get_failed``): a test or wait on several requests
 reports a dead peer's request that way, its own class hidden in a status the caller may not
-keep (the executor reads it as a truncation: ``MessageSizeError``).
+keep (``collectives.p2p``'s; the executor raises the class its status holds, and under ULFM
+tests one request at a time).
 """
 from __future__ import annotations
 
-import os
+from ..progress import ulfm_launched
 
 __all__ = ["fault_tolerant", "process_failure", "failure_classes"]
 
@@ -79,11 +80,6 @@ def process_failure(exc: BaseException | None, comm=None) -> bool:
     return False
 
 
-def _launcher_keeps_going() -> bool:
-    value = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
-    return value in ("1", "true", "yes", "on", "enabled")
-
-
 def _revoke_interrupts() -> bool:
     """Revoke a private one-rank communicator and use it: ``ERR_REVOKED`` under ULFM."""
     from mpi4py import MPI
@@ -107,6 +103,6 @@ def fault_tolerant(comm=None) -> bool:
     if "ulfm" in _VERDICT:
         return _VERDICT["ulfm"]
     comm = MPI.COMM_WORLD if comm is None else comm
-    mine = 1 if (_revoke_interrupts() and _launcher_keeps_going()) else 0
+    mine = 1 if (_revoke_interrupts() and ulfm_launched()) else 0
     _VERDICT["ulfm"] = bool(comm.allreduce(mine, op=MPI.MIN))
     return _VERDICT["ulfm"]
