@@ -336,26 +336,38 @@ def test_zero_shards_rebuilt_from_their_copies(tmp_path, stage):
 
 
 # -- a dp x tp mesh, and replacements ---------------------------------------------------------
-@pytest.mark.timeout(3 * LIMIT)
-def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path):
+def _mesh_drops_a_group(tmp_path, n, dp):
+    """Rank 2 of an (n / 2) x 2 mesh (dp x tp) killed at step 5: its tp group [2, 3] is
+    dropped, the other groups go on as a ``dp`` x 2 mesh, equal bitwise to such a job started
+    from their commit."""
     steps, restored = 10, tmp_path / "restored.pt"
-    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--tp", 2, "--steps", steps, "--kill", "2:5",
+    rc, out, err = _finish(_ompi_job(n, EXAMPLE, "--tp", 2, "--steps", steps, "--kill", "2:5",
                                      "--save-restored", restored))
     assert rc == 0, err[-3000:]
     s = _summary(out)
-    assert s["mesh"] == [1, 2] and s["ranks_end"] == 2 and s["digests_equal"], s
+    assert s["mesh"] == [dp, 2] and s["ranks_end"] == 2 * dp and s["digests_equal"], s
     (r,) = s["recoveries"]
-    assert (r["lost"], r["left"], r["ranks"]) == ([2], [3], 2) and r["steps_lost"] <= 1
+    assert (r["lost"], r["left"], r["ranks"]) == ([2], [3], 2 * dp) and r["steps_lost"] <= 1
     assert "rank 3 left at step" in out
     assert set(range(steps)) <= {st for st, _ in _steps(out)}
-    assert [size for st, size in _steps(out) if st in (4, 9)] == [4, 2]
-    # The tp group that went on, from its commit, is a 1 x 2 job started from that commit.
-    rc, out, err = _finish(_ompi_job(2, EXAMPLE, "--tp", 2, "--steps", steps, "--quiet",
+    assert [size for st, size in _steps(out) if st in (4, 9)] == [n, 2 * dp]
+    rc, out, err = _finish(_ompi_job(2 * dp, EXAMPLE, "--tp", 2, "--steps", steps, "--quiet",
                                      "--resume", restored))
     assert rc == 0, err[-3000:]
     ref = _summary(out)
-    assert ref["started_at"] == r["restored"] and ref["mesh"] == [1, 2]
+    assert ref["started_at"] == r["restored"] and ref["mesh"] == [dp, 2]
     assert ref["digest"] == s["digest"]
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path):
+    _mesh_drops_a_group(tmp_path, 4, 1)
+
+
+@pytest.mark.timeout(3 * LIMIT)
+def test_a_3_by_2_mesh_goes_on_as_2_by_2(tmp_path):
+    """Two complete groups survive: DDP goes on over the new dp axis of 2 ranks."""
+    _mesh_drops_a_group(tmp_path, 6, 2)
 
 
 def _uninterrupted(steps):
