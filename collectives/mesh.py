@@ -6,6 +6,7 @@
     mesh.coord("pp"), mesh.size("dp"), mesh.shape, mesh.names
     mesh.group("tp")         # the same ranks as a torch ProcessGroup on the toolkit's backend
     mesh.communicators()     # every MPI communicator made so far (to revoke after a failure)
+    mesh.free()              # collective: the communicators and the toolkit's state on them go
 
 Vocabulary: a *coordinate* is a rank's position on every axis; ranks are laid out in row-major
 order, so the *last axis varies fastest* and a group along it is consecutive ranks (a
@@ -151,6 +152,21 @@ class Mesh:
         """The MPI communicators this mesh has made so far: its cartesian one, then one per
         axis set asked for (what to revoke when a rank of the mesh fails)."""
         return [self._cart, *self._comms.values()]
+
+    def free(self) -> None:
+        """Free the mesh's communicators, in the order they were made (collective over the
+        mesh). The toolkit's state on each goes with it (its context: the private duplicate,
+        the shared windows of registered buffers), which otherwise lives as long as the
+        process: MPI's tables of windows and communicators, which grow to the most that were
+        ever alive at once, keep that high-water mark. Nothing built on the mesh (wrappers,
+        pipelines, arrays in its registered buffers) may be used afterwards."""
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        for comm in self.communicators():
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        self._comms = {}
 
     def group(self, axes):
         """This rank's group along ``axes`` as a torch ``ProcessGroup`` on the default group's

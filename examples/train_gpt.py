@@ -359,8 +359,8 @@ def run(args, world, text, on_step=None) -> dict:
     gc.collect()
     base = measure.reset_peak()
     if args.pp > 1:
-        summary = pipelined(args, Mesh((args.pp, args.dp, tp_size), ("pp", "dp", "tp"),
-                                       comm=world), text, on_step)
+        mesh = Mesh((args.pp, args.dp, tp_size), ("pp", "dp", "tp"), comm=world)
+        summary = pipelined(args, mesh, text, on_step)
     else:
         mesh = Mesh((args.dp, tp_size), ("dp", "tp"), comm=world)
         tp.traffic.reset()
@@ -382,6 +382,11 @@ def run(args, world, text, on_step=None) -> dict:
                                                for p in inner.parameters())}
         del model, inner
     summary["peak_bytes"] = world.allreduce(measure.peak() - base, op=MPI.MAX)
+    # the plan's wrappers are gone: its communicators and their shared windows go too, so
+    # that MPI's tables stay at the most one plan holds (a warm-up's windows left alive
+    # would make the measured plan's grow them, in its peak)
+    gc.collect()
+    mesh.free()
     return summary
 
 

@@ -3,6 +3,7 @@ ranks, against groups computed from coordinates), then the MPI communicators and
 at every rank count the job has."""
 import itertools
 import math
+import os
 
 import numpy as np
 import pytest
@@ -129,6 +130,41 @@ def test_mesh_bad_input_raises_on_every_rank():
         except ValueError:
             raised += 1
     assert_all(raised == len(cases) + 2, f"{raised} ValueErrors of {len(cases) + 2}")
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's /proc/self/maps")
+def test_mesh_free_frees_the_windows_of_its_communicators():
+    """A registered buffer made on a mesh's communicator and dropped leaves its shared window
+    mapped (pooled for the next one, or waiting for every rank to drop theirs) until the mesh
+    is freed: then the window goes with the communicator's context."""
+    import gc
+
+    from mpi4py import MPI
+
+    import collectives as coll
+    from collectives import Mesh
+    from mpiutil import assert_all
+    n = MPI.COMM_WORLD.Get_size()
+    mesh = Mesh((n, 1), ("dp", "tp"))
+    x = coll.empty(1 << 16, np.float32, comm=mesh.comm("dp"))
+    x[:] = 1.0
+    addr = x.ctypes.data
+    del x
+    gc.collect()
+    before = _mapped(addr)
+    mesh.free()
+    after = _mapped(addr)
+    assert_all(before and not after, f"window mapped before free: {before}, after: {after}")
 
 
 @pytest.mark.mpi
