@@ -47,8 +47,9 @@ import time
 
 # Open MPI: a rank leaves MPI_Finalize without a fence with every other rank of the job, dead
 # ones included (with it, the last survivors of a job that lost ranks may wait there for
-# ever). Set before MPI starts; other MPI libraries ignore it.
-os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
+# ever). Set before MPI starts; other MPI libraries ignore it. The variable is Open MPI's
+# "async_mpi_finalize" (ompi_mpi_params.c registers it under "async", not "mpi").
+os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 # One rank a node, as the toolkit's topology sees it: ``auto`` (the tensor-parallel layers'
 # choice) then never picks a shared-memory algorithm, whose wait on a dead rank no MPI error
 # interrupts (docs/elastic.md). The DDP and ZeRO paths name algorithm="ring" instead.
