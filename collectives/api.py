@@ -280,10 +280,11 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
         if given is not None:  # every rank's rows given: the signature is known before
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, call.out.obj)
-        elif (plan := planned(ctx, key)) is not None and x.flags.c_contiguous:
-            table, same = shapes.again(ctx, learned := plan.learned)
-            if same and (call := bound(ctx, key, x, out, plan)) is not None:
+        elif (call := bound(ctx, key, x, out)) is not None:  # its exchange, then as planned
+            table, same = shapes.again(ctx, learned := call.plan.learned)
+            if same:
                 return start(call, algorithm, check, call.out.obj)
+            call.plan.empty()
     if rows is not None:
         xb, counts, rows = shapes.given(ctx, x, rows, check, "allgather")
     else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
@@ -336,11 +337,11 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
         if given is None or expected is not None:  # nothing to learn
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, call.out.obj)
-        elif (plan := planned(ctx, key)) is not None and x.flags.c_contiguous:
-            # ragged: what comes from whom, exchanged with the plan's own row
-            table, same = shapes.again(ctx, learned := plan.learned)
-            if same and (call := bound(ctx, key, x, out, plan)) is not None:
+        elif (call := bound(ctx, key, x, out)) is not None:  # ragged: what comes from whom
+            table, same = shapes.again(ctx, learned := call.plan.learned)
+            if same:
                 return start(call, algorithm, check, call.out.obj)
+            call.plan.empty()
     recv = matrix = error = xb = send = None
     try:
         xb = wrap(x, "x")
@@ -421,10 +422,11 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
         if given is not None:  # every rank's rows given: the signature is known before
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, result_of(call))
-        elif (plan := planned(ctx, key)) is not None and x.flags.c_contiguous:
-            table, same = shapes.again(ctx, learned := plan.learned)
-            if same and (call := bound(ctx, key, x, out, plan)) is not None:
+        elif (call := bound(ctx, key, x, out)) is not None:  # its exchange, then as planned
+            table, same = shapes.again(ctx, learned := call.plan.learned)
+            if same:
                 return start(call, algorithm, check, result_of(call))
+            call.plan.empty()
     try:
         root = _root(root, ctx.size)
     except ValueError as exc:

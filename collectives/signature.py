@@ -90,27 +90,25 @@ def counts_key(counts):
     return False
 
 
-def bound(ctx, key, x, out, plan: Plan | None = None) -> Call | None:
+def bound(ctx, key, x, out) -> Call | None:
     """The ``Call`` of a blocking call whose signature ``key`` has a settled plan on ``ctx``
-    (``plan``, where the caller has looked it up), with the checks that read the arrays
-    themselves made again (x C-contiguous; out writable, C-contiguous and apart from x); None
+    (its ``plan``), with the checks that read the arrays themselves made again (x C-contiguous; out writable, C-contiguous and apart from x); None
     where there is no plan or a check fails: the full path then takes the call, and says why.
     ``plan.derived``: the collective, op, root, counts, the output's shape, in place, where
     out is (``NEW``, ``SAME``, ``APART``, ``NONE``), whether this rank receives into it, and
     the Buffer standing for x where x is not read on this rank (or None). The call and its
     Buffers are the plan's own, filled (``Plan.empty`` drops the arrays when the call
     returns)."""
+    plans = ctx.slots.get(Plans)  # planned(ctx, key), inline: this runs on every call
+    if plans is None or plans.version != CHANGES[0] or \
+            plans.setting is not config.current.COLLECTIVES_TUNING:
+        return None
+    try:
+        plan = plans.table.get(key)
+    except TypeError:
+        return None
     if plan is None:
-        plans = ctx.slots.get(Plans)  # planned(ctx, key), inline: this runs on every call
-        if plans is None or plans.version != CHANGES[0] or \
-                plans.setting is not config.current.COLLECTIVES_TUNING:
-            return None
-        try:
-            plan = plans.table.get(key)
-        except TypeError:
-            return None
-        if plan is None:
-            return None
+        return None
     collective, op, root, counts, shape, inplace, placed, receives, stand_in = plan.derived
     if x is not None:  # x's layout is checked where it is not read, as the full path does
         flags = x.flags
