@@ -194,7 +194,7 @@ class _InSitu:
         import torch
 
         from collectives.plan import Plan
-        from collectives.plan.timing import _layer_comm
+        from collectives.plan.timing import layer_comm
         from collectives.torch import checkpoint
         from collectives.torch import tensor_parallel as tpar
         b, tp, sp, recompute = key
@@ -217,7 +217,7 @@ class _InSitu:
                 out.float().pow(2).mean().backward()
                 fw.append(t1 - t0)
                 bw.append(time.perf_counter() - t1)
-            cf, cb, _ = _layer_comm(self._net, model, Plan(1, tp, 1, sp, "1f1b", 1, 1, 0,
+            cf, cb, _ = layer_comm(self._net, model, Plan(1, tp, 1, sp, "1f1b", 1, 1, 0,
                                                            recompute, b))
             self._cache[key] = (max(statistics.median(fw[1:]) - cf, 0.0),
                                 max(statistics.median(bw[1:]) - cb, 0.0))

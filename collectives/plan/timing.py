@@ -33,7 +33,7 @@ from .memory import stage_layers
 from .model import GPTShape
 from .record import Plan
 
-__all__ = ["Network", "FlopRate", "Measured", "step_time", "lower_bound"]
+__all__ = ["Network", "FlopRate", "Measured", "step_time", "lower_bound", "layer_comm"]
 
 
 class Network:
@@ -197,7 +197,7 @@ class Measured:
         return self._cache[key]
 
 
-def _layer_comm(net: Network, model: GPTShape, plan: Plan) -> tuple[float, float, float]:
+def layer_comm(net: Network, model: GPTShape, plan: Plan) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, bytes sent) of one block's tensor-parallel
     collectives on one micro-batch."""
     t = plan.tp
@@ -249,7 +249,7 @@ def _stages(model: GPTShape, plan: Plan, net: Network, compute):
     counts = stage_layers(model.layers, S)
     k = net.share
     lf, lb = (k * x for x in compute.layer(model, b, t, sp, plan.recompute))
-    cf, cb, _ = _layer_comm(net, model, plan)
+    cf, cb, _ = layer_comm(net, model, plan)
     hf, hb = (k * x for x in compute.head(model, b, t, sp))
     x = model.bytes[3] * b * model.seq * model.dim
     edge, _ = net.collective("allreduce", x, t, 1) if not sp else \
@@ -287,7 +287,7 @@ def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
     per, extra = divmod(model.layers, S)
     k = net.share
     lf, lb = (k * x for x in compute.layer(model, b, t, sp, plan.recompute))
-    cf, cb, _ = _layer_comm(net, model, plan)
+    cf, cb, _ = layer_comm(net, model, plan)
     hf, hb = (k * x for x in compute.head(model, b, t, sp))
     layer = lf + cf + lb + cb
     first_blocks = v * per + sum(1 for s in range(0, S, p) if s < extra)
@@ -333,7 +333,7 @@ def step_time(model: GPTShape, plan: Plan, net: Network, compute) -> tuple[float
     p, m, v, t, dp = plan.pp, plan.microbatches, plan.virtual, plan.tp, plan.dp
     fw, bw, ww, params = _stages(model, plan, net, compute)
     link_bytes = {"node": 0.0, "net": 0.0}
-    _, _, tp_sent = _layer_comm(net, model, plan)
+    _, _, tp_sent = layer_comm(net, model, plan)
     counts = stage_layers(model.layers, p * v)
     rank0_blocks = sum(counts[s] for s in range(0, p * v, p))
     link_bytes[net.link(1, t)] += tp_sent * rank0_blocks * m
