@@ -29,7 +29,8 @@ from .ops import resolve
 from .persistent import Persistent
 from .progress import Request
 from .select import NATIVE, REGISTRY
-from .signature import APART, NONE, SAME, Plan, bound, counts_key, planned, result_of, where
+from .signature import (APART, NONE, SAME, Changed, Plan, bound, counts_key, planned,
+                        result_of, where)
 
 __all__ = ["allreduce", "reduce", "broadcast", "reduce_scatter", "allgather", "alltoall",
            "gather", "scatter", "barrier", "iallreduce", "ireduce", "ibroadcast",
@@ -280,18 +281,17 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
         if given is not None:  # every rank's rows given: the signature is known before
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, call.out.obj)
-        elif (call := bound(ctx, key, x, out)) is not None:  # its exchange, then as planned
-            table, same = shapes.again(ctx, learned := call.plan.learned)
-            if same:
+        elif (call := bound(ctx, key, x, out)) is not None:  # the plan's exchange, first
+            try:
                 return start(call, algorithm, check, call.out.obj)
-            call.plan.empty()
+            except Changed as changed:  # a rank's counts differ: the full path, with them
+                table, learned = changed.table, call.plan.learned
     if rows is not None:
         xb, counts, rows = shapes.given(ctx, x, rows, check, "allgather")
     else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
         xb, error, table = shapes.learn(ctx, x, "allgather", table)
         counts, rows = shapes.learned(ctx, table, error, "allgather")
-        if key is not None:
-            learned = shapes.kept(ctx, shapes.CountBuffers, "allgather", learned)
+        learned = shapes.kept(ctx, shapes.CountBuffers, learned)  # what a plan keeps of it
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -337,11 +337,11 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
         if given is None or expected is not None:  # nothing to learn
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, call.out.obj)
-        elif (call := bound(ctx, key, x, out)) is not None:  # ragged: what comes from whom
-            table, same = shapes.again(ctx, learned := call.plan.learned)
-            if same:
+        elif (call := bound(ctx, key, x, out)) is not None:  # ragged: the plan's exchange
+            try:
                 return start(call, algorithm, check, call.out.obj)
-            call.plan.empty()
+            except Changed as changed:  # a rank's counts differ: the full path, with them
+                table, learned = changed.table, call.plan.learned
     recv = matrix = error = xb = send = None
     try:
         xb = wrap(x, "x")
@@ -363,8 +363,7 @@ def _alltoall(x, counts, recv_counts, out, comm, algorithm, check, mode):
         if table is None:  # (else exchanged with the plan's)
             table = shapes.alltoall_counts(ctx, xb, send if error is None else None)
         recv, matrix = shapes.alltoall_learned(ctx, table, error)
-        if key is not None:
-            learned = shapes.kept(ctx, shapes.MatrixBuffers, "alltoall", learned)
+        learned = shapes.kept(ctx, shapes.MatrixBuffers, learned)  # what a plan keeps of it
     elif error is not None:
         raise _check.failed(ctx, "alltoall", check, error)
     elif recv is None:  # equal blocks: the same from everyone (as MPI_Alltoall)
@@ -422,11 +421,11 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
         if given is not None:  # every rank's rows given: the signature is known before
             if (call := bound(ctx, key, x, out)) is not None:
                 return start(call, algorithm, check, result_of(call))
-        elif (call := bound(ctx, key, x, out)) is not None:  # its exchange, then as planned
-            table, same = shapes.again(ctx, learned := call.plan.learned)
-            if same:
+        elif (call := bound(ctx, key, x, out)) is not None:  # the plan's exchange, first
+            try:
                 return start(call, algorithm, check, result_of(call))
-            call.plan.empty()
+            except Changed as changed:  # a rank's counts differ: the full path, with them
+                table, learned = changed.table, call.plan.learned
     try:
         root = _root(root, ctx.size)
     except ValueError as exc:
@@ -436,8 +435,7 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
         xb, error, table = shapes.learn(ctx, x, "gather", table)
         counts, rows = shapes.learned(ctx, table, error, "gather")
-        if key is not None:
-            learned = shapes.kept(ctx, shapes.CountBuffers, "gather", learned)
+        learned = shapes.kept(ctx, shapes.CountBuffers, learned)  # what a plan keeps of it
     outb, result = None, None
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     if ctx.rank == root:

@@ -27,7 +27,7 @@ from .errors import network_error
 from .executor import cached_context, context, launch_schedule, schedule_for
 from .ops import resolve
 from .progress import DONE, Request
-from .signature import Plan, keep
+from .signature import Changed, Plan, keep
 from .select import NATIVE, ONE_NODE, PREFERENCES, REGISTRY, SCHEDULE, TOPOLOGY
 
 __all__ = ["Call", "make_call", "comm_context", "start", "auto_pick",
@@ -185,13 +185,17 @@ def start(call: Call, algorithm, check, result, algo=None):
     call.algo = algo
     call.seq = seq = ctx.seq  # ctx.next_seq(), inline: this runs on every call
     ctx.seq = seq + 1
+    entry = None
+    if run is not None and plan.learned is not None:  # its counts exchanged again, first
+        entry = _again(call, plan, seq)
     if ctx.pending:
         drain(ctx)
     checking = check if check is not None else config.current.COLLECTIVES_CHECK
-    entry = None
     if ctx.size > 1:
         phase = "check" if checking else "run"
-        if call.blocking:
+        if entry is not None:
+            entry.counted(phase)
+        elif call.blocking:
             entry = _watchdog.enter(ctx, call, phase)
         elif _watchdog.enabled():
             entry = _watchdog.watch(ctx, call, phase=phase)
@@ -230,6 +234,30 @@ def start(call: Call, algorithm, check, result, algo=None):
         return result
     return Request(work, result, finalize, description=call.describe(),
                    release=None if entry is None else entry.finished)
+
+
+def _again(call: Call, plan: Plan, seq: int):
+    """The first step of a settled plan's call whose counts are learned: the plan's exchange
+    made again (``shapes.Learned.again``), under the call's own watchdog entry (returned;
+    None where there is none), where the full path makes it before the call. ``Changed``
+    where a rank's counts differ now, the call given back first (its number, its plan's
+    buffers, its entry) for the full path to make it again."""
+    ctx = call.ctx
+    entry = _watchdog.enter(ctx, call, _watchdog.COUNTS) if ctx.size > 1 else None
+    try:
+        table = plan.learned.again(ctx)
+    except BaseException as exc:
+        if entry is not None:
+            _watchdog.unwatch(entry, exc)
+        plan.empty()
+        raise network_error(exc, f"rank {ctx.rank}: {call.describe()}")
+    if table is not None:
+        ctx.seq = seq
+        if entry is not None:
+            entry.release()
+        plan.empty()
+        raise Changed(table)
+    return entry
 
 
 def _choose_and_run(call: Call, algo, named: bool, plan: Plan | None):

@@ -21,7 +21,7 @@ from . import watchdog as _watchdog
 from .buffers import Buffer, wrap
 
 __all__ = ["balanced", "counts_of", "CountBuffers", "MatrixBuffers", "allgather_counts",
-           "learn", "learned", "Learned", "kept", "again", "given", "elements", "alltoall_counts",
+           "learn", "learned", "Learned", "kept", "given", "elements", "alltoall_counts",
            "alltoall_learned", "row_counts", "rows_of", "MAX_AXES", "scatter_header",
            "scatter_known"]
 
@@ -73,18 +73,12 @@ class _Exchange:
 def _exchange(ctx, collective: str, how: str, method, *args) -> None:
     """``method(*args)``, an exchange every rank of ``ctx`` joins, watched like a blocking
     collective."""
-    what = ctx.slots.get(_Exchange) or ctx.slot(_Exchange)
-    what.collective = collective
-    what.how = how
-    _watched(ctx, what, method, *args)
-
-
-def _watched(ctx, what, method, *args) -> None:
-    """``method(*args)`` watched as ``what`` (``collective``, ``how``, ``describe()``; its
-    ``seq`` is set here) on ``ctx``'s reused blocking entry."""
     entry = None
     if ctx.size > 1:
+        what = ctx.slots.get(_Exchange) or ctx.slot(_Exchange)
+        what.collective = collective
         what.seq = ctx.seq
+        what.how = how
         entry = _watchdog.enter(ctx, what)
     try:
         method(*args)
@@ -102,7 +96,6 @@ class CountBuffers:
     int64: setting two numbers and reading a few back costs less than numpy's indexing."""
 
     __slots__ = ("mine", "table", "send", "recv")
-    how = "exchanging row counts: MPI_Allgather"
 
     def __init__(self, ctx):
         from mpi4py import MPI
@@ -126,7 +119,8 @@ def allgather_counts(ctx, xb: Buffer | None, collective="allgather") -> array:
         shape = xb.shape
         mine[0] = shape[0] if shape else 1
         mine[1] = 1 if len(shape) < 2 else math.prod(shape[1:])
-    _exchange(ctx, collective, bufs.how, ctx.comm.Allgather, bufs.send, bufs.recv)
+    _exchange(ctx, collective, "exchanging row counts: MPI_Allgather", ctx.comm.Allgather,
+              bufs.send, bufs.recv)
     return bufs.table
 
 
@@ -162,36 +156,36 @@ def learned(ctx, table: array, error, collective) -> tuple[tuple[int, ...], int]
     return tuple(r * row for r in every_rows), sum(every_rows)
 
 
-class Learned(_Exchange):
-    """What a signature's plan keeps of its count exchange (``kept``), to make it again on
-    every call (``again``), described to the watchdog as the exchange it is: this rank's row
-    as it sent it (its own copy: the row depends on the signature alone), the
-    communicator's receive buffer, and every rank's rows as they were."""
+class Learned:
+    """What a signature's plan keeps of its count exchange (``kept``), to make it again as
+    its calls' first step (``again``): this rank's row as it sent it (its own copy: the row
+    follows from the signature), the communicator's receive buffer, and every rank's rows as
+    they were."""
 
     __slots__ = ("send", "recv", "table")
 
-    def __init__(self, collective, how, send, recv, table):
-        self.collective, self.seq, self.how = collective, -1, how
+    def __init__(self, send, recv, table):
         self.send, self.recv, self.table = send, recv, table
 
+    def again(self, ctx) -> array | None:
+        """The exchange made again on ``ctx``, inside its call's watched lifecycle
+        (``collectives.dispatch.start``): None where every rank's rows are what they were,
+        else every rank's rows now (the communicator's table). Every rank joins it, with the
+        same signature's plan or with ``allgather_counts``/``alltoall_counts`` (the same
+        message) where it has none."""
+        recv = self.recv
+        ctx.comm.Allgather(self.send, recv)
+        table = recv[0]
+        return None if table == self.table else table
 
-def kept(ctx, buffers, collective: str, before: Learned | None = None) -> Learned:
+
+def kept(ctx, buffers, before: Learned | None = None) -> Learned:
     """What a plan keeps of the exchange just made on ``ctx`` with ``buffers``
-    (``CountBuffers``, ``MatrixBuffers``): by ``allgather_counts``/``alltoall_counts``, or by
-    ``again`` with an earlier plan's ``before`` (which sent this rank's row from its own)."""
+    (``CountBuffers``, ``MatrixBuffers``): by ``allgather_counts``/``alltoall_counts``, or as
+    an earlier plan's ``before`` (which sent this rank's row from its own)."""
     bufs = ctx.slots[buffers]
     send = [array("q", bufs.mine), bufs.send[1]] if before is None else before.send
-    return Learned(collective, bufs.how, send, bufs.recv, array("q", bufs.table))
-
-
-def again(ctx, learned: Learned) -> tuple[array, bool]:
-    """The exchange of a plan's ``learned`` made again: ``(every rank's rows now, whether
-    they are what they were)``. Every rank joins it with the same signature's plan, or with
-    ``allgather_counts``/``alltoall_counts`` (the same message) where it has none."""
-    recv = learned.recv
-    _watched(ctx, learned, ctx.comm.Allgather, learned.send, recv)
-    table = recv[0]
-    return table, table == learned.table
+    return Learned(send, bufs.recv, array("q", bufs.table))
 
 
 def given(ctx, x, rows, check, collective) -> tuple[Buffer, tuple[int, ...], int]:
@@ -227,7 +221,8 @@ def alltoall_counts(ctx, xb, send) -> array:
     else:
         mine[0] = rows_of(xb)[1]
         mine[1:] = array("q", send)
-    _exchange(ctx, "alltoall", bufs.how, ctx.comm.Allgather, bufs.send, bufs.recv)
+    _exchange(ctx, "alltoall", "exchanging counts: MPI_Allgather", ctx.comm.Allgather,
+              bufs.send, bufs.recv)
     return bufs.table
 
 
@@ -254,7 +249,6 @@ class MatrixBuffers:
     this rank's (elements per row, send counts), and every rank's."""
 
     __slots__ = ("mine", "table", "send", "recv")
-    how = "exchanging counts: MPI_Allgather"
 
     def __init__(self, ctx):
         from mpi4py import MPI

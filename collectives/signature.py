@@ -21,8 +21,8 @@ from .buffers import Buffer, numpy_buffer
 from .call import Call, make_call
 from .registry import CHANGES
 
-__all__ = ["Plan", "Plans", "planned", "keep", "bound", "result_of", "where", "counts_key", "NEW",
-           "SAME", "APART", "NONE"]
+__all__ = ["Plan", "Plans", "Changed", "planned", "keep", "bound", "result_of", "where",
+           "counts_key", "NEW", "SAME", "APART", "NONE"]
 
 class Plan:
     """What one signature of a blocking call settled, kept by its communicator: the API's
@@ -45,8 +45,9 @@ class Plan:
 
     ``learned``: for a signature whose counts every rank learns with one exchange (an
     allgather or gather without counts, a ragged all-to-all), what that exchange was when the
-    plan was settled (``shapes.kept``): every call exchanges again, and runs as planned where
-    every rank's counts are what they were."""
+    plan was settled (``shapes.Learned``): each call makes it again as its first step, under
+    its own watchdog entry, and runs as planned where every rank's counts are what they were
+    (``Changed`` where not)."""
 
     __slots__ = ("key", "derived", "algo", "run", "x", "out", "call", "learned")
 
@@ -62,6 +63,16 @@ class Plan:
             x.obj = x.flat = None
         if out is not None:
             out.obj = out.flat = None
+
+
+class Changed(Exception):
+    """A settled plan's call whose learned counts differ on some rank now (``Plan.learned``):
+    raised by its first step, before anything else is done, for the full path to take the
+    call with ``table``, every rank's counts as just exchanged."""
+
+    def __init__(self, table):
+        super().__init__("counts changed")
+        self.table = table
 
 
 # Where a call's out is: not given (the API makes it), x itself, an array apart from x, or

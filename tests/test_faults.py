@@ -116,6 +116,15 @@ def test_skipped_count_exchange_is_named():
     assert "rank 2 never joined #1" in job.err, job
 
 
+def test_skipped_count_exchange_of_a_plan_is_named():
+    """The same on a settled plan, whose exchange is the first step of the call itself."""
+    job = launch("skip.py", "again", "blocking")
+    watchdog_ended(job)
+    assert re.search(r"allgather #3 \([a-z_]+, 1000 x float32\)", job.err), job
+    assert "the exchange of every rank's counts" in job.err, job
+    assert "rank 2 never joined #3" in job.err, job
+
+
 def test_skipped_collective_with_checking_on():
     job = launch("skip.py", "ring", "blocking", check=True)
     watchdog_ended(job)

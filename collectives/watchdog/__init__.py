@@ -53,11 +53,12 @@ from __future__ import annotations
 from .. import config
 from . import monitor
 from .channel import Channel
-from .registry import (EXIT_CODE, INFLIGHT, Entry, enabled, label, report, set_timeout,
-                       stall_warning, timeout, unwatch)
+from .registry import (COUNTS, EXIT_CODE, INFLIGHT, Entry, enabled, label, report,
+                       set_timeout, stall_warning, timeout, unwatch)
 
-__all__ = ["EXIT_CODE", "Entry", "timeout", "stall_warning", "enabled", "set_timeout", "label",
-           "enter", "watch", "watching", "watch_setup", "watch_local", "unwatch", "report"]
+__all__ = ["COUNTS", "EXIT_CODE", "Entry", "timeout", "stall_warning", "enabled", "set_timeout",
+           "label", "enter", "watch", "watching", "watch_setup", "watch_local", "unwatch",
+           "report"]
 
 
 def watch(ctx, call=None, what: str = "", phase: str = "run") -> Entry:

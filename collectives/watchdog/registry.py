@@ -17,7 +17,7 @@ from .. import config
 from ..schedule import SEND
 
 __all__ = ["EXIT_CODE", "timeout", "stall_warning", "enabled", "set_timeout", "label",
-           "current_label", "COLLECTIVE", "SETUP", "LOCAL", "Entry",
+           "current_label", "COLLECTIVE", "SETUP", "LOCAL", "COUNTS", "Entry",
            "INFLIGHT", "CHANNELS", "Failure", "unwatch", "inflight", "failed", "state", "report",
            "posted", "spans"]
 
@@ -82,6 +82,7 @@ CHANNELS: list = []            # every side channel (its reused entry of blockin
 COLLECTIVE = "collective"  # a collective on a context: the other ranks are asked (side channel)
 SETUP = "setup"            # a communicator's first call: its Dup, no side channel yet
 LOCAL = "local"            # a wait of this rank's own (a server's queued request): said here
+COUNTS = "counts"  # the phase of a call whose plan exchanges every rank's counts first
 
 
 class Entry:
@@ -160,6 +161,10 @@ class Entry:
         self.start = 0.0
         self.active = True
 
+    def counted(self, phase: str) -> None:
+        """The call's count exchange is done (phase ``COUNTS`` -> ``phase``)."""
+        self.phase = phase
+
     def checked(self) -> None:
         """The cross-rank argument check passed: the call runs now (phase ``check`` ->
         ``run``)."""
@@ -215,6 +220,9 @@ class Entry:
                     "(MPI_Comm_dup of the communicator, for the toolkit's private one)")
         if self.kind is LOCAL:
             return self.what if self.work is None else self.work.waiting_for()
+        if self.phase is COUNTS:
+            return ("the exchange of every rank's counts before the data moves: an "
+                    "MPI_Allgather that every rank of the communicator must join")
         if self.phase == "check":
             return ("the cross-rank argument check (COLLECTIVES_CHECK): an MPI_Allreduce that "
                     "every rank of the communicator must join")

@@ -7,7 +7,9 @@ the rank that never joined, and aborts the job (mpiexec exits with 124).
     mpiexec -n 3 python tests/faults/skip.py [algorithm] [blocking|nonblocking]
 
 With ``exchange`` for the algorithm, #1 is an allgather without counts: the ranks wait in its
-exchange of row counts, and the watchdog names that.
+exchange of row counts, and the watchdog names that. With ``again``, two such allgathers (#1,
+#2) settle a plan first, and rank 2 skips #3: the others wait in the plan's exchange, the
+first step of the call itself.
 """
 import sys
 
@@ -21,8 +23,11 @@ blocking = (sys.argv[2] if len(sys.argv) > 2 else "blocking") == "blocking"
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
 x = np.arange(1000, dtype=np.float32)
-coll.allreduce(x, algorithm="ring" if algorithm == "exchange" else algorithm)  # #0: every rank
-if rank != 2 and algorithm == "exchange":      # #1: rank 2 skips the count exchange
+coll.allreduce(x, algorithm="ring" if algorithm in ("exchange", "again") else algorithm)  # #0
+if algorithm == "again":                        # #1, #2: every rank, settling a plan
+    coll.allgather(x)
+    coll.allgather(x)
+if rank != 2 and algorithm in ("exchange", "again"):  # #1 (#3): rank 2 skips the exchange
     coll.allgather(x)
 elif rank != 2:                                 # #1: rank 2 skips it
     if blocking:
