@@ -289,9 +289,7 @@ def _allgather(x, out, comm, algorithm, check, mode, rows=None):
     if rows is not None:
         xb, counts, rows = shapes.given(ctx, x, rows, check, "allgather")
     else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
-        xb, error, table = shapes.learn(ctx, x, "allgather", table)
-        counts, rows = shapes.learned(ctx, table, error, "allgather")
-        learned = shapes.kept(ctx, shapes.CountBuffers, learned)  # what a plan keeps of it
+        xb, counts, rows, learned = shapes.learn(ctx, x, "allgather", table, learned)
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     try:
         outb, inplace = _output(xb, out, shape)
@@ -433,9 +431,7 @@ def _gather(x, root, out, comm, algorithm, check, mode, rows=None):
     if rows is not None:
         xb, counts, rows = shapes.given(ctx, x, rows, check, "gather")
     else:  # learned: with one exchange, or with the plan's (``table``: every rank's counts)
-        xb, error, table = shapes.learn(ctx, x, "gather", table)
-        counts, rows = shapes.learned(ctx, table, error, "gather")
-        learned = shapes.kept(ctx, shapes.CountBuffers, learned)  # what a plan keeps of it
+        xb, counts, rows, learned = shapes.learn(ctx, x, "gather", table, learned)
     outb, result = None, None
     shape = (rows,) + tuple(xb.shape[1:]) if xb.shape else (rows,)
     if ctx.rank == root:

@@ -124,23 +124,25 @@ def allgather_counts(ctx, xb: Buffer | None, collective="allgather") -> array:
     return bufs.table
 
 
-def learn(ctx, x, collective, table: array | None = None) -> tuple[Buffer | None,
-                                                                     Exception | None, array]:
-    """``(x wrapped, None, table)`` of an allgather or gather without counts, or ``(None, the
-    error refusing x, table)``: ``table`` is every rank's (rows, elements per row)
-    (``allgather_counts``), which ``learned`` reads; where given, the exchange was made
-    already (``again``), for an x checked before it."""
+def learn(ctx, x, collective, table: array | None = None,
+          before: Learned | None = None) -> tuple[Buffer, tuple[int, ...], int, Learned]:
+    """``(x wrapped, every rank's element count, total rows, what a plan keeps of the
+    exchange)`` of an allgather or gather without counts, from one exchange of every rank's
+    (rows, elements per row) (``allgather_counts``); where ``table`` is given, that exchange
+    was made already, with the plan ``before``'s row (``Learned.again``). A rank whose x is
+    refused joins it all the same, and every rank raises (``learned``)."""
     try:
         xb, error = wrap(x, "x"), None
     except (TypeError, ValueError) as exc:
         xb, error = None, exc
     if table is None:
         table = allgather_counts(ctx, xb, collective)
-    return xb, error, table
+    counts, rows = learned(ctx, table, error, collective)
+    return xb, counts, rows, kept(ctx, CountBuffers, before)
 
 
 def learned(ctx, table: array, error, collective) -> tuple[tuple[int, ...], int]:
-    """``(every rank's element count, total rows)`` from ``learn``'s table; the error of a
+    """``(every rank's element count, total rows)`` from ``learn``'s exchange; the error of a
     rank whose x was refused (``check.settle``) or of trailing axes that differ, on every
     rank."""
     every = table.tolist()
