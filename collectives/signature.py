@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import config
-from .buffers import Buffer, numpy_buffer
+from .buffers import numpy_buffer
 from .call import Call, make_call
 from .registry import CHANGES
 
@@ -103,8 +103,9 @@ def counts_key(counts):
 
 def bound(ctx, key, x, out) -> Call | None:
     """The ``Call`` of a blocking call whose signature ``key`` has a settled plan on ``ctx``
-    (its ``plan``), with the checks that read the arrays themselves made again (x C-contiguous; out writable, C-contiguous and apart from x); None
-    where there is no plan or a check fails: the full path then takes the call, and says why.
+    (its ``plan``), with the checks that read the arrays themselves made again (x
+    C-contiguous; out writable, C-contiguous and apart from x); None where there is no plan or
+    a check fails: the full path then takes the call, and says why.
     ``plan.derived``: the collective, op, root, counts, the output's shape, in place, where
     out is (``NEW``, ``SAME``, ``APART``, ``NONE``), whether this rank receives into it, and
     the Buffer standing for x where x is not read on this rank (or None). The call and its
