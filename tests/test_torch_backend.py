@@ -296,6 +296,86 @@ def test_torch_ddp_trains_like_one_process(groups):
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_default_group_rebuilt_on_another_communicator():
+    """``cb.rebuild(old, new)`` (what elastic training does after a shrink) makes the default
+    group again on ``new``: torch's ranks and size are ``new``'s (here in reverse order), the
+    subgroups' ranks are its ranks, torch's DDP trains on it like one process, a group runs on
+    a communicator given as ``pg_options``; nothing is done for a group that does not run on
+    ``old``; ``new=None`` only destroys it."""
+    from mpi4py import MPI
+
+    import collectives.torch.backend as cb
+    world = MPI.COMM_WORLD
+    r = world.Get_rank()
+    cb.init_process_group()
+    sub = world.Split(0, world.Get_size() - 1 - r)
+    try:
+        ok = not cb.rebuild(sub, world) and cb.rebuild(world, sub)
+        q, p = dist.get_rank(), dist.get_world_size()
+        ok &= (q, p) == (sub.Get_rank(), sub.Get_size()) and not cb.rebuild(world, sub)
+        x = torch.full((2,), float(q))
+        dist.all_reduce(x)
+        ok &= bool((x == p * (p - 1) / 2).all())
+        last = dist.new_group([p - 1])                      # ranks of sub
+        if q == p - 1:
+            y = torch.ones(1)
+            dist.all_reduce(y, group=last)
+            ok &= float(y) == 1 and dist.get_rank(last) == 0
+        own = dist.new_group(list(range(p)), pg_options=sub.Dup())
+        z = torch.ones(1)
+        dist.all_reduce(z, group=own)
+        ok &= float(z) == p
+        reference = _reference(p, lr=0.1)
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (xs, ys) in enumerate(_batches(p)):
+            torch.nn.functional.mse_loss(model(_mine(xs, q)), _mine(ys, q)).backward()
+            optim.step()
+            optim.zero_grad()
+            _close([t.detach() for t in model.parameters()], reference[step],
+                   f"DDP on the rebuilt group, step {step}")
+        with pytest.raises(TypeError, match="MPI communicator"):
+            dist.new_group(list(range(p)), pg_options="not a communicator")
+        ok &= cb.rebuild(sub, None) and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert_all(ok, f"rank {r}: the rebuilt default group ({ok})")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_a_failed_bucket_is_raised_by_torch_ddps_backward(groups, monkeypatch):
+    """A collective that fails under torch's DDP (a dead peer, a revoked communicator) is
+    raised by ``backward`` on every rank, its own error: torch's Reducer reads its buckets'
+    futures without asking whether they failed, and crashed the process on one that had."""
+    import collectives as coll
+
+    class Failed:
+        def wait(self):
+            raise RuntimeError("the bucket's allreduce failed")
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    model(torch.ones(2, 6)).sum().backward()              # a good step first
+    monkeypatch.setattr(coll, "iallreduce", lambda *a, **k: Failed())
+    error = None
+    try:
+        model(torch.ones(2, 6)).sum().backward()
+    except RuntimeError as exc:
+        error = str(exc)
+    monkeypatch.undo()
+    assert_all(error == "the bucket's allreduce failed", f"backward raised {error!r}")
+    # A future of a call outside backward still carries its error.
+    x = torch.ones(3)
+    monkeypatch.setattr(coll, "iallreduce", lambda *a, **k: Failed())
+    work = dist.all_reduce(x, async_op=True)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="allreduce failed"):
+        work.wait()
+
+
+@pytest.mark.mpi
 def test_drop_in_functions():
     import collectives.torch as ct
     from mpi4py import MPI

@@ -10,6 +10,10 @@ extended_api=True, devices=["cpu"])``); ``dist.init_process_group("collectives",
 rank=..., world_size=...)`` works as well, provided torch's ranks are the ``COMM_WORLD`` ranks
 (mpiexec starts the processes; the collectives need no rendezvous, but torch's store-based
 features do: ``init_process_group`` gives torch a ``TCPStore`` that rank 0 serves, ``tcp_store``).
+A communicator passed as ``pg_options`` is the group's own: ``cb.init_process_group(comm)``
+binds the default group to any communicator (a shrunk one after a failure: ``rebuild``, which
+``collectives.elastic`` calls), and ``dist.new_group(ranks, pg_options=mesh.comm("tp"))`` runs a
+group on a communicator already made.
 The process group is a Python
 subclass of ``torch.distributed.ProcessGroup``: each operation starts the toolkit's
 non-blocking collective and returns a ``Work`` built on a ``torch.futures.Future``, which one
@@ -26,10 +30,12 @@ for such hooks.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 import collectives as coll
 
@@ -37,20 +43,34 @@ from .. import p2p
 from ..progress import Worker
 from .functional import equal_blocks, op_name, unpack_into
 
-__all__ = ["ProcessGroupCollectives", "init_process_group", "register", "tcp_store", "BACKEND"]
+__all__ = ["ProcessGroupCollectives", "init_process_group", "register", "tcp_store", "rebuild",
+           "communicators", "BACKEND"]
 
 BACKEND = "collectives"
+_GROUPS: weakref.WeakSet = weakref.WeakSet()   # every live group of this process
 
 
 def _complete(item) -> None:
-    """Wait for one Work's requests, then complete its future (in the group's completer)."""
-    wait, fut, result = item
+    """Wait for one Work's requests, then complete its future (in the group's completer).
+    ``failed`` (a list) marks a call started inside a backward: its error goes there, for
+    ``_raise_failed`` to raise as that backward ends, and the future gets its result."""
+    wait, fut, result, failed = item
     try:
         wait()
     except BaseException as exc:  # noqa: BLE001 - delivered through the future
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+        if failed is None:
+            fut.set_exception(exc)
+            return
+        failed.append(exc)
+    fut.set_result(result)
+
+
+def _raise_failed(fut, failed: list) -> None:
+    """A final callback of the backward that started a call: once the call is complete, its
+    error, if it failed."""
+    fut.wait()
+    if failed:
+        raise failed[0]
 
 
 def _completer() -> Worker:
@@ -94,12 +114,14 @@ class _Work(dist.Work):
 class ProcessGroupCollectives(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on ``collectives``."""
 
-    def __init__(self, comm, algorithm: str = "auto"):
+    def __init__(self, comm, algorithm: str = "auto", timeout=None):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._comm = comm
         self._p2p = comm.Dup()  # send/recv never match the collectives' messages
         self._algorithm = algorithm
+        self._timeout = timeout  # torch's, kept for a rebuild
         self._completer = _completer()
+        _GROUPS.add(self)
         # The group's thread ends with the group (torch drops it in destroy_process_group).
         weakref.finalize(self, self._completer.close)
 
@@ -146,9 +168,20 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if opts is not None and not getattr(opts, "asyncOp", True):
             # Handing the wait to the completer and back costs two thread wake-ups per call,
             # each a scheduler slice on a loaded machine, for a caller that only waits.
-            _complete((wait, fut, result))
-        else:
-            self._completer.put((wait, fut, result))
+            _complete((wait, fut, result, None))
+            return _Work(fut)
+        failed = None
+        if torch._C._current_graph_task_id() != -1:
+            # torch's DDP reads its buckets' futures at the end of backward without asking
+            # whether they failed: a future completed with an error crashes the process there
+            # (a null value read in parseCppCommHookResult). A call started inside a backward
+            # (a DDP bucket, any hook's) completes its future with its result and hands its
+            # error to a callback of that backward, which waits for the call: backward raises
+            # it, as a blocking call would.
+            failed = []
+            Variable._execution_engine.queue_callback(
+                functools.partial(_raise_failed, fut, failed))
+        self._completer.put((wait, fut, result, failed))
         return _Work(fut)
 
     def _kw(self, collective: str = "allreduce"):
@@ -327,26 +360,47 @@ class _P2PWait:
         p2p.wait_all([self.request], self.what, self.comm)
 
 
-def _create(dist_opts, backend_options=None):
-    """``register_backend``'s creator: the group's MPI communicator and its process group."""
+def _default_comm():
+    """The communicator whose ranks torch's ranks are: the default group's where it is this
+    backend's (``init_process_group(comm=...)`` binds it), else ``COMM_WORLD``."""
     from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    ranks = list(dist_opts.global_ranks_in_group or range(dist_opts.group_size))
-    if len(ranks) == world.Get_size() and ranks == list(range(world.Get_size())):
-        comm = world
-        if dist_opts.group_rank != world.Get_rank():
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return group._comm if isinstance(group, ProcessGroupCollectives) else MPI.COMM_WORLD
+
+
+def _create(dist_opts, backend_options=None):
+    """``register_backend``'s creator: the group's MPI communicator and its process group.
+    A communicator given as ``pg_options`` is the group's own (torch's size and rank must be
+    its); otherwise the group's ranks are ranks of the default group's communicator."""
+    from mpi4py import MPI
+    size, rank = dist_opts.group_size, dist_opts.group_rank
+    if isinstance(backend_options, MPI.Comm):
+        comm = backend_options
+        if (comm.Get_size(), comm.Get_rank()) != (size, rank):
+            raise ValueError(f"torch's group is rank {rank} of {size}, its communicator "
+                             f"(pg_options) rank {comm.Get_rank()} of {comm.Get_size()}")
+        return ProcessGroupCollectives(comm, timeout=dist_opts.timeout)
+    if backend_options is not None:
+        raise TypeError(f"pg_options of the collectives backend is an MPI communicator, got "
+                        f"{type(backend_options).__name__}")
+    base = _default_comm()
+    name = "MPI.COMM_WORLD" if base == MPI.COMM_WORLD else "the default group's communicator"
+    ranks = list(dist_opts.global_ranks_in_group or range(size))
+    if len(ranks) == base.Get_size() and ranks == list(range(base.Get_size())):
+        comm = base
+        if rank != base.Get_rank():
             raise ValueError(f"the collectives backend needs torch's ranks to be MPI's: torch "
-                             f"says rank {dist_opts.group_rank}, MPI.COMM_WORLD says "
-                             f"{world.Get_rank()} (pass rank=MPI.COMM_WORLD.Get_rank())")
+                             f"says rank {rank}, {name} says {base.Get_rank()} (pass "
+                             f"rank=MPI.COMM_WORLD.Get_rank())")
     else:
-        if max(ranks) >= world.Get_size():
-            raise ValueError(f"group ranks {ranks} do not exist in MPI.COMM_WORLD of size "
-                             f"{world.Get_size()}")
-        comm = world.Create_group(world.Get_group().Incl(ranks))
-    if comm.Get_size() != dist_opts.group_size:
-        raise ValueError(f"torch's group has {dist_opts.group_size} ranks, MPI.COMM_WORLD "
-                         f"{comm.Get_size()}; launch with mpiexec -n {dist_opts.group_size}")
-    return ProcessGroupCollectives(comm)
+        if max(ranks) >= base.Get_size():
+            raise ValueError(f"group ranks {ranks} do not exist in {name} of size "
+                             f"{base.Get_size()}")
+        comm = base.Create_group(base.Get_group().Incl(ranks))
+    if comm.Get_size() != size:
+        raise ValueError(f"torch's group has {size} ranks, {name} {comm.Get_size()}; launch "
+                         f"with mpiexec -n {size}")
+    return ProcessGroupCollectives(comm, timeout=dist_opts.timeout)
 
 
 _REGISTERED = False
@@ -441,19 +495,45 @@ def tcp_store(comm=None, timeout=None):
 
 
 def init_process_group(comm=None, **kwargs) -> None:
-    """``dist.init_process_group("collectives")`` with ranks from MPI and a store shared by
-    every rank (``tcp_store``; ``store=`` overrides it, ``timeout=`` bounds it too)."""
+    """``dist.init_process_group("collectives")`` over ``comm`` (default ``COMM_WORLD``; any
+    intracommunicator: torch's ranks and size are its) with a store shared by its ranks
+    (``tcp_store``; ``store=`` overrides it, ``timeout=`` bounds it too). Collective over
+    ``comm``; ``dist.new_group(ranks)`` then takes ranks of ``comm``."""
     from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    if comm is not None and comm != world:
-        raise ValueError("the default group spans MPI.COMM_WORLD; use dist.new_group(ranks) "
-                         "for a subset")
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if "pg_options" in kwargs:
+        raise TypeError("init_process_group(comm=...) names the group's communicator; "
+                        "pg_options is not taken beside it")
     register()
     if kwargs.get("store") is None:
         # torch's features that rendezvous through the default store (new_group on another
         # backend, store-based barriers, distributed checkpointing) need one every rank reaches
-        kwargs["store"] = tcp_store(world, kwargs.get("timeout"))
-    dist.init_process_group(BACKEND, rank=world.Get_rank(), world_size=world.Get_size(),
-                            **kwargs)
+        kwargs["store"] = tcp_store(comm, kwargs.get("timeout"))
+    dist.init_process_group(BACKEND, rank=comm.Get_rank(), world_size=comm.Get_size(),
+                            pg_options=comm, **kwargs)
+
+
+def communicators() -> list:
+    """The MPI communicators of every live group of this backend in this process (each
+    group's own and the duplicate its send/recv use): what a failure must revoke."""
+    return [c for g in list(_GROUPS) for c in (g._comm, g._p2p)]
+
+
+def rebuild(old, new) -> bool:
+    """Where torch's default group is this backend's and runs on ``old``, make it again on
+    ``new`` (``None``: only destroy it): torch's ``destroy_process_group`` ends every group (the
+    subgroups too: make them again after this), then ``init_process_group(comm=new)`` with a
+    store of ``new``'s ranks (the old one's server may have been a rank that is gone) and the
+    old timeout. Collective over ``new``; whether it did. ``collectives.elastic`` calls it on
+    the survivors of a failure, and on a replacement with the communicator it joins."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    if not isinstance(group, ProcessGroupCollectives) or group._comm != old:
+        return False
+    timeout = group._timeout
+    dist.destroy_process_group()
+    if new is not None:
+        init_process_group(new, **({} if timeout is None else {"timeout": timeout}))
+    return True
+
 
 register()
