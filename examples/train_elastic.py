@@ -5,6 +5,7 @@
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 1:5,3:9,2:14
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --replace
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --tp 2
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --torch-ddp
     mpiexec -n 4 python examples/train_elastic.py            # MPICH: no failure survived in-job
     python -m collectives.elastic run --np 4 --min-np 2 -- python examples/train_elastic.py \\
         --checkpoint-dir /tmp/ckpt --checkpoint-every 5 --kill 2:12
@@ -16,7 +17,10 @@ lost (``elastic.run(replace=True)``: spawn and merge; it receives the committed 
 0 and the job is back to its size). ``--tp 2`` trains examples/train_gpt.py's GPT (a small one:
 ``--width``, 4 heads, 2 layers) on a mesh of (ranks / 2) x 2 (dp x tp):
 ``tensor_parallel.parallelize`` over "tp", DDP over "dp", on an ``elastic.ElasticMesh``, which
-drops the dead rank's tp group (its partner leaves; the complete groups go on). Steps draw
+drops the dead rank's tp group (its partner leaves; the complete groups go on). ``--torch-ddp``
+trains with torch's own ``DistributedDataParallel`` over the toolkit's backend of
+``torch.distributed`` (``collectives.torch.backend``): elastic training rebuilds torch's default
+group on the survivors, and the example wraps the model again on it (``state.on_rebuild``). Steps draw
 ``--global-batch`` windows of train_gpt.py's corpus, split over the dp groups. Otherwise a small
 MLP learns a fixed random teacher network on synthetic data made here (nothing is downloaded).
 Every step trains on the same global batch whatever the rank count (``elastic.GlobalBatches``):
@@ -39,6 +43,7 @@ that starts from step 0 (not in one that the supervisor restarted from a checkpo
 PATH`` starts from such a file.
 """
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -53,7 +58,7 @@ os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 # One rank a node, as the toolkit's topology sees it: ``auto`` (the tensor-parallel layers'
 # choice) then never picks a shared-memory algorithm, whose wait on a dead rank no MPI error
 # interrupts (docs/elastic.md). The DDP and ZeRO paths name algorithm="ring" instead.
-if "--tp" in sys.argv:
+if "--tp" in sys.argv or "--torch-ddp" in sys.argv:
     os.environ.setdefault("COLLECTIVES_RANKS_PER_NODE", "1")
 
 import torch  # noqa: E402
@@ -85,6 +90,9 @@ def parse():
                    help="ZeRO stage (ShardedDataParallel, shards kept redundantly); 0: DDP")
     p.add_argument("--tp", type=int, default=0,
                    help="tensor-parallel size: a GPT on an elastic dp x tp mesh; 0: the MLP")
+    p.add_argument("--torch-ddp", action="store_true",
+                   help="torch's own DistributedDataParallel over the collectives backend of "
+                        "torch.distributed (its default group rebuilt after a failure)")
     p.add_argument("--replace", action="store_true",
                    help="start a replacement for every rank lost (ULFM: spawn and merge); it "
                         "receives the state from rank 0")
@@ -147,7 +155,11 @@ def main():
                                nn.Linear(args.width, 4))
         # Point-to-point algorithms only: shared-memory ones wait on memory that a dead rank
         # never writes, which no MPI error interrupts (docs/elastic.md).
-        if args.zero:
+        if args.torch_ddp:
+            import collectives.torch.backend as cb
+            cb.init_process_group(world)
+            model = torch.nn.parallel.DistributedDataParallel(module)
+        elif args.zero:
             model = ShardedDataParallel(module, stage=args.zero, comm=world, algorithm="ring",
                                         registered_buffers=False)
         else:
@@ -157,9 +169,19 @@ def main():
     batches = elastic.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
     # With a mesh the State keeps the tensor-parallel module (this rank's shards); the mesh
     # rebuilds the layers' group and DDP over dp after a failure.
-    state = elastic.State(model=module if emesh else model, optimizer=opt, step=0)
+    state = elastic.State(model=module if emesh or args.torch_ddp else model, optimizer=opt,
+                          step=0)
     if emesh:
         emesh.attach(state, module, model)
+    if args.torch_ddp:
+        def rewrap(comm):
+            # elastic rebuilt torch's default group on the survivors first; torch's DDP
+            # (its Reducer, its hooks on the parameters) is made again on it
+            nonlocal model
+            model = None
+            gc.collect()    # the old Reducer's hooks leave with it
+            model = torch.nn.parallel.DistributedDataParallel(module)
+        state.on_rebuild(rewrap)
     ckpt = None
     if args.checkpoint_dir:
         from collectives.elastic import checkpoint

@@ -335,6 +335,27 @@ def test_zero_shards_rebuilt_from_their_copies(tmp_path, stage):
     assert ref["digest"] == s["digest"]
 
 
+@pytest.mark.timeout(3 * LIMIT)
+def test_torch_ddp_on_the_backend_goes_on_over_the_rebuilt_group(tmp_path):
+    """torch's own DDP over the toolkit's backend of torch.distributed: elastic training
+    rebuilds torch's default group on the survivors (the example wraps the model again on it),
+    and the run equals a 3-rank job started from the commit."""
+    steps, restored = 12, tmp_path / "restored.pt"
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--torch-ddp", "--steps", steps, "--kill", "1:5",
+                                     "--save-restored", restored))
+    assert rc == 0, err[-3000:]
+    s = _summary(out)
+    assert [r["lost"] for r in s["recoveries"]] == [[1]] and s["digests_equal"], s
+    assert s["recoveries"][0]["steps_lost"] <= 1 and s["ranks_end"] == 3
+    assert [size for st, size in _steps(out) if st in (4, 11)] == [4, 3]
+    rc, out, err = _finish(_ompi_job(3, EXAMPLE, "--torch-ddp", "--steps", steps, "--quiet",
+                                     "--resume", restored))
+    assert rc == 0, err[-3000:]
+    ref = _summary(out)
+    assert ref["started_at"] == s["recoveries"][0]["restored"]
+    assert ref["digest"] == s["digest"]
+
+
 # -- a dp x tp mesh, and replacements ---------------------------------------------------------
 def _mesh_drops_a_group(tmp_path, n, dp):
     """Rank 2 of an (n / 2) x 2 mesh (dp x tp) killed at step 5: its tp group [2, 3] is
@@ -370,17 +391,20 @@ def test_a_3_by_2_mesh_goes_on_as_2_by_2(tmp_path):
     _mesh_drops_a_group(tmp_path, 6, 2)
 
 
-def _uninterrupted(steps):
-    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--quiet"))
+def _uninterrupted(steps, *more):
+    rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--quiet", *more))
     assert rc == 0, err[-3000:]
     return _summary(out)["digest"]
 
 
 @pytest.mark.timeout(3 * LIMIT)
-def test_a_replacement_receives_the_state_from_a_peer(tmp_path):
+@pytest.mark.parametrize("ddp", [[], ["--torch-ddp"]], ids=["ddp", "torch_ddp"])
+def test_a_replacement_receives_the_state_from_a_peer(tmp_path, ddp):
+    """Also under torch's DDP over the toolkit's backend: the replacement's default group (its
+    own launch's) and the survivors' are made again on the merged communicator."""
     steps = 12
     rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--kill", "2:5",
-                                     "--replace"))
+                                     "--replace", *ddp))
     assert rc == 0, err[-3000:]     # no later failure: every process finalizes
     s = _summary(out)
     (r,) = s["recoveries"]
@@ -388,7 +412,7 @@ def test_a_replacement_receives_the_state_from_a_peer(tmp_path):
     assert s["ranks_end"] == 4 and s["digests_equal"]     # the replacement's digest too
     assert {size for _, size in _steps(out)} == {4}
     # The restored commit and the global batch are kept: the run equals one that never failed.
-    assert _uninterrupted(steps) == s["digest"]
+    assert _uninterrupted(steps, *ddp) == s["digest"]
 
 
 @pytest.mark.timeout(3 * LIMIT)

@@ -17,7 +17,8 @@ Where the job can survive a dead process (``detect.fault_tolerant``: ULFM, launc
 3. the survivors agree on the commit to return to: the oldest newest commit among them (they
    differ by at most one step; each keeps two);
 4. ``state.rebuild(comm)``: the objects built on the old communicator are rebuilt on the new one
-   (the model's own ``rebuild``, then ``state.on_rebuild`` callables);
+   (torch's default group where it is the toolkit's backend, the model's own ``rebuild``, then
+   ``state.on_rebuild`` callables); torch's groups on that backend are revoked in step 1 too;
 5. ``state.restore(step)`` loads that commit, and ``train(state, comm)`` is called again with the
    shrunk communicator, from ``state.step``.
 
@@ -53,6 +54,7 @@ from ..errors import CollectiveError
 from . import replace as replacing
 from .detect import fault_tolerant, process_failure
 from .recover import shrink
+from .state import torch_backend
 
 __all__ = ["run", "Recovery", "RanksLost"]
 
@@ -162,6 +164,9 @@ class _Loop:
                     raise
             comm = self.recover(comm)
             if comm is None:    # this rank left (select)
+                backend = torch_backend()
+                if backend is not None:
+                    backend.rebuild(state.comm, None)
                 return None
 
     def recover(self, comm):
@@ -174,6 +179,9 @@ class _Loop:
             replacing.end_without_finalize()
         while True:
             others = list(self.revoke()) if self.revoke is not None else []
+            backend = torch_backend()
+            if backend is not None:     # torch's groups on the toolkit's backend
+                others += backend.communicators()
             new, gone = shrink(comm, others + made)
             _settle()
             lost += [names[r] for r in gone]

@@ -18,7 +18,9 @@ optimizer state, and a copy of its predecessor's (``collectives.elastic.zero``).
 Objects built on a communicator (DDP, ZeRO, a Mesh, a torch process group) are rebuilt on the
 shrunk one by the callables given to ``on_rebuild(fn)`` (``fn(comm)``), called before the
 restore; a model that has a ``rebuild(comm)`` method of its own (``DistributedDataParallel``,
-``ShardedDataParallel``) is rebuilt without one.
+``ShardedDataParallel``) is rebuilt without one, and so is torch's default process group where
+it is the toolkit's backend (``collectives.torch.backend.rebuild``: the groups made from it, and
+torch's own DDP over them, are the callables' to make again).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import copy
 import time
 from collections import deque
 
-__all__ = ["State", "Commit"]
+__all__ = ["State", "Commit", "torch_backend"]
 
 
 class Commit:
@@ -145,13 +147,26 @@ class State:
         self.step = c.next_step
 
     def rebuild(self, comm) -> None:
-        """Rebuild what was built on the old communicator on ``comm`` (collective)."""
-        self.comm = comm
+        """Rebuild what was built on the old communicator on ``comm`` (collective): torch's
+        default group where it is the toolkit's backend on the old communicator
+        (``collectives.torch.backend.rebuild``), then the model, then the ``on_rebuild``
+        callables (which make again what torch's groups carried: subgroups, torch's DDP)."""
+        old, self.comm = self.comm, comm
+        backend = torch_backend()
+        if backend is not None and old is not None:
+            backend.rebuild(old, comm)
         rebuild = getattr(self.model, "rebuild", None)
         if rebuild is not None:
             rebuild(comm)
         for fn in self.rebuilders:
             fn(comm)
+
+
+def torch_backend():
+    """``collectives.torch.backend`` where the program has loaded it (elastic training never
+    imports torch itself), else None."""
+    import sys
+    return sys.modules.get("collectives.torch.backend")
 
 
 # A sharded model (ShardedDataParallel) keeps a part of the state per rank, and the
