@@ -12,8 +12,10 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
    of the example's model at each micro-batch size, parallelized over its tensor-parallel
    group as training does it (the collectives, whose cost on cores shared by more ranks than
    they have is the scheduler's more than the cost model's, and the recompute included),
-   and the tensor-parallel collectives alone; the head and the optimizer by
-   ``train_gpt.measured_compute``.
+   and the tensor-parallel collectives alone; then what else the time model asks of the
+   network for the plans, on the plan's own axes, every rank at once: the data-parallel and
+   tied-pair collectives, and a pipeline's messages as its runner sends them while the ranks
+   around compute; the head and the optimizer by ``train_gpt.measured_compute``.
 2. *Measure.* The plans run in batches of ``--batch-plans``, one job a batch (a job builds a
    mesh and its communicators per plan, and MPI holds a few thousand at most), each plan for
    ``--steps`` steps after two steps of the same plan at the same widths with one block a
@@ -21,7 +23,9 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
    on operand sizes, held before the baseline). Just before and just after a plan's measured
    steps the probe of 1. runs again for that plan, and the mean of the two step times it
    predicts is the round's prediction: the load the measurement saw is the load its
-   prediction saw (the machine's cores are shared with other jobs that come and go).
+   prediction saw (the machine's cores are shared with other jobs that come and go). Beside
+   it, from the same probes, the prediction with the collectives of the other axes than tp and
+   the messages at the cost model's idle-machine prices.
    ``--rounds`` rounds run the batches in a rotated order, so that load from other jobs falls
    on all of them alike; ``--only REGEX`` keeps the plans whose name matches.
 
@@ -137,26 +141,35 @@ def _job(args) -> int:
         plan = planner.Plan(**{k: v for k, v in plans[i].items() if k in fields})
 
         def probed():
-            return planner.step_time(shape, plan, *_probe(ex, world, groups, net, shape,
-                                                          [plan]))[0]
+            probe, compute = _probe(ex, world, groups, net, shape, [plan])
+            # beside it, the same probe with the collectives of other axes than tp and the
+            # messages at the cost model's prices: what measuring them in place changes
+            idle = _Probed(net, {k: probe.table[k] for k in probe.tp_keys})
+            return (planner.step_time(shape, plan, probe, compute)[0],
+                    planner.step_time(shape, plan, idle, compute)[0])
 
         before = probed()
         s = ex.run(run_args, world, text)
-        paired = (before + probed()) / 2
+        after = probed()
         if rank0:
             with open(path + ".rows", "a") as f:
                 f.write(json.dumps({"i": i, "peak_bytes": s["peak_bytes"],
-                                    "step_s": s["step_ms"] / 1e3, "paired_s": paired,
+                                    "step_s": s["step_ms"] / 1e3,
+                                    "paired_s": (before[0] + after[0]) / 2,
+                                    "paired_idle_s": (before[1] + after[1]) / 2,
                                     "loss": s["loss"]}) + "\n")
     return 0
 
 
 class _Probed:
-    """The calibrated network with some collectives measured: ``table`` maps (kind, bytes,
-    ranks, stride) to seconds; the rest are the cost model's."""
+    """The calibrated network with some collectives and messages measured: ``table`` maps
+    (kind, bytes, ranks, stride) to seconds, ``messages`` (bytes, stride, ranks) to seconds;
+    the rest are the cost model's."""
 
-    def __init__(self, net, table: dict):
+    def __init__(self, net, table: dict, messages: dict | None = None):
         self._net, self.table = net, table
+        self.messages = {} if messages is None else messages
+        self.tp_keys = frozenset(table)   # the block's collectives, measured first
 
     def __getattr__(self, name):
         return getattr(self._net, name)
@@ -164,6 +177,32 @@ class _Probed:
     def collective(self, kind: str, nbytes: float, n: int, stride: int):
         secs, sent = self._net.collective(kind, nbytes, n, stride)
         return self.table.get((kind, int(nbytes), n, stride), secs), sent
+
+    def message(self, nbytes: float, stride: int, size: int) -> float:
+        secs = self.messages.get((int(nbytes), stride, size))
+        return self._net.message(nbytes, stride, size) if secs is None else secs
+
+
+class _Asked:
+    """A network that answers as ``net`` and notes what the time model asks of it: the
+    collectives (kind, bytes, ranks, stride) over more than one rank, and the messages
+    (bytes, stride, ranks) with the first plan that sent each."""
+
+    def __init__(self, net):
+        self._net, self.collectives, self.messages = net, set(), {}
+        self.plan = None
+
+    def __getattr__(self, name):
+        return getattr(self._net, name)
+
+    def collective(self, kind: str, nbytes: float, n: int, stride: int):
+        if n > 1:
+            self.collectives.add((kind, int(nbytes), n, stride))
+        return self._net.collective(kind, nbytes, n, stride)
+
+    def message(self, nbytes: float, stride: int, size: int) -> float:
+        self.messages.setdefault((int(nbytes), stride, size), self.plan)
+        return self._net.message(nbytes, stride, size)
 
 
 class _InSitu:
@@ -201,8 +240,9 @@ class _InSitu:
         if key not in self._cache:
             torch.manual_seed(0)
             gpt = self._ex.GPT(model.vocab, model.dim, model.heads, 1, model.attention)
-            if tp > 1:   # the group _tp_collectives made
-                tpar.parallelize(gpt, self._groups[tp], self._ex.plan(gpt, sp, recompute))
+            if tp > 1:
+                tpar.parallelize(gpt, _axis(self._world, self._groups, tp, 1),
+                                 self._ex.plan(gpt, sp, recompute))
             elif recompute != "none":
                 checkpoint.recompute(gpt, checkpoint.GPT_POLICIES[recompute])
             block = gpt.blocks[0]
@@ -232,12 +272,14 @@ class _InSitu:
 
 
 def _probe(ex, world, groups: dict, net, shape, plans) -> tuple:
-    """(network, compute) measured now for ``plans``, on every rank at once: the
-    tensor-parallel collectives of each (micro-batch, tp, sp) they use, then each block
-    (``_InSitu``), in one sorted order."""
+    """(network, compute) measured now for ``plans``, on every rank at once, each in one sorted
+    order: the tensor-parallel collectives of each (micro-batch, tp, sp) they use, each block
+    (``_InSitu``), then what else the time model asks of the network for them (``_Asked``):
+    the data-parallel and tied-pair collectives on their own axes, and the pipeline's
+    messages between neighbouring stages (``_messages``)."""
     table: dict = {}
     for b, t, sp in sorted({(q.micro_batch, q.tp, q.sequence_parallel) for q in plans}):
-        table.update(_tp_collectives(world, groups, shape, t, sp, b))
+        table.update(_collectives(world, groups, _tp_kinds(shape, t, sp, b)))
     probe = _Probed(net, table)
     compute = _InSitu(ex, world, groups, probe)
     keys = set()
@@ -247,40 +289,110 @@ def _probe(ex, world, groups: dict, net, shape, plans) -> tuple:
             keys.add((q.micro_batch, q.tp, q.sequence_parallel, "none"))
     for key in sorted(keys):
         compute.measure(shape, key)
+    from collectives import plan as planner
+    asked = _Asked(probe)
+    for q in plans:
+        asked.plan = q
+        planner.step_time(shape, q, asked, compute)
+    table.update(_collectives(world, groups, sorted(asked.collectives - set(table))))
+    for key in sorted(asked.messages):
+        q = asked.messages[key]
+        busy = compute.layer(shape, q.micro_batch, q.tp, q.sequence_parallel, "none")[0]
+        probe.messages[key] = _messages(world, groups, *key, busy)
     return probe, compute
 
 
-def _tp_collectives(world, groups: dict, shape, t: int, sp: bool, b: int,
-                    repeats: int = 7) -> dict:
-    """Seconds of each collective a block runs over the plan's tensor-parallel axis (the
-    hidden state of one micro-batch: all-reduced, or all-gathered and reduce-scattered under
-    sequence parallelism), timed on every group of ranks at once (the mesh lays tp fastest:
-    ranks ``k t .. k t + t - 1``), the median of ``repeats`` after a barrier each."""
+def _axis(world, groups: dict, n: int, stride: int):
+    """This rank's communicator along a mesh axis of ``n`` ranks and ``stride`` (the mesh
+    lays tp fastest: tp has stride 1, dp tp, pp dp tp), ranks in the axis's order; made once
+    (collective over the world) and kept in ``groups``."""
+    if (n, stride) not in groups:
+        r = world.Get_rank()
+        groups[(n, stride)] = world.Split((r // (stride * n)) * stride + r % stride,
+                                          (r // stride) % n)
+    return groups[(n, stride)]
+
+
+def _tp_kinds(shape, t: int, sp: bool, b: int) -> list:
+    """The collectives a block runs over a tensor-parallel axis of ``t`` on a micro-batch of
+    ``b``: its hidden state all-reduced, or all-gathered and reduce-scattered under sequence
+    parallelism."""
+    if t == 1:
+        return []
+    nbytes = shape.bytes[3] * b * shape.seq * shape.dim
+    return [(kind, nbytes, t, 1) for kind in
+            (("allgather", "reduce_scatter") if sp else ("allreduce",))]
+
+
+def _collectives(world, groups: dict, keys, repeats: int = 7) -> dict:
+    """Seconds of each (kind, bytes, ranks, stride) of ``keys``, run on every group of that
+    axis at once (``_axis``) as the plan runs it, the median of ``repeats`` after a barrier
+    each. ``bytes`` is the full buffer (an all-gather's output)."""
     import numpy as np
 
     import collectives as coll
-    if t == 1:
-        return {}
-    if t not in groups:
-        groups[t] = world.Split(world.Get_rank() // t, world.Get_rank())
-    comm = groups[t]
-    nbytes = shape.bytes[3] * b * shape.seq * shape.dim
-    x = np.ones(nbytes // shape.bytes[3], dtype=np.float32 if shape.bytes[3] == 4
-                else np.float16)
-    calls = {"allreduce": lambda: coll.allreduce(x, comm=comm),
-             "allgather": lambda: coll.allgather(x[:len(x) // t], comm=comm),
-             "reduce_scatter": lambda: coll.reduce_scatter(x, comm=comm)}
-    kinds = ("allgather", "reduce_scatter") if sp else ("allreduce",)
     table = {}
-    for kind in kinds:
+    for kind, nbytes, n, stride in keys:
+        comm = _axis(world, groups, n, stride)
+        x = np.ones(nbytes // 4, dtype=np.float32)
+        call = {"allreduce": lambda: coll.allreduce(x, comm=comm),
+                "allgather": lambda: coll.allgather(x[:len(x) // n], comm=comm),
+                "reduce_scatter": lambda: coll.reduce_scatter(x, comm=comm)}[kind]
         times = []
         for _ in range(repeats + 1):
             world.Barrier()
             t0 = time.perf_counter()
-            calls[kind]()
+            call()
             times.append(time.perf_counter() - t0)
-        table[(kind, nbytes, t, 1)] = statistics.median(times[1:])
+        table[(kind, nbytes, n, stride)] = statistics.median(times[1:])
     return table
+
+
+def _messages(world, groups: dict, nbytes: int, stride: int, size: int, busy: float,
+              repeats: int = 7) -> float:
+    """Seconds of one pipeline message of ``nbytes`` between neighbouring stages, measured as
+    the runner sends and receives it (``collectives.p2p``: a send posted, then computing; a
+    receive probed in a polling wait) while the ranks around compute as in training: stages
+    2k and 2k + 1 of every pipeline at once pass it back and forth, each computing for about
+    ``busy`` seconds (a block's forward) after each receive and after each send. A message is
+    half of a round trip less the peer's computing between the two (which it reports in the
+    reply). Stage 0's median, the same on every rank of the pipeline."""
+    import numpy as np
+
+    from collectives import p2p
+    comm = _axis(world, groups, size, stride)
+    k = comm.Get_rank()
+    peer = k + 1 if k % 2 == 0 else k - 1
+    x = np.zeros(max(nbytes // 4, 1), dtype=np.float32)
+    a = np.ones((64, 64), dtype=np.float32)
+
+    def compute(secs: float) -> float:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < secs:
+            a @ a
+        return time.perf_counter() - t0
+
+    def send(tag: int) -> None:
+        req = p2p.isend(comm, x, peer, tag)
+        compute(busy / 2)   # the next action runs before the send is waited for
+        p2p.wait(req.Test, "bench plan: a pipeline message", "its send", comm)
+
+    times = []
+    world.Barrier()
+    if peer < size:
+        for i in range(repeats + 1):
+            if k % 2 == 0:
+                t0 = time.perf_counter()
+                send(i)
+                p2p.recv(comm, x, peer, i)
+                times.append((time.perf_counter() - t0 - float(x[0])) / 2)
+                compute(busy)
+            else:
+                p2p.recv(comm, x, peer, i)
+                x[0] = compute(busy)
+                send(i)
+    secs = statistics.median(times[1:]) if times else 0.0
+    return max(comm.bcast(secs, root=0), 0.0)
 
 
 def _launch(args, job: str, plans: str | None = None) -> None:
@@ -331,6 +443,7 @@ def main(argv=None) -> int:
         memory = [[] for _ in plans]
         steps = [[] for _ in plans]
         paired = [[] for _ in plans]
+        idle = [[] for _ in plans]
         losses = [None] * len(plans)
         with open(path + ".rows") as f:
             for line in f:
@@ -338,17 +451,20 @@ def main(argv=None) -> int:
                 memory[row["i"]].append(row["peak_bytes"])
                 steps[row["i"]].append(row["step_s"])
                 paired[row["i"]].append(row["paired_s"])
+                idle[row["i"]].append(row["paired_idle_s"])
                 losses[row["i"]] = row["loss"]
     rows = []
-    for q, mem, st, pa, loss in zip(plans, memory, steps, paired, losses):
+    for q, mem, st, pa, pi, loss in zip(plans, memory, steps, paired, idle, losses):
         m_mem, m_step = statistics.median(mem), statistics.median(st)
         rows.append({"plan": q["name"], "predicted_bytes": q["memory"], "measured_bytes": m_mem,
                      "memory_ratio": q["memory"] / m_mem, "planned_s": q["step_time"],
                      "planned_ratio": q["step_time"] / m_step,
                      "predicted_s": statistics.median(pa), "measured_s": m_step,
                      "step_ratio": statistics.median(p / m for p, m in zip(pa, st)),
+                     "idle_ratio": statistics.median(p / m for p, m in zip(pi, st)),
                      "step_spread": _quartiles(st), "loss": loss, "measured_bytes_rounds": mem,
-                     "measured_s_rounds": st, "predicted_s_rounds": pa})
+                     "measured_s_rounds": st, "predicted_s_rounds": pa,
+                     "predicted_idle_s_rounds": pi})
     print("| plan | predicted MiB | measured MiB | pred/meas | planned ms | predicted ms "
           "| measured ms | spread | pred/meas |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -361,6 +477,7 @@ def main(argv=None) -> int:
     mem_err = [abs(r["memory_ratio"] - 1) for r in rows]
     step_err = [abs(r["step_ratio"] - 1) for r in rows]
     planned_err = [abs(r["planned_ratio"] - 1) for r in rows]
+    idle_err = [abs(r["idle_ratio"] - 1) for r in rows]
     first = rows[0]   # the planner's ranking: plans come fastest predicted first
     fastest = min(rows, key=lambda r: r["measured_s"])
     print(f"\nmemory: predicted / measured {min(r['memory_ratio'] for r in rows):.3f} to "
@@ -371,7 +488,10 @@ def main(argv=None) -> int:
           f"{statistics.median(step_err):.0%}, worst {max(step_err):.0%} (median ratio "
           f"{statistics.median(r['step_ratio'] for r in rows):.2f}); with the compute measured "
           f"once, when planning: median {statistics.median(planned_err):.0%}, worst "
-          f"{max(planned_err):.0%}")
+          f"{max(planned_err):.0%}; in the same rounds with the data-parallel and tied-pair "
+          f"collectives and the pipeline's messages at the cost model's prices: median "
+          f"{statistics.median(idle_err):.0%}, worst {max(idle_err):.0%} (median ratio "
+          f"{statistics.median(r['idle_ratio'] for r in rows):.2f})")
     print(f"first choice {first['plan']}: measured {first['measured_s'] * 1e3:.1f} ms; fastest "
           f"measured {fastest['plan']}: {fastest['measured_s'] * 1e3:.1f} ms "
           f"({first['measured_s'] / fastest['measured_s'] - 1:+.0%})")

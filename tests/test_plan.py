@@ -418,3 +418,81 @@ def test_bench_plan_measures_every_plan_it_predicts():
     assert saved["full"] == 2 * 16 * 32 * 4   # the block's input: b s h floats
     assert saved["full"] < saved["selective"] < saved["none"]
     assert "| plan | predicted MiB |" in done.stdout
+
+
+def test_a_pipeline_prices_its_tied_pair():
+    """A pipeline's first and last stage sum the tied embedding's gradient: one allreduce of
+    the tp rank's vocabulary shard over 2 ranks of stride dp tp (pp - 1), in the step and in
+    its bytes; nothing without a pipeline or with an untied head."""
+    shape = plan.gpt(4, 64, 4, 32, 256, attention="math")
+    net, rate = plan.Network(ranks_per_node=8), plan.FlopRate(1e9)
+    q = Plan(2, 2, 2, False, "1f1b", 1, 4, 0, "none", 1)
+    total, _, sent, terms = plan.step_time(shape, q, net, rate)
+    secs, nbytes = net.collective("allreduce", 4 * 256 * 64 // 2, 2, 2 * 2)
+    assert terms["tied"] == secs > 0
+    assert total == pytest.approx(sum(terms.values()))
+    untied = plan.gpt(4, 64, 4, 32, 256, attention="math", tied=False)
+    _, _, untied_sent, untied_terms = plan.step_time(untied, q, net, rate)
+    assert untied_terms["tied"] == 0.0
+    assert abs(sent["node"] - untied_sent["node"] - nbytes) <= 1
+    flat = Plan(4, 2, 1, False, "1f1b", 1, 1, 0, "none", 4)
+    assert plan.step_time(shape, flat, net, rate)[3]["tied"] == 0.0
+
+
+def test_bench_probe_prices_what_it_measured_and_the_model_the_rest():
+    """bench plan's network: the collectives and messages it measured in place answer from its
+    tables, the rest from the cost model; what the time model asks of a network (collectives
+    over more than one rank, messages with the first plan that sent each) is what the probe
+    measures."""
+    from bench.plan import _Asked, _Probed
+    shape = plan.gpt(4, 64, 4, 32, 256, attention="math")
+    net, rate = plan.Network(ranks_per_node=8), plan.FlopRate(1e9)
+    q = Plan(2, 1, 2, False, "1f1b", 1, 4, 0, "none", 1)
+    asked = _Asked(net)
+    asked.plan = q
+    assert plan.step_time(shape, q, asked, rate) == plan.step_time(shape, q, net, rate)
+    msg = 4 * 1 * 32 * 64
+    assert asked.messages == {(msg, 2, 2): q}
+    kinds = {(k, n, stride) for k, _, n, stride in asked.collectives}
+    assert kinds == {("allreduce", 2, 1), ("allreduce", 2, 2)}   # DDP over dp, the tied pair
+    probe = _Probed(net, {key: 1.0 for key in asked.collectives}, {(msg, 2, 2): 0.5})
+    assert probe.message(msg, 2, 2) == 0.5
+    assert probe.message(msg + 4, 2, 2) == net.message(msg + 4, 2, 2)
+    terms = plan.step_time(shape, q, probe, rate)[3]
+    assert terms["dp_exposed"] == 1.0 and terms["tied"] == 1.0
+    assert probe.collective("allreduce", 12, 2, 1) == net.collective("allreduce", 12, 2, 1)
+
+
+@pytest.mark.mpi
+def test_bench_probe_measures_on_the_plans_own_axes():
+    """bench plan's probe groups ranks as the plan's mesh does (every axis, every rank at
+    once), and a message and the data-parallel collectives are measured on them: seconds,
+    the same on every rank of a pipeline."""
+    from mpi4py import MPI
+
+    from bench.plan import _axis, _collectives, _messages
+    from collectives import Mesh
+    world = MPI.COMM_WORLD
+    n = world.Get_size()
+    if n != 4:
+        pytest.skip("a 2 x 2 mesh: 4 ranks")
+    groups: dict = {}
+    mesh = Mesh((2, 2, 1), ("pp", "dp", "tp"), comm=world)
+    try:
+        for name, size, stride in (("pp", 2, 2), ("dp", 2, 1), ("tp", 1, 1)):
+            ours = _axis(world, groups, size, stride)
+            assert ours.Get_size() == mesh.size(name)
+            assert ours.Get_rank() == mesh.coord(name)
+            members = ours.allgather(world.Get_rank())
+            assert members == mesh.comm(name).allgather(world.Get_rank())
+        table = _collectives(world, groups, [("allreduce", 4096, 2, 1),
+                                             ("allgather", 4096, 2, 2)], repeats=2)
+        assert set(table) == {("allreduce", 4096, 2, 1), ("allgather", 4096, 2, 2)}
+        assert all(0 < secs < 5 for secs in table.values())
+        secs = _messages(world, groups, 4096, 2, 2, 1e-3, repeats=2)
+        assert 0 <= secs < 5
+        assert len(set(_axis(world, groups, 2, 2).allgather(secs))) == 1
+    finally:
+        for comm in groups.values():
+            comm.Free()
+        mesh.free()

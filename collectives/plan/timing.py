@@ -21,7 +21,8 @@ collective priced on the link class its mesh axis crosses, the pipeline by ``pp.
    the cores, 1 where a NIC moves the bytes).
 3. *Pipeline.* ``pp.simulate`` on per-stage forward, backward (and, for zero bubble, weight)
    times with the message time as ``p2p``; the step is its makespan plus the exposed
-   data-parallel time plus the optimizer's step.
+   data-parallel time, the tied pair's sum of the embedding's gradient (first and last stage)
+   and the optimizer's step.
 """
 from __future__ import annotations
 
@@ -232,6 +233,17 @@ def _dp_comm(net: Network, model: GPTShape, plan: Plan, params: int) -> tuple[fl
     return secs, sent
 
 
+def _tied_comm(net: Network, model: GPTShape, plan: Plan) -> tuple[float, float]:
+    """(seconds, bytes sent) of a pipeline's tied pair: the first and the last stage's ranks of
+    one (dp, tp) position sum the embedding's gradient after the step's backwards (the
+    vocabulary shard of a tp rank), an axis of 2 ranks and stride ``dp tp (pp - 1)``."""
+    if plan.pp == 1 or not model.tied:
+        return 0.0, 0.0
+    stride = plan.dp * plan.tp * (plan.pp - 1)
+    return net.collective("allreduce", model.bytes[1] * model.vocab * model.dim // plan.tp, 2,
+                          stride)
+
+
 def _stage_params(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -> int:
     h, t = model.dim, plan.tp
     out = blocks * ((4 * h * h + 2 * h * model.ffn) // t + 4 * h)
@@ -353,7 +365,9 @@ def step_time(model: GPTShape, plan: Plan, net: Network, compute) -> tuple[float
     link_bytes[net.link(t, dp)] += dp_sent
     last_backward = bw[worst] + ww[worst]
     exposed = max(dp_secs - net.overlap * last_backward, 0.0)
+    tied, tied_sent = _tied_comm(net, model, plan)
+    link_bytes[net.link(dp * t * (p - 1), 2)] += tied_sent
     opt = net.share * compute.optimizer(-(-params[worst] // (dp if plan.zero else 1)))
-    total = pipe + exposed + opt
+    total = pipe + exposed + tied + opt
     return total, bubble, {k: int(b) for k, b in link_bytes.items()}, \
-        {"pipeline": pipe, "dp_exposed": exposed, "optimizer": opt}
+        {"pipeline": pipe, "dp_exposed": exposed, "tied": tied, "optimizer": opt}
