@@ -394,3 +394,27 @@ def test_registrations_on_a_subcommunicator_do_not_change_other_calls(launches):
     comm.Free()
     assert_all(ok and took == 0, f"ordinary path on a communicator without registrations "
                f"({took} one-pass launches)")
+
+
+@pytest.mark.mpi
+def test_asking_for_the_node_registers_nothing(launches):
+    """``single_node`` (what DDP's and ZeRO's ``"auto"`` ask) makes the communicator's entry
+    but no registration: its large calls make no agreement round (on several hosts a small
+    message that waits behind a bucket's bytes in the same TCP stream: it held each launch of
+    DDP's buckets up to 0.27 s) until ``empty`` is called there."""
+    comm = world().Dup()
+    try:
+        registered.single_node(comm)
+        before = registered.on(comm)
+        x = np.ones(1 << 12, np.float64)
+        coll.allreduce(x, out=x, comm=comm)
+        took = len(launches)
+        keep = coll.empty(16, "float64", comm=comm)
+        after = registered.on(comm)
+        del keep
+        gc.collect()
+    finally:
+        comm.Free()
+    size = world().Get_size()
+    assert_all(not before and after and took == 0 and np.all(x == size),
+               f"on() before empty {before}, after {after}; {took} one-pass launches")

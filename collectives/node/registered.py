@@ -43,10 +43,13 @@ _NODES = weakref.WeakSet()  # every _Node of this process, for ``lookup``
 
 def on(comm) -> bool:
     """Whether ``empty`` has been called on ``comm``: the same on every rank of it at any
-    collective call, since ``empty`` is collective over ``comm`` too."""
+    collective call, since ``empty`` is collective over ``comm`` too. Asking ``single_node``
+    makes the communicator's entry but registers nothing: that alone is not "on" (else every
+    large call there would agree on buffers that cannot be registered)."""
     from ..executor import cached_context
     ctx = cached_context(comm)
-    return ctx is not None and _Node in ctx.slots
+    entry = None if ctx is None else ctx.slots.get(_Node)
+    return entry is not None and entry.next > 0
 
 
 class Registration:
