@@ -33,6 +33,7 @@ COMMANDS = {
     "ddp": "data-parallel training step time (torch)",
     "fsdp": "torch's FSDP2 step on the collectives backend against gloo (launches its jobs)",
     "zero": "ZeRO stages 1-3 against our DDP: step time, bytes per parameter, peak RSS",
+    "elastic": "elastic training's cost a step: in-memory commit, asynchronous checkpoint",
     "tp": "tensor-parallel GPT step: our layers against torch's DTensor on gloo and on ours",
     "tune": "measure every algorithm and write the tuning table auto reads",
     "calibrate": "measure alpha, beta, gamma of this machine for the cost model",

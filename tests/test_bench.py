@@ -772,3 +772,31 @@ def test_tune_under_mpiexec_writes_a_table_auto_reads(tmp_path):
         assert select.auto("allreduce", 8 << 20, 2) == tune.builtin_pick("allreduce", 8 << 20, 2)
     finally:
         config.set("COLLECTIVES_TUNING", old)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_bench_elastic_prints_every_variant(capsys):
+    """A short ``bench elastic``: a row per variant, each checkpoint interval writing
+    rounds x steps / K checkpoints on every rank (the count rank 0 prints), and the temporary
+    directory removed."""
+    import glob
+    import tempfile
+
+    from mpi4py import MPI
+
+    from bench import elastic
+    pytest.importorskip("torch")
+    comm = MPI.COMM_WORLD
+    before = set(glob.glob(f"{tempfile.gettempdir()}/bench-elastic-*"))
+    assert elastic.main(["--params-m", "0.5", "--rounds", "2", "--steps", "3",
+                         "--every", "2,4"]) == 0
+    out = capsys.readouterr().out
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        rows = {ln.split()[0] + (" " + ln.split()[1] if ln.split()[0] == "checkpoint" else ""):
+                ln.split() for ln in out.splitlines() if ln.startswith("  ")}
+        assert set(rows) == {"plain", "commit", "checkpoint 2", "checkpoint 4"}, out
+        assert "4 steps a variant" in out                 # 3 rounded up to lcm(2, 4)
+        assert rows["checkpoint 2"][-1] == "4" and rows["checkpoint 4"][-1] == "2", out
+        assert set(glob.glob(f"{tempfile.gettempdir()}/bench-elastic-*")) == before

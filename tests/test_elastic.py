@@ -75,6 +75,42 @@ def test_restore_returns_to_the_commit_bitwise():
                                                   model.state_dict().values()))
 
 
+def test_a_commit_reuses_the_tensors_of_the_one_it_pushes_out():
+    """The third commit copies into the first one's tensors (no allocation a step), unless a
+    reader (a checkpoint being written) still holds the first; the copies stay exact."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = elastic.State(model=model, optimizer=opt, step=0)
+
+    def ptrs(c):
+        return {t.data_ptr() for t in list(c.model.values()) +
+                [v for st in c.optimizer["state"].values() for v in st.values()]}
+
+    for state.step in range(0, 2):
+        _train(model, opt, state.step)
+        state.commit()
+    first, second = state.commits
+    first_ptrs = ptrs(first)
+    _train(model, opt, 2)
+    state.step = 2
+    state.commit()
+    assert ptrs(state.commits[-1]) == first_ptrs and state.commits[0] is second
+    assert all(torch.equal(a, b) for a, b in zip(state.commits[-1].model.values(),
+                                                  model.state_dict().values()))
+    momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    saved = [v["momentum_buffer"] for v in state.commits[-1].optimizer["state"].values()]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+               for a, b in zip(momentum, saved))
+    held = state.commits[0]
+    held.readers += 1                      # a checkpoint of it is being written
+    held_ptrs = ptrs(held)
+    _train(model, opt, 3)
+    state.step = 3
+    state.commit()
+    assert not ptrs(state.commits[-1]) & held_ptrs
+    assert all(torch.equal(a, b) for a, b in zip(held.model.values(), second.model.values()))
+
+
 def test_restore_goes_back_to_the_older_commit():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -169,6 +169,7 @@ class Checkpointer:
             raise RuntimeError(f"writing a checkpoint failed: {self.error}") from self.error
         self._idle.wait()              # one checkpoint in flight at most
         self._idle.clear()
+        commit.readers += 1            # its tensors are not reused until it is written
         self._queue.put(commit)
         self.last = commit.next_step
         self.loop_seconds += time.perf_counter() - t0
@@ -192,6 +193,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - reported to the loop at the next commit
                 self.error = exc
             finally:
+                commit.readers -= 1
                 self._idle.set()
 
     def _write(self, commit) -> None:

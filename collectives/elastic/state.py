@@ -32,20 +32,35 @@ __all__ = ["State", "Commit", "torch_backend"]
 
 
 class Commit:
-    """One committed state: the next step and the copies (see the module doc)."""
+    """One committed state: the next step and the copies (see the module doc). ``readers``
+    counts those that still read it after the commit (a checkpoint being written): while it is
+    not 0, the commit's tensors are not reused for a newer one."""
 
-    __slots__ = ("next_step", "model", "optimizer", "data", "extra")
+    __slots__ = ("next_step", "model", "optimizer", "data", "extra", "readers")
 
     def __init__(self, next_step, model, optimizer, data, extra):
         self.next_step, self.model, self.optimizer = next_step, model, optimizer
         self.data, self.extra = data, extra
+        self.readers = 0
 
 
-def _clone_tensors(sd: dict) -> dict:
-    out = {}
-    for k, v in sd.items():
-        out[k] = v.detach().clone() if hasattr(v, "detach") else copy.deepcopy(v)
-    return out
+def _copy(value, into=None):
+    """A copy of ``value`` (tensors, and dicts and lists of them: state dicts): a tensor copied
+    into ``into``'s tensor at the same place where that has its shape and dtype (a commit that
+    is being dropped: no fresh allocation, whose pages the kernel would zero every step),
+    else cloned; anything else deep-copied."""
+    if hasattr(value, "detach"):
+        if (hasattr(into, "copy_") and into.shape == value.shape and into.dtype == value.dtype
+                and into.device == value.device):
+            return into.copy_(value.detach())
+        return value.detach().clone()
+    if isinstance(value, dict):
+        old = into if isinstance(into, dict) else {}
+        return {k: _copy(v, old.get(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        old = into if isinstance(into, list) and len(into) == len(value) else [None] * len(value)
+        return [_copy(v, o) for v, o in zip(value, old)]
+    return copy.deepcopy(value)
 
 
 class State:
@@ -87,10 +102,11 @@ class State:
         self.restore_listeners.append(fn)
 
     # -- commit and restore -------------------------------------------------------------------
-    def snapshot(self, next_step: int) -> Commit:
-        """A commit of the current state whose next step is ``next_step`` (not kept)."""
-        model = None if self.model is None else _model_state(self)
-        opt = None if self.optimizer is None else _optim_state(self)
+    def snapshot(self, next_step: int, into: Commit | None = None) -> Commit:
+        """A commit of the current state whose next step is ``next_step`` (not kept); its
+        tensors copied into ``into``'s, a commit no longer needed, where they fit."""
+        model = None if self.model is None else _model_state(self, into)
+        opt = None if self.optimizer is None else _optim_state(self, into)
         data = None
         if self.data is not None and hasattr(self.data, "state_dict"):
             data = copy.deepcopy(self.data.state_dict())
@@ -98,8 +114,12 @@ class State:
 
     def commit(self) -> None:
         """Step ``self.step`` is done: keep a copy of the state (the next step is
-        ``self.step + 1``)."""
-        self.keep(self.snapshot(self.step + 1))
+        ``self.step + 1``). The oldest commit kept, which this one pushes out, lends its
+        tensors unless something still reads it."""
+        spare = None
+        if len(self.commits) == self.commits.maxlen and not self.commits[0].readers:
+            spare = self.commits[0]
+        self.keep(self.snapshot(self.step + 1, spare))
 
     def keep(self, commit: Commit) -> None:
         """Keep ``commit`` as the newest (the older of the two kept goes)."""
@@ -176,11 +196,11 @@ def _sharded(model) -> bool:
     return hasattr(model, "shard_state") and hasattr(model, "load_shards")
 
 
-def _model_state(state):
+def _model_state(state, into=None):
     if _sharded(state.model):
         from . import zero
         return zero.commit(state.model, state.optimizer)
-    return _clone_tensors(state.model.state_dict())
+    return _copy(state.model.state_dict(), None if into is None else into.model)
 
 
 def _load_model(state, saved) -> None:
@@ -191,5 +211,7 @@ def _load_model(state, saved) -> None:
         state.model.load_state_dict(saved)
 
 
-def _optim_state(state):
-    return None if _sharded(state.model) else copy.deepcopy(state.optimizer.state_dict())
+def _optim_state(state, into=None):
+    if _sharded(state.model):
+        return None
+    return _copy(state.optimizer.state_dict(), None if into is None else into.optimizer)
