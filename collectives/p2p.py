@@ -32,7 +32,7 @@ import numpy as np
 from . import watchdog
 from .buffers import DTYPES, wrap
 from .errors import CollectiveError, MessageSizeError
-from .progress import polite_waits
+from .progress import polite_waits, ulfm_launched
 
 __all__ = ["MAXDIM", "HEADER", "MessageTypeError", "code_of", "dtype_of", "header", "parse",
            "signature", "describe", "as_bytes", "empty", "isend", "irecv", "send", "recv",
@@ -272,10 +272,14 @@ class Sends:
         self.buffers.append(buffer)
 
     def reap(self) -> None:
-        """Release the sends that have completed (``MPI_Testsome``)."""
+        """Release the sends that have completed (``MPI_Testsome``; under ULFM each tested
+        alone, as in ``_test_each``)."""
         if not self.requests:
             return
-        done = _mpi().Request.Testsome(self.requests)
+        if ulfm_launched():
+            done = [i for i, r in enumerate(self.requests) if r.Test()]
+        else:
+            done = _mpi().Request.Testsome(self.requests)
         if done:
             gone = set(done)
             keep = [i for i in range(len(self.requests)) if i not in gone]
@@ -329,12 +333,23 @@ def wait(test, what, waiting_for, comm) -> None:
 
 
 def wait_all(requests: list, what, comm, waiting_for=None) -> None:
-    """``wait`` for every MPI request of ``requests`` (``MPI_Testall``)."""
+    """``wait`` for every MPI request of ``requests`` (``MPI_Testall``; ``_test_each`` under
+    ULFM)."""
     if not requests:
         return
-    testall = _mpi().Request.Testall
+    testall = _test_each if ulfm_launched() else _mpi().Request.Testall
     wait(lambda: testall(requests), what,
          waiting_for or (lambda: f"{len(requests)} messages to complete"), comm)
+
+
+def _test_each(requests: list) -> bool:
+    """Whether every request is complete, each tested alone (``MPI_Test``: a completed one
+    becomes ``MPI_REQUEST_NULL``). Under Open MPI's fault tolerance a test of several requests
+    (``MPI_Testall``, ``MPI_Testsome``) that meets a revoked communicator marks every pending
+    request it scans as failed and frees them, sends to live peers still in flight included,
+    and their later completion aborts the job (``collectives.executor`` tests one at a time for
+    the same reason; docs/elastic.md)."""
+    return all(r.Test() for r in requests)
 
 
 SPIN = 1 << 12   # polls before yielding where the node has a core to spare for each rank

@@ -235,6 +235,28 @@ def test_under_ulfm_the_transport_tests_one_request_at_a_time():
         assert list(got) == list(range(6)) and counts[0] == 6
 
 
+def test_under_ulfm_point_to_point_waits_test_one_request_at_a_time(monkeypatch):
+    """The same for collectives.p2p (the pipeline's messages, torch's send/recv on the
+    backend): its reap and its wait never call Testsome or Testall under ULFM."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from collectives import p2p
+    comm = MPI.COMM_SELF.Dup()
+    monkeypatch.setattr(p2p, "ulfm_launched", lambda: True)
+    monkeypatch.setattr(p2p, "_mpi", lambda: SimpleNamespace())   # no Testsome, no Testall
+    got = np.zeros(6, np.uint8)
+    sends = p2p.Sends()
+    recv = comm.Irecv(got, 0, 5)
+    sends.add(comm.Isend(np.arange(6, dtype=np.uint8), 0, 5))
+    p2p.wait_all([recv], "a receive", comm)
+    sends.reap()
+    assert list(got) == list(range(6)) and len(sends) == 0
+    comm.Free()
+
+
 def test_testsome_raises_the_error_the_status_holds():
     import numpy as np
     from mpi4py import MPI
