@@ -421,6 +421,41 @@ def test_hierarchical_over_pairs_and_world_matches_hand_reference():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
+def test_rebuild_on_survivors_keeps_each_pair_of_those_left():
+    """``rebuild(comm)`` (elastic training, after a failure): the outermost level becomes
+    ``comm`` and each pair is made again from its survivors. Rank 1 plays the dead one: the
+    others rebuild on a communicator without it, and rank 0, whose mate is gone, then
+    averages alone at period 2, while the pairs that survive whole average together."""
+    comm = world()
+    n, r = comm.Get_size(), comm.Get_rank()
+    pair = comm.Split(r // 2, r)
+    left = comm.Split(0 if r != 1 or n == 1 else 1, r)
+    try:
+        net = _net(seed=r)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        avg = Hierarchical(net, {2: pair, 4: None})
+        _stepped(net, opt, avg, comm, r, 1)
+        if r == 1 and n > 1:
+            return
+        avg.rebuild(left)
+        survivors = [q for q in range(n) if q != 1 or n == 1]
+        me = survivors.index(r)
+        mates = [survivors.index(q) for q in survivors if q // 2 == r // 2]
+        ok = avg.sizes == [len(mates), len(survivors)] and avg.comm is left
+        for t in range(2, 5):
+            before, after = _stepped(net, opt, avg, left, r, t)
+            group = range(len(survivors)) if t % 4 == 0 else mates if t % 2 == 0 else [me]
+            err = _off_mean(after[me], [before[q] for q in group])
+            ok &= _same([after[q] for q in group]) and err <= 1
+        assert all(left.allgather(ok)), f"rank {r}: sizes {avg.sizes}, averaging groups"
+    finally:
+        comm.Barrier()
+        pair.Free()
+        left.Free()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
 def test_hierarchical_communicators_must_nest():
     comm = world()
     n, r = comm.Get_size(), comm.Get_rank()

@@ -111,6 +111,32 @@ def test_a_commit_reuses_the_tensors_of_the_one_it_pushes_out():
     assert all(torch.equal(a, b) for a, b in zip(held.model.values(), second.model.values()))
 
 
+def test_an_averager_kept_as_an_extra_goes_back_with_the_commit_and_is_rebuilt():
+    """An object with a state of its own (an averager) is committed by its ``state_dict``,
+    loaded back into the same object on a restore, and rebuilt on the new communicator."""
+    from mpi4py import MPI
+
+    from collectives.torch import averaging
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    avg = averaging.Periodic(model, period=2, comm=MPI.COMM_SELF)
+    state = elastic.State(model=model, optimizer=opt, step=0, averager=avg)
+    for state.step in range(0, 3):
+        _train(model, opt, state.step)
+        avg.step()
+        state.commit()
+    for s in (3, 4):
+        _train(model, opt, s)
+        avg.step()
+    assert avg.step_count == 5
+    new = MPI.COMM_SELF.Dup()
+    state.rebuild(new)
+    state.restore()
+    assert state.averager is avg and avg.step_count == 3 and avg.comm is new
+    assert state.committed_steps() == (2, 3)
+    new.Free()
+
+
 def test_restore_goes_back_to_the_older_commit():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

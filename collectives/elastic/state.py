@@ -7,7 +7,10 @@
 
 A *commit* is a copy, on this rank, of the model's ``state_dict`` (its tensors cloned), the
 optimizer's ``state_dict`` (deep-copied), the data's ``state_dict`` (when it has one), every
-extra value given by keyword, and the *next step*: ``state.step + 1``. The last two commits are
+extra value given by keyword (an object with ``state_dict`` and ``load_state_dict``, such as an
+averager of ``collectives.torch.averaging`` or a learning-rate scheduler, by its state, loaded
+back into it on a restore; and one with a ``rebuild(comm)`` as well is rebuilt after the model),
+and the *next step*: ``state.step + 1``. The last two commits are
 kept: after a failure, a survivor may have committed one step more than another (its last
 collective completed, theirs failed), and the survivors agree on the older one
 (``collectives.elastic.loop``). ``restore(next_step)`` loads the commit with that next step back
@@ -110,7 +113,9 @@ class State:
         data = None
         if self.data is not None and hasattr(self.data, "state_dict"):
             data = copy.deepcopy(self.data.state_dict())
-        return Commit(next_step, model, opt, data, copy.deepcopy(self.extra))
+        extra = {k: _Saved(copy.deepcopy(v.state_dict())) if _stateful(v) else copy.deepcopy(v)
+                 for k, v in self.extra.items()}
+        return Commit(next_step, model, opt, data, extra)
 
     def commit(self) -> None:
         """Step ``self.step`` is done: keep a copy of the state (the next step is
@@ -163,7 +168,11 @@ class State:
             self.optimizer.load_state_dict(copy.deepcopy(c.optimizer))
         if c.data is not None:
             self.data.load_state_dict(copy.deepcopy(c.data))
-        self.extra.update(copy.deepcopy(c.extra))
+        for k, v in c.extra.items():
+            if isinstance(v, _Saved) and _stateful(self.extra.get(k)):
+                self.extra[k].load_state_dict(copy.deepcopy(v.state))
+            else:
+                self.extra[k] = copy.deepcopy(v)
         self.step = c.next_step
 
     def rebuild(self, comm) -> None:
@@ -178,8 +187,26 @@ class State:
         rebuild = getattr(self.model, "rebuild", None)
         if rebuild is not None:
             rebuild(comm)
+        for value in self.extra.values():
+            if _stateful(value) and callable(getattr(value, "rebuild", None)):
+                value.rebuild(comm)        # an averager: after the DDP it drives
         for fn in self.rebuilders:
             fn(comm)
+
+
+class _Saved:
+    """An extra's ``state_dict()`` in a commit: loaded back into the object, which stays."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state):
+        self.state = state
+
+
+def _stateful(value) -> bool:
+    """An object that saves and loads its own state (an averager, a scheduler)."""
+    return callable(getattr(value, "state_dict", None)) and \
+        callable(getattr(value, "load_state_dict", None))
 
 
 def torch_backend():

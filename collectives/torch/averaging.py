@@ -131,6 +131,21 @@ def _floating(t) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def _level_colors(comms) -> list[int]:
+    """For each inner level, the outermost communicator's rank of that level's rank 0 on
+    this rank: the same on every member of one group, and a label the survivors of the group
+    share after a failure (``_Averager.rebuild``)."""
+    from mpi4py import MPI
+    outer = comms[-1].Get_group()
+    colors = []
+    for c in comms[:-1]:
+        group = c.Get_group()
+        colors.append(MPI.Group.Translate_ranks(group, [0], outer)[0])
+        group.Free()
+    outer.Free()
+    return colors
+
+
 class _Group(FlatBuffer):
     """The averaged tensors of one dtype and device (parameters first) in one flat buffer."""
 
@@ -206,6 +221,7 @@ class _Averager:
                               [(n, t) for n, t in buffers if (t.dtype, t.device) == key])
                        for key in keys]
         self.sizes = [c.Get_size() for c in self.comms]
+        self._colors = _level_colors(self.comms)
         self.step_count = 0
         self.rounds = 0                          # averaging rounds done (warm-up ones included)
         self.payload = [0] * len(levels)         # bytes handed to allreduces, per level
@@ -231,6 +247,19 @@ class _Averager:
                         f"({self.comm.Get_size()} ranks); its warm-up synchronises the ranks "
                         f"that average")
         return error
+
+    def rebuild(self, comm) -> None:
+        """Go on over ``comm``, the survivors of a failure (``collectives.elastic``; collective
+        over it): the outermost level becomes ``comm``, and each inner level is made again
+        from it with the survivors of its old group (``comm.Split``: the nesting holds). A
+        DDP model is rebuilt by its owner first (the elastic ``State`` does so), so that its
+        communicator is ``comm`` again. The step count, the warm-up and the flat buffers go
+        on; commit the averager's ``state_dict`` to go back with the model."""
+        inner = [comm.Split(color, comm.Get_rank()) for color in self._colors]
+        self.comms = inner + [comm]
+        self.comm = comm
+        self.sizes = [c.Get_size() for c in self.comms]
+        self._colors = _level_colors(self.comms)
 
     # -- the training loop ------------------------------------------------------------------
     def step(self) -> None:
