@@ -192,17 +192,13 @@ def test_failure_injector_parse():
 
 
 def test_run_refuses_what_it_cannot_do():
-    from collectives.torch import ShardedDataParallel
-    from mpi4py import MPI
     state = elastic.State(model=_model())
     with pytest.raises(ValueError, match="exclude each other"):
         elastic.run(state, select=lambda c: c, replace=True)
     with pytest.raises(ValueError, match="replace must be True or"):
         elastic.run(state, replace="python train.py")
-    sdp = ShardedDataParallel(_model(), stage=2, comm=MPI.COMM_SELF, algorithm="ring",
-                              registered_buffers=False)
-    with pytest.raises(ValueError, match="replicated state"):
-        elastic.run(elastic.State(model=sdp), replace=True)
+    with pytest.raises(ValueError, match="min_ranks must be a positive integer"):
+        elastic.run(state, min_ranks=0)
 
 
 def test_rebind_keeps_the_shards_or_refuses():
@@ -482,10 +478,13 @@ def _uninterrupted(steps, *more):
 
 
 @pytest.mark.timeout(3 * LIMIT)
-@pytest.mark.parametrize("ddp", [[], ["--torch-ddp"]], ids=["ddp", "torch_ddp"])
+@pytest.mark.parametrize("ddp", [[], ["--torch-ddp"], ["--zero", "2"]],
+                         ids=["ddp", "torch_ddp", "zero2"])
 def test_a_replacement_receives_the_state_from_a_peer(tmp_path, ddp):
-    """Also under torch's DDP over the toolkit's backend: the replacement's default group (its
-    own launch's) and the survivors' are made again on the merged communicator."""
+    """Also under torch's DDP over the toolkit's backend (the replacement's default group, its
+    own launch's, and the survivors' are made again on the merged communicator) and under
+    ZeRO-2 (the survivors' parts, the lost one's from its copy, cut again for the full size:
+    the replacement's shard comes from its peers)."""
     steps = 12
     rc, out, err = _finish(_ompi_job(4, EXAMPLE, "--steps", steps, "--kill", "2:5",
                                      "--replace", *ddp))

@@ -33,7 +33,9 @@ Two more rules may decide who goes on after step 3:
   the state from a live peer, rebuilds the model with the others and enters ``train`` at the
   restored step. A replacement runs the same command line (``replace=True``: this interpreter
   and ``sys.argv``; or the argument list given) and so the same ``elastic.run``, which joins
-  instead of starting. Replicated state only (DDP): a ZeRO model's shards are not handed over.
+  instead of starting. A ZeRO model's state is pooled and cut again for the merged
+  communicator, as after a shrink (``collectives.elastic.zero``): a replacement's shard comes
+  from its peers.
 
 A failure during steps 2-4 (another rank dies) starts them again from the shrunk communicator (a
 replacement that was being handed the state then sees its merged communicator revoked: its
@@ -115,9 +117,6 @@ def run(state, comm=None, min_ranks: int = 1, revoke=None, select=None, replace=
                                              and all(isinstance(a, str) for a in replace))):
         raise ValueError(f"replace must be True or a non-empty list of strings (the command "
                          f"line), got {replace!r}")
-    if replace and hasattr(state.model, "load_shards"):
-        raise ValueError("replace needs a replicated state (DistributedDataParallel): a "
-                         "sharded model's shards are not handed to replacements")
 
     def decorate(fn):
         @functools.wraps(fn)
