@@ -30,6 +30,15 @@ with an error, which Open MPI makes fatal to the job ("Send error after request 
 ``MPI_Test`` frees its own request only, and only once complete. A run that fails with
 requests in flight is kept, buffers and all (``_ABANDONED``): MPI may still complete them.
 
+A run that blocks advances the others in flight too. Non-blocking runs started through
+``launch_schedule`` are tracked (weakly, oldest first); a blocking ``wait`` takes every other
+tracked run that no thread is advancing now (its lock, never waited for) and waits in one
+``Waitany`` over all their requests, finishing each completion in its own run. So a later
+collective's schedule moves on while an earlier one is waited, as MPI's own progress moves
+every request: DDP's buckets run their stages side by side (bucket k+1 reduced inside the node
+while bucket k is on the network) instead of each bucket's stages waiting for the bucket before
+it. An error of another run stays with that run, for its own wait to raise.
+
 ``COLLECTIVES_SEGMENT_BYTES`` (``collectives.config``) is the largest message an algorithm
 emits; tests set it small so that short arrays walk the multi-segment paths.
 
@@ -286,6 +295,44 @@ _U8 = np.dtype(np.uint8)
 # Runs that failed with requests in flight (a process failure under ULFM): never freed, as
 # their requests may still complete into (or from) their buffers.
 _ABANDONED: list = []
+# Non-blocking runs of ``launch_schedule`` in flight, oldest first, as weak references: a run
+# nobody can wait for any more is not kept (nor its buffers).
+_IN_FLIGHT: list = []
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _track(run: Run) -> Run:
+    if not run.done:
+        with _IN_FLIGHT_LOCK:
+            if len(_IN_FLIGHT) >= 32:  # runs completed by test() alone are forgotten here
+                _IN_FLIGHT[:] = [ref for ref in _IN_FLIGHT
+                                 if (r := ref()) is not None and not r.done]
+            _IN_FLIGHT.append(weakref.ref(run))
+    return run
+
+
+def _others(run: Run) -> list:
+    """The tracked runs in flight besides ``run`` on the same kind of transport, oldest
+    first, each locked for this thread (the caller releases them); finished ones are
+    forgotten."""
+    if not _IN_FLIGHT or getattr(run.transport, "singly", False):
+        return []  # under ULFM a request's error must reach its own run: one run at a time
+    kind = type(run.transport)
+    taken = []
+    with _IN_FLIGHT_LOCK:
+        live = []
+        for ref in _IN_FLIGHT:
+            r = ref()
+            if r is None or r.done:
+                continue
+            live.append(ref)
+            if r is not run and type(r.transport) is kind and r.lock.acquire(False):
+                if r.done:  # finished by another thread since the test above
+                    r.lock.release()
+                else:
+                    taken.append(r)
+        _IN_FLIGHT[:] = live
+    return taken
 
 
 class Run:
@@ -297,7 +344,7 @@ class Run:
 
     __slots__ = ("plan", "typed", "raw", "op", "transport", "tag", "pending", "ready",
                  "posted", "next", "handles", "hops", "left", "done", "itemsize", "info",
-                 "error", "on_done")
+                 "error", "on_done", "lock", "__weakref__")
 
     def __init__(self, plan, in_flat, out_flat, tmp_flat, op, transport, tag, *,
                  info="", on_done=None):
@@ -321,6 +368,7 @@ class Run:
         self.left = len(plan.ops)
         self.done = False
         self.error = None
+        self.lock = threading.Lock()  # held by the thread advancing this run
 
     def describe(self) -> str:
         """What this run is, for errors: ``info``, or what it returns when it is a callable
@@ -394,11 +442,16 @@ class Run:
     def start(self) -> Run:
         """Post what can be posted and run what is ready, without blocking (a blocking caller
         may go straight to ``wait``)."""
-        self._advance(block=False)
+        with self.lock:
+            self._advance(block=False)
         return self
 
-    def _advance(self, block: bool) -> bool:
+    def _advance(self, block: bool, first=None) -> bool:
+        """Run the schedule as far as it goes (``block``: to its end); ``first``: a completed
+        request ``(index, status)`` of this run to finish before anything else."""
         try:
+            if first is not None:
+                self._finished(*first)
             while True:
                 self._drain()
                 if self.left == 0:
@@ -406,6 +459,10 @@ class Run:
                     return True
                 self._check_stuck()
                 if block:
+                    others = _others(self)
+                    if others:
+                        self._wait_with(others)
+                        continue
                     k, status = self.transport.waitany(self.handles)
                     self._finished(k, status)
                 else:
@@ -424,6 +481,32 @@ class Run:
                 raise
             raise self.error from exc
 
+    def _wait_with(self, others: list) -> None:
+        """Block until a request of this run or of ``others`` (locked by this thread, released
+        here) completes, and finish it in its own run; the others advance first."""
+        try:
+            handles, owners = list(self.handles), [(self, k) for k in range(len(self.handles))]
+            for r in others:
+                try:
+                    r._advance(False)
+                except Exception:  # noqa: BLE001 - the run keeps its error for its own wait
+                    continue
+                if not r.done:
+                    handles += r.handles
+                    owners += [(r, k) for k in range(len(r.handles))]
+            k, status = self.transport.waitany(handles)
+            run, index = owners[k]
+            if run is self:
+                self._finished(index, status)
+            else:
+                try:
+                    run._advance(False, (index, status))
+                except Exception:  # noqa: BLE001 - as above
+                    pass
+        finally:
+            for r in others:
+                r.lock.release()
+
     def _finish_run(self) -> None:
         if not self.done:
             self.done = True
@@ -435,16 +518,30 @@ class Run:
         if self.error is not None:
             raise self.error
         if not self.done:
-            self._advance(block=True)
+            with self.lock:
+                if not self.done:
+                    self._advance(block=True)
+                elif self.error is not None:  # failed while another thread advanced it
+                    raise self.error
         return self
 
     def test(self) -> bool:
-        """Advance without blocking; True when complete."""
+        """Advance without blocking; True when complete. False at once while another thread
+        advances this run."""
         if self.error is not None:
             raise self.error
         if self.done:
             return True
-        return self._advance(block=False)
+        if not self.lock.acquire(False):
+            return False
+        try:
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return True
+            return self._advance(block=False)
+        finally:
+            self.lock.release()
 
     def waiting_for(self) -> str:
         """What this run waits on now (for the watchdog)."""
@@ -509,4 +606,4 @@ def launch_schedule(call, schedule) -> Run:
 
     run = Run(plan, in_flat, out_flat, tmp, call.op, transport, ctx.tag(call.seq),
               info=call.describe, on_done=release)
-    return run if call.blocking else run.start()
+    return run if call.blocking else _track(run.start())
