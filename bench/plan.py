@@ -15,7 +15,10 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
    and the tensor-parallel collectives alone; then what else the time model asks of the
    network for the plans, on the plan's own axes, every rank at once: the data-parallel and
    tied-pair collectives, and a pipeline's messages as its runner sends them while the ranks
-   around compute; the head and the optimizer by ``train_gpt.measured_compute``.
+   around compute; the head and the optimizer by ``train_gpt.measured_compute``. The probe
+   runs ``--probe-rounds`` times, one round after the other, and the plans are priced with
+   each figure's median over the rounds (load from other jobs that comes and goes while it
+   runs then falls on every plan alike, not on the blocks that happened to be measured then).
 2. *Measure.* The plans run in batches of ``--batch-plans``, one job a batch (a job builds a
    mesh and its communicators per plan, and MPI holds a few thousand at most), each plan for
    ``--steps`` steps after two steps of the same plan at the same widths with one block a
@@ -68,6 +71,8 @@ def _parser():
     p.add_argument("--microbatches", type=int, default=4, help="a pipeline's micro-batches (4)")
     p.add_argument("--steps", type=int, default=3, help="steps per plan and round (3)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--probe-rounds", type=int, default=3,
+                   help="rounds of the probe the plans are ranked by, per key their median (3)")
     p.add_argument("--batch-plans", type=int, default=10, help="plans per job (10)")
     p.add_argument("--limit", type=int, default=None, help="the first N plans only")
     p.add_argument("--only", default=None, metavar="REGEX",
@@ -113,7 +118,7 @@ def _job(args) -> int:
         # times it finds)
         every = list(planner.candidates(shape, world.Get_size(), args.batch, ranks_per_node,
                                         runnable=True, microbatches=args.microbatches))
-        probe, compute = _probe(ex, world, {}, net, shape, every)
+        probe, compute = _probe(ex, world, {}, net, shape, every, args.probe_rounds)
         plans = planner.search(shape, world.Get_size(), args.batch, None, ranks_per_node,
                                probe, compute, top=None, runnable=True,
                                microbatches=args.microbatches)
@@ -271,12 +276,23 @@ class _InSitu:
         return self._rest.optimizer(params)
 
 
-def _probe(ex, world, groups: dict, net, shape, plans) -> tuple:
+def _probe(ex, world, groups: dict, net, shape, plans, rounds: int = 1) -> tuple:
     """(network, compute) measured now for ``plans``, on every rank at once, each in one sorted
     order: the tensor-parallel collectives of each (micro-batch, tp, sp) they use, each block
     (``_InSitu``), then what else the time model asks of the network for them (``_Asked``):
     the data-parallel and tied-pair collectives on their own axes, and the pipeline's
-    messages between neighbouring stages (``_messages``)."""
+    messages between neighbouring stages (``_messages``). ``rounds`` > 1: all of it that many
+    times, one round after the other, and per key the median over the rounds, so that load
+    from other jobs that comes and goes during the probe falls on every plan alike."""
+    if rounds > 1:
+        found = [_probe(ex, world, groups, net, shape, plans) for _ in range(rounds)]
+        nets = [f[0] for f in found]
+        probe = _Probed(net, {k: statistics.median(n.table[k] for n in nets)
+                              for k in nets[0].table},
+                        {k: statistics.median(n.messages[k] for n in nets)
+                         for k in nets[0].messages})
+        probe.tp_keys = nets[0].tp_keys
+        return probe, _Median([f[1] for f in found])
     table: dict = {}
     for b, t, sp in sorted({(q.micro_batch, q.tp, q.sequence_parallel) for q in plans}):
         table.update(_collectives(world, groups, _tp_kinds(shape, t, sp, b)))
@@ -300,6 +316,29 @@ def _probe(ex, world, groups: dict, net, shape, plans) -> tuple:
         busy = compute.layer(shape, q.micro_batch, q.tp, q.sequence_parallel, "none")[0]
         probe.messages[key] = _messages(world, groups, *key, busy)
     return probe, compute
+
+
+class _Median:
+    """Several probes' compute as one: per question, the median of their answers."""
+
+    def __init__(self, computes: list):
+        self._computes = computes
+
+    def layer(self, model, b: int, tp: int, sp: bool, recompute: str):
+        """(forward, backward) seconds of one block, the median over the probes."""
+        return _medians([c.layer(model, b, tp, sp, recompute) for c in self._computes])
+
+    def head(self, model, b: int, tp: int, sp: bool):
+        """(forward, backward) seconds of the norm, head and loss, the median over the probes."""
+        return _medians([c.head(model, b, tp, sp) for c in self._computes])
+
+    def optimizer(self, params: int) -> float:
+        """Seconds of one optimizer step, the median over the probes."""
+        return statistics.median(c.optimizer(params) for c in self._computes)
+
+
+def _medians(pairs: list) -> tuple:
+    return tuple(statistics.median(x) for x in zip(*pairs))
 
 
 def _axis(world, groups: dict, n: int, stride: int):
@@ -398,7 +437,8 @@ def _messages(world, groups: dict, nbytes: int, stride: int, size: int, busy: fl
 def _launch(args, job: str, plans: str | None = None) -> None:
     from bench.launch import mpiexec
     cmd = [mpiexec(args.mpiexec), "-n", str(args.ranks), sys.executable, "-m", "bench", "plan",
-           "--job", job] + _flags(args) + ["--microbatches", str(args.microbatches)]
+           "--job", job] + _flags(args) + ["--microbatches", str(args.microbatches),
+                                           "--probe-rounds", str(args.probe_rounds)]
     if plans:
         cmd += ["--plans", plans]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -486,8 +526,8 @@ def main(argv=None) -> int:
           f"{sum(r['memory_ratio'] < 0.95 for r in rows)}")
     print(f"step time, predicted with the compute probed in the same round: |error| median "
           f"{statistics.median(step_err):.0%}, worst {max(step_err):.0%} (median ratio "
-          f"{statistics.median(r['step_ratio'] for r in rows):.2f}); with the compute measured "
-          f"once, when planning: median {statistics.median(planned_err):.0%}, worst "
+          f"{statistics.median(r['step_ratio'] for r in rows):.2f}); as planned (the probe "
+          f"before the rounds): median {statistics.median(planned_err):.0%}, worst "
           f"{max(planned_err):.0%}; in the same rounds with the data-parallel and tied-pair "
           f"collectives and the pipeline's messages at the cost model's prices: median "
           f"{statistics.median(idle_err):.0%}, worst {max(idle_err):.0%} (median ratio "

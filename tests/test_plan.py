@@ -496,3 +496,26 @@ def test_bench_probe_measures_on_the_plans_own_axes():
         for comm in groups.values():
             comm.Free()
         mesh.free()
+
+
+def test_bench_probe_rounds_give_each_figure_its_median():
+    """bench plan's probe in rounds: per question, the median of the rounds' answers."""
+    from bench.plan import _Median
+
+    class Fixed:
+        def __init__(self, k):
+            self.k = k
+
+        def layer(self, model, b, tp, sp, recompute):
+            return self.k, 10 * self.k
+
+        def head(self, model, b, tp, sp):
+            return 2 * self.k, 3 * self.k
+
+        def optimizer(self, params):
+            return params * self.k
+
+    both = _Median([Fixed(1.0), Fixed(5.0), Fixed(2.0)])
+    assert both.layer(None, 1, 1, False, "none") == (2.0, 20.0)
+    assert both.head(None, 1, 1, False) == (4.0, 6.0)
+    assert both.optimizer(3) == 6.0
