@@ -5,7 +5,8 @@
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 1:5,3:9,2:14
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --replace
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --tp 2
-    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --torch-ddp
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 \\
+        --torch-ddp
     mpiexec -n 4 python examples/train_elastic.py            # MPICH: no failure survived in-job
     python -m collectives.elastic run --np 4 --min-np 2 -- python examples/train_elastic.py \\
         --checkpoint-dir /tmp/ckpt --checkpoint-every 5 --kill 2:12
@@ -17,11 +18,12 @@ lost (``elastic.run(replace=True)``: spawn and merge; it receives the committed 
 0 and the job is back to its size). ``--tp 2`` trains examples/train_gpt.py's GPT (a small one:
 ``--width``, 4 heads, 2 layers) on a mesh of (ranks / 2) x 2 (dp x tp):
 ``tensor_parallel.parallelize`` over "tp", DDP over "dp", on an ``elastic.ElasticMesh``, which
-drops the dead rank's tp group (its partner leaves; the complete groups go on). ``--torch-ddp``
+drops the dead rank's tp group (its partner leaves; the complete groups go on). Steps draw
+``--global-batch`` windows of train_gpt.py's corpus, split over the dp groups. ``--torch-ddp``
 trains with torch's own ``DistributedDataParallel`` over the toolkit's backend of
-``torch.distributed`` (``collectives.torch.backend``): elastic training rebuilds torch's default
-group on the survivors, and the example wraps the model again on it (``state.on_rebuild``). Steps draw
-``--global-batch`` windows of train_gpt.py's corpus, split over the dp groups. Otherwise a small
+``torch.distributed`` (``collectives.torch.backend``): elastic training rebuilds torch's
+default group on the survivors, and the example wraps the model again on it
+(``state.on_rebuild``). Otherwise a small
 MLP learns a fixed random teacher network on synthetic data made here (nothing is downloaded).
 Every step trains on the same global batch whatever the rank count (``elastic.GlobalBatches``):
 the survivors of a failure share it. Rank 0 prints ``step S ranks R loss L`` per step and, at

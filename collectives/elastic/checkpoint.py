@@ -17,10 +17,12 @@ whole state back together: written at 4 ranks, it loads at 3.
 
 Asynchronous: a commit is already a copy (``State.commit``), so the training loop only hands
 it to a writer thread (``checkpoint_ms`` in the example measures that hand-off and the split);
-the thread saves the shard (``torch.save`` to a temporary name, then a rename, then the
-marker). A job that starts from the newest complete checkpoint first removes the incomplete
-ones after it (``load_newest``). At most one checkpoint is in flight: a commit due while the previous one is still
-being written waits for it. Old complete checkpoints beyond ``keep`` are removed by rank 0.
+the thread saves the shard (``save``: a pickled header of the structure, then the tensors'
+bytes as they are in memory, written in chunks that release the interpreter's lock; to a
+temporary name, then a rename, then the marker). A job that starts from the newest complete
+checkpoint first removes the incomplete ones after it (``load_newest``). At most one
+checkpoint is in flight: a commit due while the previous one is still being written waits for
+it. Old complete checkpoints beyond ``keep`` are removed by rank 0.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import shutil
 import threading
 import time
 
-__all__ = ["Checkpointer", "newest", "read"]
+__all__ = ["Checkpointer", "newest", "read", "save", "load"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 _SHARD = re.compile(r"^shard-(\d+)-of-(\d+)\.pt$")
@@ -99,13 +101,106 @@ def split(commit, rank: int, n: int) -> dict:
     return part
 
 
+class _Ref:
+    """Where a tensor was in a shard's structure: its index among the shard's tensors."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _strip(value, tensors: list):
+    """``value`` with each tensor (in dicts, lists, tuples, saved extras) put in ``tensors``
+    and replaced by a ``_Ref``."""
+    from .state import _Saved
+    if hasattr(value, "untyped_storage"):
+        tensors.append(value.detach().contiguous())
+        return _Ref(len(tensors) - 1)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_strip(v, tensors) for v in value)
+    if isinstance(value, _Saved):
+        return _Saved(_strip(value.state, tensors))
+    return value
+
+
+def _dress(value, tensors: list):
+    """``_strip`` undone."""
+    from .state import _Saved
+    if isinstance(value, _Ref):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _dress(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_dress(v, tensors) for v in value)
+    if isinstance(value, _Saved):
+        return _Saved(_dress(value.state, tensors))
+    return value
+
+
+def save(part, path: str) -> None:
+    """Write a shard: a small pickled header (the structure, each tensor's dtype and shape),
+    then every tensor's bytes as they are in memory, in chunks. Each chunk is a ``write`` that
+    releases the interpreter's lock while the kernel copies it, so a training loop beside the
+    writer thread is not held up (``torch.save`` keeps the lock while it serializes and
+    checksums)."""
+    import pickle
+    import struct
+    tensors: list = []
+    header = pickle.dumps((_strip(part, tensors),
+                           [(str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                            for t in tensors]), protocol=pickle.HIGHEST_PROTOCOL)
+    with open(path, "wb") as f:
+        f.write(_MAGIC + struct.pack("<Q", len(header)))
+        f.write(header)
+        for t in tensors:
+            data = memoryview(t.reshape(-1).view(_torch().uint8).numpy())
+            for at in range(0, len(data), _CHUNK):
+                f.write(data[at:at + _CHUNK])
+
+
+def load(path: str):
+    """A shard that ``save`` wrote."""
+    import pickle
+    import struct
+    torch = _torch()
+    with open(path, "rb") as f:
+        head = f.read(len(_MAGIC) + 8)
+        if head[:len(_MAGIC)] != _MAGIC:
+            raise ValueError(f"{path} is not a checkpoint shard of collectives.elastic")
+        structure, metas = pickle.loads(f.read(struct.unpack("<Q", head[len(_MAGIC):])[0]))
+        tensors = []
+        for dtype, shape in metas:
+            dtype = getattr(torch, dtype)
+            size = dtype.itemsize
+            for d in shape:
+                size *= d
+            buf = bytearray(size)
+            if f.readinto(buf) != size:
+                raise ValueError(f"{path} ends inside a tensor")
+            raw = torch.frombuffer(buf, dtype=torch.uint8) if size else \
+                torch.empty(0, dtype=torch.uint8)
+            tensors.append(raw.view(dtype).reshape(shape))
+    return _dress(structure, tensors)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+_MAGIC = b"collectives.elastic shard 1\n"
+_CHUNK = 1 << 22
+
+
 def read(path: str):
     """The whole ``Commit`` of the complete checkpoint at ``path`` (any number of shards)."""
-    import torch
     from .state import Commit
     names = os.listdir(path)
     shards = sorted((int(m.group(1)), m.group(0)) for m in map(_SHARD.match, names) if m)
-    parts = [torch.load(os.path.join(path, name), weights_only=False) for _, name in shards]
+    parts = [load(os.path.join(path, name)) for _, name in shards]
     head = parts[0]
     model = {}
     state = {}
@@ -197,12 +292,11 @@ class Checkpointer:
                 self._idle.set()
 
     def _write(self, commit) -> None:
-        import torch
         path = os.path.join(self.directory, f"step-{commit.next_step:08d}")
         os.makedirs(path, exist_ok=True)
         name = f"shard-{self.rank}-of-{self.size}.pt"
         tmp = os.path.join(path, f".{name}.tmp")
-        torch.save(split(commit, self.rank, self.size), tmp)
+        save(split(commit, self.rank, self.size), tmp)
         os.replace(tmp, os.path.join(path, name))
         with open(os.path.join(path, f"done-{self.rank}"), "w"):
             pass
