@@ -65,14 +65,14 @@ def test_a_shard_reads_back_bit_for_bit(tmp_path):
     """``save``/``load``: every dtype (bfloat16 and bool too), 0-d, empty and non-contiguous
     tensors, inside dicts, lists, tuples and a saved extra's state; a file that is not a shard
     or ends early is refused."""
-    from collectives.elastic.state import _Saved
+    from collectives.elastic.state import Saved
     g = torch.Generator().manual_seed(0)
     part = {"model": {"w": torch.randn(5, 3, generator=g), "b16": torch.randn(7).bfloat16(),
                       "t": torch.randn(4, 6, generator=g).t(), "n": torch.tensor(3),
                       "e": torch.empty(0, 2), "mask": torch.tensor([True, False])},
             "opt": [{"step": 4, "m": torch.arange(6, dtype=torch.int64)}],
             "pair": (1.5, torch.ones(2, dtype=torch.float16)),
-            "extra": _Saved({"k": torch.zeros(3)})}
+            "extra": Saved({"k": torch.zeros(3)})}
     checkpoint.save(part, tmp_path / "s")
     got = checkpoint.load(tmp_path / "s")
 
@@ -80,8 +80,8 @@ def test_a_shard_reads_back_bit_for_bit(tmp_path):
         if torch.is_tensor(a):
             return (torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
                     and torch.equal(a, b))
-        if isinstance(a, _Saved):
-            return isinstance(b, _Saved) and same(a.state, b.state)
+        if isinstance(a, Saved):
+            return isinstance(b, Saved) and same(a.state, b.state)
         if isinstance(a, dict):
             return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
         if isinstance(a, (list, tuple)):

@@ -113,7 +113,7 @@ class _Ref:
 def _strip(value, tensors: list):
     """``value`` with each tensor (in dicts, lists, tuples, saved extras) put in ``tensors``
     and replaced by a ``_Ref``."""
-    from .state import _Saved
+    from .state import Saved
     if hasattr(value, "untyped_storage"):
         tensors.append(value.detach().contiguous())
         return _Ref(len(tensors) - 1)
@@ -121,22 +121,22 @@ def _strip(value, tensors: list):
         return {k: _strip(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_strip(v, tensors) for v in value)
-    if isinstance(value, _Saved):
-        return _Saved(_strip(value.state, tensors))
+    if isinstance(value, Saved):
+        return Saved(_strip(value.state, tensors))
     return value
 
 
 def _dress(value, tensors: list):
     """``_strip`` undone."""
-    from .state import _Saved
+    from .state import Saved
     if isinstance(value, _Ref):
         return tensors[value.index]
     if isinstance(value, dict):
         return {k: _dress(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_dress(v, tensors) for v in value)
-    if isinstance(value, _Saved):
-        return _Saved(_dress(value.state, tensors))
+    if isinstance(value, Saved):
+        return Saved(_dress(value.state, tensors))
     return value
 
 

@@ -31,7 +31,7 @@ import copy
 import time
 from collections import deque
 
-__all__ = ["State", "Commit", "torch_backend"]
+__all__ = ["State", "Commit", "Saved", "torch_backend"]
 
 
 class Commit:
@@ -113,7 +113,7 @@ class State:
         data = None
         if self.data is not None and hasattr(self.data, "state_dict"):
             data = copy.deepcopy(self.data.state_dict())
-        extra = {k: _Saved(copy.deepcopy(v.state_dict())) if _stateful(v) else copy.deepcopy(v)
+        extra = {k: Saved(copy.deepcopy(v.state_dict())) if _stateful(v) else copy.deepcopy(v)
                  for k, v in self.extra.items()}
         return Commit(next_step, model, opt, data, extra)
 
@@ -169,7 +169,7 @@ class State:
         if c.data is not None:
             self.data.load_state_dict(copy.deepcopy(c.data))
         for k, v in c.extra.items():
-            if isinstance(v, _Saved) and _stateful(self.extra.get(k)):
+            if isinstance(v, Saved) and _stateful(self.extra.get(k)):
                 self.extra[k].load_state_dict(copy.deepcopy(v.state))
             else:
                 self.extra[k] = copy.deepcopy(v)
@@ -194,7 +194,7 @@ class State:
             fn(comm)
 
 
-class _Saved:
+class Saved:
     """An extra's ``state_dict()`` in a commit: loaded back into the object, which stays."""
 
     __slots__ = ("state",)
