@@ -366,6 +366,28 @@ def test_a_failed_bucket_is_raised_by_torch_ddps_backward(groups, monkeypatch):
         error = str(exc)
     monkeypatch.undo()
     assert_all(error == "the bucket's allreduce failed", f"backward raised {error!r}")
+    # Inside a backward, the call's own wait raises it too (and the backward as it ends).
+    seen = []
+
+    class Waits(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            work = dist.all_reduce(g.clone(), async_op=True)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                seen.append(str(exc))
+            return g
+
+    monkeypatch.setattr(coll, "iallreduce", lambda *a, **k: Failed())
+    with pytest.raises(RuntimeError, match="allreduce failed"):
+        Waits.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    monkeypatch.undo()
+    assert seen == ["the bucket's allreduce failed"]
     # A future of a call outside backward still carries its error.
     x = torch.ones(3)
     monkeypatch.setattr(coll, "iallreduce", lambda *a, **k: Failed())

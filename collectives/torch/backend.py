@@ -84,12 +84,15 @@ class _Work(dist.Work):
     error (a mismatch, a failed peer, the watchdog's timeout), where a Work that torch makes
     from a future (``_create_work_from_future``) returns True and drops it."""
 
-    def __init__(self, fut):
+    def __init__(self, fut, failed=None):
         super().__init__()
         self._fut = fut
+        self._failed = failed   # a call started inside a backward: its error (``_complete``)
 
     def wait(self, timeout=None) -> bool:
         self._fut.wait()  # raises what set_exception gave it
+        if self._failed:
+            raise self._failed[0]
         return True
 
     def is_completed(self) -> bool:
@@ -102,7 +105,7 @@ class _Work(dist.Work):
         if not self._fut.done():
             return None
         try:
-            self._fut.wait()
+            self.wait()
         except Exception as exc:  # noqa: BLE001 - the call's error, reported, not raised
             return exc
         return None
@@ -182,7 +185,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             Variable._execution_engine.queue_callback(
                 functools.partial(_raise_failed, fut, failed))
         self._completer.put((wait, fut, result, failed))
-        return _Work(fut)
+        return _Work(fut, failed)
 
     def _kw(self, collective: str = "allreduce"):
         """The keyword arguments of a call: the group's communicator, and its algorithm where
