@@ -34,9 +34,9 @@ complete group: ``RanksLost``, by name. At (dp=3, tp=2) a failure leaves (dp=2, 
 
 Not covered: sequence parallelism (its gradient hooks hold the old communicator: ``attach``
 refuses such a model), ZeRO over dp, pipeline axes, and replacements (``select`` and
-``replace`` exclude each other). A torch process group of the toolkit's backend is bound to
-``COMM_WORLD`` ranks (``collectives.torch.backend``), so a job that uses one is not rebuilt
-here.
+``replace`` exclude each other). torch's default group on the toolkit's backend is made again
+over the ranks that go on, as without a mesh (``State.rebuild``), and destroyed on those that
+leave.
 """
 from __future__ import annotations
 
