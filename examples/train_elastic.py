@@ -41,8 +41,9 @@ k-th replacement) with SIGKILL as it starts step STEP (``elastic.FailureInjector
 that starts from step 0 (not in one that the supervisor restarted from a checkpoint);
 ``--announce`` makes every rank print ``rank R pid P`` first, for a kill from outside the job.
 ``--save-restored PATH`` writes, at the first recovery, the state the survivors went back to
-(for a reference run; with ``--tp``, each tp rank's shards and optimizer state); ``--resume
-PATH`` starts from such a file.
+(for a reference run; with ``--tp``, every rank's commit by its place in the new mesh: its tp
+shards and their optimizer state, or with ``--zero`` its ZeRO parts); ``--resume PATH`` starts
+from such a file. ``--tp`` takes ``--zero 1`` or ``2``: ZeRO over the dp axis.
 """
 import argparse
 import gc
@@ -126,6 +127,8 @@ def digest(sd) -> str:
 
 def main():
     args = parse()
+    if args.tp and args.zero == 3:
+        raise SystemExit("--tp with --zero: stages 1 and 2 (the digest reads the tp shards)")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     world = MPI.COMM_WORLD
@@ -140,9 +143,13 @@ def main():
         text = gpt.corpus(1 << 17)
         module = gpt.GPT(256, args.width, 4, 2)
         tp.parallelize(module, emesh.mesh.comm("tp"), gpt.plan(module, False))
-        model = DistributedDataParallel(module, comm=emesh.mesh.comm("dp"), algorithm="ring",
-                                        registered_buckets=False)
-        opt = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
+        if args.zero:   # ZeRO over dp: stages 1 and 2 keep the tp shards whole for the digest
+            model = ShardedDataParallel(module, stage=args.zero, comm=emesh.mesh.comm("dp"),
+                                        algorithm="ring", registered_buffers=False)
+        else:
+            model = DistributedDataParallel(module, comm=emesh.mesh.comm("dp"),
+                                            algorithm="ring", registered_buckets=False)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
         def tokens(step):
             """This dp group's rows of step ``step``'s windows (inputs, targets)."""
@@ -171,8 +178,8 @@ def main():
     batches = elastic.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
     # With a mesh the State keeps the tensor-parallel module (this rank's shards); the mesh
     # rebuilds the layers' group and DDP over dp after a failure.
-    state = elastic.State(model=module if emesh or args.torch_ddp else model, optimizer=opt,
-                          step=0)
+    inner = (emesh and not args.zero) or args.torch_ddp   # the State keeps the module
+    state = elastic.State(model=module if inner else model, optimizer=opt, step=0)
     if emesh:
         emesh.attach(state, module, model)
     if args.torch_ddp:
@@ -193,8 +200,8 @@ def main():
         ckpt.load_newest(state)
     if args.resume:
         saved = torch.load(args.resume, weights_only=False)
-        if args.tp:
-            mine = saved["tp_shards"][emesh.mesh.coord("tp")]
+        if args.tp:     # the commit of the rank at this rank's place in the mesh
+            mine = saved["mesh"][(emesh.mesh.coord("dp"), emesh.mesh.coord("tp"))]
             state.load(elastic.Commit(saved["next_step"], mine[0], mine[1], None, {}))
         elif args.zero:
             model.load_full_state_dict(saved["model"])
@@ -246,9 +253,11 @@ def main():
         if restored or (not args.tp and os.path.exists(args.save_restored)):
             return
         restored.append(c.next_step)
-        if args.tp:     # each tp rank's own shards (collective over the tp group)
-            shards = emesh.mesh.comm("tp").gather((c.model, c.optimizer), root=0)
-            saved = {"next_step": c.next_step, "tp_shards": shards}
+        if args.tp:     # every rank's commit by its place in the new mesh (collective)
+            where = (emesh.mesh.coord("dp"), emesh.mesh.coord("tp"))
+            commits = state.comm.gather((where, c.model, c.optimizer), root=0)
+            saved = {"next_step": c.next_step,
+                     "mesh": {w: (m, o) for w, m, o in commits or ()}}
         elif args.zero:   # whole tensors, gathered from the new shards (collective)
             saved = {"next_step": c.next_step, "model": model.full_state_dict(),
                      "optimizer": model.full_optim_state_dict(opt)}

@@ -437,13 +437,13 @@ def test_torch_ddp_on_the_backend_goes_on_over_the_rebuilt_group(tmp_path):
 
 
 # -- a dp x tp mesh, and replacements ---------------------------------------------------------
-def _mesh_drops_a_group(tmp_path, n, dp):
+def _mesh_drops_a_group(tmp_path, n, dp, *more):
     """Rank 2 of an (n / 2) x 2 mesh (dp x tp) killed at step 5: its tp group [2, 3] is
     dropped, the other groups go on as a ``dp`` x 2 mesh, equal bitwise to such a job started
     from their commit."""
     steps, restored = 10, tmp_path / "restored.pt"
     rc, out, err = _finish(_ompi_job(n, EXAMPLE, "--tp", 2, "--steps", steps, "--kill", "2:5",
-                                     "--save-restored", restored))
+                                     "--save-restored", restored, *more))
     assert rc == 0, err[-3000:]
     s = _summary(out)
     assert s["mesh"] == [dp, 2] and s["ranks_end"] == 2 * dp and s["digests_equal"], s
@@ -453,7 +453,7 @@ def _mesh_drops_a_group(tmp_path, n, dp):
     assert set(range(steps)) <= {st for st, _ in _steps(out)}
     assert [size for st, size in _steps(out) if st in (4, 9)] == [n, 2 * dp]
     rc, out, err = _finish(_ompi_job(2 * dp, EXAMPLE, "--tp", 2, "--steps", steps, "--quiet",
-                                     "--resume", restored))
+                                     "--resume", restored, *more))
     assert rc == 0, err[-3000:]
     ref = _summary(out)
     assert ref["started_at"] == r["restored"] and ref["mesh"] == [dp, 2]
@@ -461,8 +461,11 @@ def _mesh_drops_a_group(tmp_path, n, dp):
 
 
 @pytest.mark.timeout(3 * LIMIT)
-def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path):
-    _mesh_drops_a_group(tmp_path, 4, 1)
+@pytest.mark.parametrize("dp", [[], ["--zero", "2"]], ids=["ddp", "zero2"])
+def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path, dp):
+    """With ZeRO-2 over dp as well: the survivor's dp axis pools its part and the dropped
+    rank's (its copy) and cuts them for one rank."""
+    _mesh_drops_a_group(tmp_path, 4, 1, *dp)
 
 
 @pytest.mark.timeout(3 * LIMIT)

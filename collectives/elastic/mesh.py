@@ -32,8 +32,11 @@ every other complete tp group holds the whole model. So after a failure:
 rank 3 leaves and ranks 0 and 1 go on as (dp=1, tp=2). A further failure then leaves no
 complete group: ``RanksLost``, by name. At (dp=3, tp=2) a failure leaves (dp=2, tp=2).
 
+ZeRO over dp (stages 1 and 2) is rebuilt too: the dropped group takes one dp rank from every tp
+coordinate, whose part its dp successor holds (``attach``).
+
 Not covered: sequence parallelism (its gradient hooks hold the old communicator: ``attach``
-refuses such a model), ZeRO over dp, pipeline axes, and replacements (``select`` and
+refuses such a model), pipeline axes, and replacements (``select`` and
 ``replace`` exclude each other). torch's default group on the toolkit's backend is made again
 over the ranks that go on, as without a mesh (``State.rebuild``), and destroyed on those that
 leave.
@@ -82,19 +85,35 @@ class ElasticMesh:
     def attach(self, state, module, model=None) -> None:
         """Rebuild on the communicator that goes on after a failure: this mesh, ``module``'s
         tensor-parallel layers (``rebind``) and ``model`` (a data-parallel wrapper over the dp
-        axis: its ``rebuild``)."""
+        axis: its ``rebuild``). DDP: the State's model is ``module`` (each rank commits its
+        own shards, the committed state of its copy). ZeRO (``ShardedDataParallel`` over dp,
+        stage 1 or 2): the State's model is ``model``; its parts are kept around the dp ring
+        (``collectives.elastic.zero``), and after a failure each tp coordinate's dp ranks pool
+        theirs, the dropped group's from their copies, and cut them for the new dp size."""
         if any(getattr(m, "sequence_parallel", False) for m in module.modules()):
             raise ValueError("ElasticMesh.attach: a sequence-parallel model's gradient hooks "
                              "hold the old tensor-parallel communicator; not rebuilt")
-        if hasattr(state.model, "rebuild"):
+        sharded = hasattr(state.model, "load_shards")
+        if hasattr(state.model, "rebuild") and not sharded:
             raise ValueError("ElasticMesh.attach: give the State the inner module, not the "
                              "data-parallel wrapper (whose rebuild takes the dp communicator)")
+        if sharded and state.model is not model:
+            raise ValueError("ElasticMesh.attach: a sharded model (ZeRO over dp) is the "
+                             "State's model and the one given here")
 
-        def rebuild(comm):
+        def dp_axis(comm):
             self.rebuild(comm)
             rebind(module, self.mesh.comm(self.tp))
+            return self.mesh.comm(self.dp)
+
+        if sharded:     # the State rebuilds it on the new dp axis, then pools its shards there
+            state.model_comm = dp_axis
+            return
+
+        def rebuild(comm):
+            dp = dp_axis(comm)
             if model is not None:
-                model.rebuild(self.mesh.comm(self.dp))
+                model.rebuild(dp)
         state.on_rebuild(rebuild)
 
     def revoke(self) -> list:

@@ -81,6 +81,9 @@ class State:
         self.comm = None            # the communicator in force (set by the loop)
         self.recoveries: list = []  # one ``Recovery`` per failure survived (the loop's)
         self.committed_at = 0.0     # time.monotonic() of the newest commit
+        # fn(comm) -> the communicator the model is rebuilt on, from the one that goes on (a
+        # mesh's dp axis: collectives.elastic.mesh); None: that one
+        self.model_comm = None
 
     def __getattr__(self, name):
         extra = self.__dict__.get("extra")
@@ -186,7 +189,7 @@ class State:
             backend.rebuild(old, comm)
         rebuild = getattr(self.model, "rebuild", None)
         if rebuild is not None:
-            rebuild(comm)
+            rebuild(comm if self.model_comm is None else self.model_comm(comm))
         for value in self.extra.values():
             if _stateful(value) and callable(getattr(value, "rebuild", None)):
                 value.rebuild(comm)        # an averager: after the DDP it drives
@@ -233,7 +236,7 @@ def _model_state(state, into=None):
 def _load_model(state, saved) -> None:
     if _sharded(state.model):
         from . import zero
-        zero.restore(state.model, state.optimizer, saved, state.comm)
+        zero.restore(state.model, state.optimizer, saved, state.model.comm)
     else:
         state.model.load_state_dict(saved)
 
