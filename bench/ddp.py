@@ -27,6 +27,14 @@ spread over many tensors, on random token windows of ``--seq`` tokens):
 - ``torch_ours`` (not run by default): torch's own DDP over the ``collectives`` backend
   (``collectives.torch.backend``): torch's C++ Reducer, our allreduce.
 
+``--link`` (on the one-machine cluster of ``python -m bench cluster``, whose hosts share one
+clock): where ``ours``'s steps go. The first rank of each host samples its link's byte
+counters (``bench.cluster.link_bytes``) every 2 ms while ``ours`` is timed, and the table
+gives, in ms from the step's start (medians over the timed steps): the end of the forward
+(the slowest rank), the first bucket's launch (the first rank), the first and last 10 ms in
+which a host's link carried at least half its busiest 10 ms in either direction, the idle
+10 ms slices between them, the end of the last bucket's reduction and the step's end.
+
 Variants run interleaved in rounds within the same job, so load on the machine hits all of
 them alike; a step's time is the slowest rank's, and the table shows medians, each variant's
 ratio to gloo and to ``single``, and for ``ours`` the fraction of the communication span that
@@ -90,8 +98,76 @@ def _parser():
     p.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                    help="optimizer.zero_grad(set_to_none=...): 'none' (torch's default) frees "
                         "the gradients each step, 'zeros' zeroes them in place")
+    p.add_argument("--link", action="store_true",
+                   help="ours: where each step goes by the hosts' link counters (on "
+                        "python -m bench cluster; see the module doc)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
+
+
+class _LinkSampler:
+    """``(time, sent, received)`` of this host's link every ``period`` s, in a thread."""
+
+    def __init__(self, period: float = 0.002):
+        import threading
+        from bench.cluster import link_bytes
+        self.read, self.period = link_bytes, period
+        self.rows: list = []
+        self.on = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while not self.stop.wait(self.period):
+            if self.on:
+                now = self.read()
+                if now is not None:
+                    self.rows.append((time.perf_counter(), *now))
+
+    def close(self) -> list:
+        self.stop.set()
+        self.thread.join()
+        return self.rows
+
+
+def link_breakdown(marks, hosts, bin_s: float = 0.01) -> dict:
+    """Medians over steps of where a step goes (ms from its start; see the module doc).
+    ``marks``: per step ``(start, forward_done, first_launch, reduced, end)`` in seconds;
+    ``hosts``: each host's ``(time, sent, received)`` samples."""
+    from bisect import bisect_left, bisect_right
+
+    def rate(rows, times, t0, t1):
+        """Bytes per second in [t0, t1) from the samples around it (either direction, the
+        larger)."""
+        i, j = bisect_right(times, t0) - 1, bisect_left(times, t1)
+        if i < 0 or j >= len(rows):
+            return 0.0
+        a, b = rows[i], rows[j]
+        return max(b[1] - a[1], b[2] - a[2]) / max(b[0] - a[0], 1e-9)
+
+    fields = {k: [] for k in ("forward", "first launch", "link busy from", "link busy to",
+                              "link idle inside", "reduced", "step")}
+    slices = []
+    stamps = [[r[0] for r in rows] for rows in hosts]
+    for start, fwd, first, reduced, end in marks:
+        n = int((end - start) / bin_s) + 1
+        slices.append([[rate(rows, times, start + k * bin_s, start + (k + 1) * bin_s)
+                        for k in range(n)] for rows, times in zip(hosts, stamps)])
+    full = max((x for step in slices for host in step for x in host), default=0.0)
+    for (start, fwd, first, reduced, end), step in zip(marks, slices):
+        busy = [k for k in range(len(step[0])) if any(h[k] >= full / 2 for h in step)]
+        if not busy:
+            continue
+        idle = sum(1 for k in range(busy[0], busy[-1] + 1)
+                   if any(h[k] < full / 2 for h in step))
+        for key, value in (("forward", fwd - start), ("first launch", first - start),
+                           ("link busy from", busy[0] * bin_s),
+                           ("link busy to", (busy[-1] + 1) * bin_s),
+                           ("link idle inside", idle * bin_s),
+                           ("reduced", reduced - start), ("step", end - start)):
+            fields[key].append(1e3 * value)
+    return {k: statistics.median(v) for k, v in fields.items() if v}
 
 
 class _Flat:
@@ -203,10 +279,17 @@ def main(argv=None) -> int:
         # The toolkit reads COLLECTIVES_PROGRESS_THREAD as each collective starts.
         config.set("COLLECTIVES_PROGRESS_THREAD", False if v == "ours_nothread" else thread)
         timeline.on = traced_before or v == "ours_timeline"
+        start = time.perf_counter()
         opts[v].zero_grad(set_to_none=args.zero_grad == "none")
         loss = loss_fn(models[v](x), y)
         t0 = time.perf_counter()
         loss.backward()
+        if timing and args.link and v == "ours":
+            done = time.perf_counter()
+            first = done - models[v].stats.last_span_s
+            opts[v].step()
+            marks.append((start, t0, first, done, time.perf_counter()))
+            return
         if v == "no_overlap":
             t1 = time.perf_counter()
             flat.reduce()
@@ -223,6 +306,14 @@ def main(argv=None) -> int:
 
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}  # process CPU time (all threads), the work behind a step
+    marks = []   # --link: ours's steps, (start, forward done, first launch, reduced, end)
+    sampler = None
+    if args.link and "ours" in models:
+        host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        if host.Get_rank() == 0:
+            sampler = _LinkSampler()
+        host.Free()
+        sampler_on = comm.allreduce(int(sampler is not None))
     for v in variants:
         for _ in range(args.warmup):
             step(v)
@@ -234,6 +325,8 @@ def main(argv=None) -> int:
         for v in variants:
             for _ in range(args.steps):
                 comm.Barrier()
+                if sampler is not None:
+                    sampler.on = v == "ours"
                 c0, t0 = time.process_time(), time.perf_counter()
                 step(v)
                 dt = time.perf_counter() - t0
@@ -241,6 +334,17 @@ def main(argv=None) -> int:
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
                 cpu[v].append(comm.allreduce(dc, op=MPI.MAX))
     timing = False
+    link = {}
+    if args.link and "ours" in models:
+        rows = sampler.close() if sampler is not None else None
+        every = comm.gather(marks, root=0)
+        hosts = [r for r in comm.gather(rows, root=0) or () if r]
+        if rank == 0 and sampler_on and hosts:
+            # per step: the earliest start, the slowest forward, the first launch, the last
+            # reduction and end over the ranks
+            steps = [(min(m[0] for m in ms), max(m[1] for m in ms), min(m[2] for m in ms),
+                      max(m[3] for m in ms), max(m[4] for m in ms)) for ms in zip(*every)]
+            link = link_breakdown(steps, hosts)
     hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
               for v in _OURS if v in models}
     # Every variant ran the same steps on the same data from the same start: the DDP ones
@@ -267,6 +371,7 @@ def main(argv=None) -> int:
               "all_ms": {v: [round(1e3 * s, 2) for s in t] for v, t in times.items()},
               "hidden_fraction": hidden,
               "phases_ms": {k: 1e3 * statistics.median(t) for k, t in phases.items() if t},
+              "link_ms": link,
               "max_param_diff_to_ours": same}
     if rank == 0:
         _print(result)
@@ -311,6 +416,9 @@ def _print(r) -> None:
         print(f"# no_overlap: backward {ph['backward']:.1f} ms, allreduce of every gradient "
               f"after it {ph['allreduce']:.1f} ms (communication / backward = "
               f"{ph['allreduce'] / ph['backward']:.2f})")
+    if r.get("link_ms"):
+        print("# ours, where a step goes (ms from its start, medians): " + ", ".join(
+            f"{k} {v:.0f}" for k, v in r["link_ms"].items()))
     if "ours_timeline" in med and "ours" in med:
         print(f"# timeline overhead: ours_timeline / ours = "
               f"{med['ours_timeline'] / med['ours']:.3f} (wall), "
