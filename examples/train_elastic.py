@@ -43,7 +43,8 @@ that starts from step 0 (not in one that the supervisor restarted from a checkpo
 ``--save-restored PATH`` writes, at the first recovery, the state the survivors went back to
 (for a reference run; with ``--tp``, every rank's commit by its place in the new mesh: its tp
 shards and their optimizer state, or with ``--zero`` its ZeRO parts); ``--resume PATH`` starts
-from such a file. ``--tp`` takes ``--zero 1`` or ``2``: ZeRO over the dp axis.
+from such a file. ``--tp`` takes ``--zero 1`` or ``2`` (ZeRO over the dp axis) and
+``--sequence-parallel``.
 """
 import argparse
 import gc
@@ -93,6 +94,8 @@ def parse():
                    help="ZeRO stage (ShardedDataParallel, shards kept redundantly); 0: DDP")
     p.add_argument("--tp", type=int, default=0,
                    help="tensor-parallel size: a GPT on an elastic dp x tp mesh; 0: the MLP")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: sequence parallelism in the tensor-parallel layers")
     p.add_argument("--torch-ddp", action="store_true",
                    help="torch's own DistributedDataParallel over the collectives backend of "
                         "torch.distributed (its default group rebuilt after a failure)")
@@ -142,7 +145,7 @@ def main():
         emesh = elastic.ElasticMesh((world.Get_size() // args.tp, args.tp), ("dp", "tp"))
         text = gpt.corpus(1 << 17)
         module = gpt.GPT(256, args.width, 4, 2)
-        tp.parallelize(module, emesh.mesh.comm("tp"), gpt.plan(module, False))
+        tp.parallelize(module, emesh.mesh.comm("tp"), gpt.plan(module, args.sequence_parallel))
         if args.zero:   # ZeRO over dp: stages 1 and 2 keep the tp shards whole for the digest
             model = ShardedDataParallel(module, stage=args.zero, comm=emesh.mesh.comm("dp"),
                                         algorithm="ring", registered_buffers=False)

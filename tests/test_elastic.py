@@ -461,10 +461,12 @@ def _mesh_drops_a_group(tmp_path, n, dp, *more):
 
 
 @pytest.mark.timeout(3 * LIMIT)
-@pytest.mark.parametrize("dp", [[], ["--zero", "2"]], ids=["ddp", "zero2"])
+@pytest.mark.parametrize("dp", [[], ["--zero", "2"], ["--sequence-parallel"]],
+                         ids=["ddp", "zero2", "sp"])
 def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path, dp):
-    """With ZeRO-2 over dp as well: the survivor's dp axis pools its part and the dropped
-    rank's (its copy) and cuts them for one rank."""
+    """With ZeRO-2 over dp as well (the survivor's dp axis pools its part and the dropped
+    rank's, its copy, and cuts them for one rank), and with sequence parallelism (the hooks
+    that sum the norms' gradients follow the new tp group)."""
     _mesh_drops_a_group(tmp_path, 4, 1, *dp)
 
 

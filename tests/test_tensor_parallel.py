@@ -212,6 +212,40 @@ def test_layers_with_biases_under_sequence_parallelism(tp_size):
     _agree(not msgs, "; ".join(msgs), comm)
 
 
+@pytest.mark.mpi
+def test_rebind_repoints_the_layers_and_the_sequence_parallel_hooks(monkeypatch):
+    """``tp.rebind`` onto another communicator of the same ranks (a survivors' group after a
+    failure): every layer and every hook that sums a replicated parameter's gradient use it,
+    and the gradients are the ones before."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+    tp.parallelize(model, comm, {"0": "sequence", "1": "colwise", "3": "rowwise"}, seq_dim=1)
+    x = torch.randn(2, 3 * n, 6, generator=torch.Generator().manual_seed(1))[:, 3 * r:3 * r + 3]
+
+    def grads():
+        model.zero_grad()
+        model(x).pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    before = grads()
+    new = comm.Dup()
+    used = []
+    sums = tp._all_reduce
+    monkeypatch.setattr(tp, "_all_reduce", lambda t, c: used.append(c) or sums(t, c))
+    tp.rebind(model, new)
+    after = grads()
+    monkeypatch.undo()
+    layers = [m for m in model.modules() if getattr(m, "tp_split", None)]
+    hooked = n > 1     # one rank: nothing to sum, no hook
+    ok = all(m.comm is new for m in layers) and all(c is new for c in used)
+    ok &= (len(used) > 0) == hooked and all(map(torch.equal, before, after))
+    assert all(comm.allgather(ok)), f"rank {r}: {len(used)} sums, comms {set(map(id, used))}"
+    new.Free()
+
+
 def _last_layer_terms(dense, x) -> float:
     """The largest magnitude of the terms ``dense``'s last linear layer adds up on input ``x``
     (``|W| |h| + |b|``): the scale of its outputs' rounding."""

@@ -35,8 +35,10 @@ complete group: ``RanksLost``, by name. At (dp=3, tp=2) a failure leaves (dp=2, 
 ZeRO over dp (stages 1 and 2) is rebuilt too: the dropped group takes one dp rank from every tp
 coordinate, whose part its dp successor holds (``attach``).
 
-Not covered: sequence parallelism (its gradient hooks hold the old communicator: ``attach``
-refuses such a model), pipeline axes, and replacements (``select`` and
+Sequence parallelism goes on too: ``rebind`` repoints its layers and the gradient hooks of its
+replicated parameters (``collectives.torch.tensor_parallel.rebind``).
+
+Not covered: pipeline axes, and replacements (``select`` and
 ``replace`` exclude each other). torch's default group on the toolkit's backend is made again
 over the ranks that go on, as without a mesh (``State.rebuild``), and destroyed on those that
 leave.
@@ -50,16 +52,11 @@ __all__ = ["ElasticMesh", "rebind"]
 
 
 def rebind(module, comm) -> None:
-    """Point every tensor-parallel layer of ``module`` at ``comm`` (same size and this rank's
-    same index in it: the shards stay as they are); no communication."""
-    layers = [m for m in module.modules() if getattr(m, "tp_split", None)]
-    for m in layers:
-        old = m.comm
-        if (old.Get_size(), old.Get_rank()) != (comm.Get_size(), comm.Get_rank()):
-            raise ValueError(f"rebind: the layer's group has {old.Get_size()} ranks and this "
-                             f"rank at {old.Get_rank()}, the new one {comm.Get_size()} and "
-                             f"{comm.Get_rank()}: the shards would not match")
-        m.comm = comm
+    """Point ``module``'s tensor-parallel layers and its sequence-parallel gradient hooks at
+    ``comm`` (same size and this rank's same index in it: the shards stay as they are); no
+    communication (``collectives.torch.tensor_parallel.rebind``)."""
+    from ..torch.tensor_parallel import rebind as tp_rebind
+    tp_rebind(module, comm)
 
 
 class ElasticMesh:
@@ -90,9 +87,6 @@ class ElasticMesh:
         stage 1 or 2): the State's model is ``model``; its parts are kept around the dp ring
         (``collectives.elastic.zero``), and after a failure each tp coordinate's dp ranks pool
         theirs, the dropped group's from their copies, and cut them for the new dp size."""
-        if any(getattr(m, "sequence_parallel", False) for m in module.modules()):
-            raise ValueError("ElasticMesh.attach: a sequence-parallel model's gradient hooks "
-                             "hold the old tensor-parallel communicator; not rebuilt")
         sharded = hasattr(state.model, "load_shards")
         if hasattr(state.model, "rebuild") and not sharded:
             raise ValueError("ElasticMesh.attach: give the State the inner module, not the "

@@ -62,7 +62,7 @@ import collectives as coll
 from . import checkpoint
 from .agreement import agree
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "rebind",
            "vocab_parallel_cross_entropy", "parallelize", "full_state_dict",
            "load_full_state_dict", "sharded_parameter_bytes", "copy_to_region",
            "reduce_from_region", "gather_along", "reduce_scatter_along", "STYLES", "Traffic",
@@ -240,11 +240,36 @@ def reduce_scatter_along(x, dim, comm):
 
 def _sync_grad(param: nn.Parameter, comm) -> None:
     """Sum ``param``'s gradient over ``comm`` once per backward, before it is accumulated (a
-    replicated parameter that sees only this rank's tokens under sequence parallelism)."""
-    if comm.Get_size() == 1 or getattr(param, "_tp_grad_synced", None) is comm:
+    replicated parameter that sees only this rank's tokens under sequence parallelism). The
+    hook reads the communicator from a holder on the parameter, which ``rebind`` repoints."""
+    if comm.Get_size() == 1:
         return
-    param.register_hook(lambda grad: _all_reduce(grad, comm))
-    param._tp_grad_synced = comm
+    held = getattr(param, "_tp_grad_comm", None)
+    if held is not None and held[0] is comm:
+        return
+    held = [comm]
+    param.register_hook(lambda grad: _all_reduce(grad, held[0]))
+    param._tp_grad_comm = held
+
+
+def rebind(module: nn.Module, comm) -> None:
+    """Point every tensor-parallel layer of ``module`` and every gradient hook that sequence
+    parallelism put on its replicated parameters at ``comm``, which must have the size of the
+    old group and this rank at the same index (the shards stay as they are: a survivors' group
+    after a failure, ``collectives.elastic.mesh``); no communication."""
+    layers = [m for m in module.modules() if getattr(m, "tp_split", None)]
+    for m in layers:
+        old = m.comm
+        if (old.Get_size(), old.Get_rank()) != (comm.Get_size(), comm.Get_rank()):
+            raise ValueError(f"rebind: the layer's group has {old.Get_size()} ranks and this "
+                             f"rank at {old.Get_rank()}, the new one {comm.Get_size()} and "
+                             f"{comm.Get_rank()}: the shards would not match")
+    for m in layers:
+        m.comm = comm
+    for p in module.parameters():
+        held = getattr(p, "_tp_grad_comm", None)
+        if held is not None:
+            held[0] = comm
 
 
 def _check_split(name: str, what: str, size: int, tp: int, unit: int = 1) -> None:
