@@ -284,7 +284,9 @@ class Checkpointer:
         # Below the training threads: where the ranks have the cores to themselves, the writer
         # takes what they leave (Linux: a thread's own nice value).
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+            me = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, me,
+                           min(19, os.getpriority(os.PRIO_PROCESS, me) + _NICE))
         except (AttributeError, OSError):
             pass
         while True:
