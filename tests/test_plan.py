@@ -519,3 +519,17 @@ def test_bench_probe_rounds_give_each_figure_its_median():
     assert both.layer(None, 1, 1, False, "none") == (2.0, 20.0)
     assert both.head(None, 1, 1, False) == (4.0, 6.0)
     assert both.optimizer(3) == 6.0
+
+
+def test_zero_bubble_prices_the_split_backward_the_runner_runs():
+    """Zero bubble's B (the stage input's gradient alone) is half a stage's backward and its W
+    a whole one: autograd reaches the weights through every later layer's input gradient
+    again (``torch.autograd.backward(out, g, inputs=params)`` in the runner)."""
+    from collectives.plan.timing import _stages
+    shape = plan.gpt(4, 64, 4, 32, 256, attention="math")
+    net, rate = plan.Network(ranks_per_node=8), plan.FlopRate(1e9)
+    one = _stages(shape, Plan(1, 1, 2, False, "1f1b", 1, 4, 0, "none", 1), net, rate)
+    zb = _stages(shape, Plan(1, 1, 2, False, "zero_bubble", 1, 4, 0, "none", 1), net, rate)
+    assert zb[0] == one[0]
+    assert zb[1] == pytest.approx([b / 2 for b in one[1]])
+    assert zb[2] == pytest.approx(one[1]) and one[2] == [0.0, 0.0]

@@ -20,8 +20,10 @@ collective priced on the link class its mesh axis crosses, the pipeline by ``pp.
    the last micro-batch's backward that hides it (0 where the collectives and the compute share
    the cores, 1 where a NIC moves the bytes).
 3. *Pipeline.* ``pp.simulate`` on per-stage forward, backward (and, for zero bubble, weight)
-   times with the message time as ``p2p``; the step is its makespan plus the exposed
-   data-parallel time, the tied pair's sum of the embedding's gradient (first and last stage)
+   times with the message time as ``p2p``; zero bubble's split backward as the runner runs it:
+   the input gradient half a backward, the weights' a whole one (autograd reaches a layer's
+   weights through every later layer's input gradient again); the step is its makespan plus
+   the exposed data-parallel time, the tied pair's sum of the embedding's gradient (first and last stage)
    and the optimizer's step.
 """
 from __future__ import annotations
@@ -275,10 +277,13 @@ def _stages(model: GPTShape, plan: Plan, net: Network, compute):
         bk = counts[s] * (lb + cb) + (edge + hb if s == S - 1 else 0.0)
         fw.append(f)
         if plan.schedule == "zero_bubble" and p > 1:
-            # input and weight gradients split the matmuls' backward; a recompute runs in both
+            # B asks autograd for the stage input's gradient alone (about half the matmuls'
+            # backward) and keeps the graph; W runs autograd into the weights, which walks the
+            # graph again, every layer's input gradient on the way to the weights before it:
+            # a whole backward. A recompute runs in both.
             redo = counts[s] * redo_layer
             bw.append((bk - redo) / 2 + redo)
-            ww.append((bk - redo) / 2 + redo)
+            ww.append(bk)
         else:
             bw.append(bk)
             ww.append(0.0)
