@@ -17,7 +17,8 @@ to round so that load from other jobs hits them alike:
 
 A round's time per step is its wall time over its steps, the wait for the checkpoint still
 being written at its end included (a median of steps would hide the one step in K that hands a
-checkpoint over). The table gives each variant's median over rounds, its ratio to ``plain`` in
+checkpoint over); a checkpoint round's commits fall half an interval in from its ends, so that
+its last write has the steps after it to overlap, as in a run that goes on. The table gives each variant's median over rounds, its ratio to ``plain`` in
 the same round (median, and the smallest and largest), and the training loop's own part per
 checkpoint (``Checkpointer.mean_seconds``). ``--steps`` is rounded up to a multiple of every K,
 so that every round writes as many checkpoints.
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
         ckpt = writers.get(variant)
         if ckpt is not None:
             state.listeners[:] = [ckpt.on_commit]
+            # the round's checkpoints half an interval in from its ends: its last write
+            # overlaps the steps after it, as in a run that goes on
+            state.step += (-(state.step + ckpt.every // 2)) % ckpt.every
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
