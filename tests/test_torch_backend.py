@@ -282,8 +282,9 @@ def test_zero_redundancy_optimizer_steps_like_adamw_on_every_rank(groups):
                          f"from AdamW on every rank")
 
 
-@pytest.mark.mpi
-def test_torch_ddp_trains_like_one_process(groups):
+def _torch_ddp_trains_like_one_process(what):
+    """torch's DDP on the default group, 5 SGD steps, each step's parameters within their
+    bound of one process's on the whole batch."""
     r, p = dist.get_rank(), dist.get_world_size()
     reference = _reference(p, lr=0.1)
     model = torch.nn.parallel.DistributedDataParallel(_model())
@@ -292,7 +293,12 @@ def test_torch_ddp_trains_like_one_process(groups):
         torch.nn.functional.mse_loss(model(_mine(x, r)), _mine(y, r)).backward()
         optim.step()
         optim.zero_grad()
-        _close([q.detach() for q in model.parameters()], reference[step], f"DDP step {step}")
+        _close([q.detach() for q in model.parameters()], reference[step], f"{what} {step}")
+
+
+@pytest.mark.mpi
+def test_torch_ddp_trains_like_one_process(groups):
+    _torch_ddp_trains_like_one_process("DDP step")
 
 
 @pytest.mark.mpi
@@ -326,15 +332,7 @@ def test_default_group_rebuilt_on_another_communicator():
         z = torch.ones(1)
         dist.all_reduce(z, group=own)
         ok &= float(z) == p
-        reference = _reference(p, lr=0.1)
-        model = torch.nn.parallel.DistributedDataParallel(_model())
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step, (xs, ys) in enumerate(_batches(p)):
-            torch.nn.functional.mse_loss(model(_mine(xs, q)), _mine(ys, q)).backward()
-            optim.step()
-            optim.zero_grad()
-            _close([t.detach() for t in model.parameters()], reference[step],
-                   f"DDP on the rebuilt group, step {step}")
+        _torch_ddp_trains_like_one_process("DDP on the rebuilt group, step")
         with pytest.raises(TypeError, match="MPI communicator"):
             dist.new_group(list(range(p)), pg_options="not a communicator")
         ok &= cb.rebuild(sub, None) and not dist.is_initialized()

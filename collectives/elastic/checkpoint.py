@@ -110,34 +110,27 @@ class _Ref:
         self.index = index
 
 
+def _walk(value, leaf):
+    """``value`` made again with ``leaf(x)`` in place of each tensor or ``_Ref`` in it (in
+    dicts, lists, tuples and saved extras)."""
+    from .state import Saved
+    if isinstance(value, dict):
+        return {k: _walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_walk(v, leaf) for v in value)
+    if isinstance(value, Saved):
+        return Saved(_walk(value.state, leaf))
+    if isinstance(value, _Ref) or hasattr(value, "untyped_storage"):
+        return leaf(value)
+    return value
+
+
 def _strip(value, tensors: list):
-    """``value`` with each tensor (in dicts, lists, tuples, saved extras) put in ``tensors``
-    and replaced by a ``_Ref``."""
-    from .state import Saved
-    if hasattr(value, "untyped_storage"):
-        tensors.append(value.detach().contiguous())
+    """``value`` with each tensor put in ``tensors`` and replaced by a ``_Ref``."""
+    def put(t):
+        tensors.append(t.detach().contiguous())
         return _Ref(len(tensors) - 1)
-    if isinstance(value, dict):
-        return {k: _strip(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_strip(v, tensors) for v in value)
-    if isinstance(value, Saved):
-        return Saved(_strip(value.state, tensors))
-    return value
-
-
-def _dress(value, tensors: list):
-    """``_strip`` undone."""
-    from .state import Saved
-    if isinstance(value, _Ref):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _dress(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_dress(v, tensors) for v in value)
-    if isinstance(value, Saved):
-        return Saved(_dress(value.state, tensors))
-    return value
+    return _walk(value, put)
 
 
 def save(part, path: str) -> None:
@@ -183,7 +176,7 @@ def load(path: str):
             raw = torch.frombuffer(buf, dtype=torch.uint8) if size else \
                 torch.empty(0, dtype=torch.uint8)
             tensors.append(raw.view(dtype).reshape(shape))
-    return _dress(structure, tensors)
+    return _walk(structure, lambda ref: tensors[ref.index])
 
 
 def _torch():
