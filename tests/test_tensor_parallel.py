@@ -221,7 +221,7 @@ def test_rebind_repoints_the_layers_and_the_sequence_parallel_hooks(monkeypatch)
     comm = MPI.COMM_WORLD
     n, r = comm.Get_size(), comm.Get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 60), nn.GELU(), nn.Linear(60, 6))
     tp.parallelize(model, comm, {"0": "sequence", "1": "colwise", "3": "rowwise"}, seq_dim=1)
     x = torch.randn(2, 3 * n, 6, generator=torch.Generator().manual_seed(1))[:, 3 * r:3 * r + 3]
 
