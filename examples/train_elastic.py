@@ -5,6 +5,7 @@
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 1:5,3:9,2:14
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --replace
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --tp 2
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 --pp 2
     mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train_elastic.py --kill 2:5 \\
         --torch-ddp
     mpiexec -n 4 python examples/train_elastic.py            # MPICH: no failure survived in-job
@@ -23,7 +24,9 @@ drops the dead rank's tp group (its partner leaves; the complete groups go on). 
 trains with torch's own ``DistributedDataParallel`` over the toolkit's backend of
 ``torch.distributed`` (``collectives.torch.backend``): elastic training rebuilds torch's
 default group on the survivors, and the example wraps the model again on it
-(``state.on_rebuild``). Otherwise a small
+(``state.on_rebuild``). ``--pp 2`` trains the GPT in 2 pipeline stages (1F1B,
+``collectives.torch.pipeline.gpt.PipelinedGPT``) on a (ranks / 2) x 2 (dp x pp) mesh: the
+dead rank's pipeline is dropped. Otherwise a small
 MLP learns a fixed random teacher network on synthetic data made here (nothing is downloaded).
 Every step trains on the same global batch whatever the rank count (``elastic.GlobalBatches``):
 the survivors of a failure share it. Rank 0 prints ``step S ranks R loss L`` per step and, at
@@ -62,7 +65,7 @@ os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 # One rank a node, as the toolkit's topology sees it: ``auto`` (the tensor-parallel layers'
 # choice) then never picks a shared-memory algorithm, whose wait on a dead rank no MPI error
 # interrupts (docs/elastic.md). The DDP and ZeRO paths name algorithm="ring" instead.
-if "--tp" in sys.argv or "--torch-ddp" in sys.argv:
+if "--tp" in sys.argv or "--pp" in sys.argv or "--torch-ddp" in sys.argv:
     os.environ.setdefault("COLLECTIVES_RANKS_PER_NODE", "1")
 
 import torch  # noqa: E402
@@ -94,6 +97,9 @@ def parse():
                    help="ZeRO stage (ShardedDataParallel, shards kept redundantly); 0: DDP")
     p.add_argument("--tp", type=int, default=0,
                    help="tensor-parallel size: a GPT on an elastic dp x tp mesh; 0: the MLP")
+    p.add_argument("--pp", type=int, default=0,
+                   help="pipeline size: the GPT's blocks in stages on an elastic dp x pp mesh "
+                        "(1F1B, 2 micro-batches, DDP per stage over dp); 0: no pipeline")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: sequence parallelism in the tensor-parallel layers")
     p.add_argument("--torch-ddp", action="store_true",
@@ -132,13 +138,27 @@ def main():
     args = parse()
     if args.tp and args.zero == 3:
         raise SystemExit("--tp with --zero: stages 1 and 2 (the digest reads the tp shards)")
+    if args.pp and (args.tp or args.zero or args.torch_ddp or args.replace):
+        raise SystemExit("--pp goes with none of --tp, --zero, --torch-ddp, --replace")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     world = MPI.COMM_WORLD
     if args.announce and MPI.Comm.Get_parent() == MPI.COMM_NULL:  # not a replacement
         print(f"rank {world.Get_rank()} pid {os.getpid()}", flush=True)
-    emesh = gpt = None
-    if args.tp:
+    emesh = gpt = job = None
+    if args.pp:
+        import numpy as np
+        import train_gpt as gpt   # beside this script
+        from collectives.torch.pipeline.gpt import PipelinedGPT
+        emesh = elastic.ElasticMesh((world.Get_size() // args.pp, args.pp), ("dp", "pp"))
+        text = gpt.corpus(1 << 17)
+        job = PipelinedGPT(gpt.GPT(256, args.width, 4, 2), emesh.mesh, schedule="1f1b",
+                           microbatches=2, loss_fn=lambda z, t: nn.functional.cross_entropy(
+                               z.flatten(0, 1), t.flatten()))
+        module = nn.ModuleList([m.module if hasattr(m, "module") else m for m in job.stages])
+        model = None
+        opt = torch.optim.SGD(job.parameters(), lr=args.lr, momentum=0.9)
+    elif args.tp:
         import numpy as np
         import train_gpt as gpt   # beside this script
         from collectives.torch import tensor_parallel as tp
@@ -153,7 +173,7 @@ def main():
             model = DistributedDataParallel(module, comm=emesh.mesh.comm("dp"),
                                             algorithm="ring", registered_buckets=False)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-
+    if emesh:
         def tokens(step):
             """This dp group's rows of step ``step``'s windows (inputs, targets)."""
             xs, ys = gpt.batch(text, step, args.global_batch, 32, args.seed)
@@ -184,7 +204,7 @@ def main():
     inner = (emesh and not args.zero) or args.torch_ddp   # the State keeps the module
     state = elastic.State(model=module if inner else model, optimizer=opt, step=0)
     if emesh:
-        emesh.attach(state, module, model)
+        emesh.attach(state, module, model, pipeline=job)
     if args.torch_ddp:
         def rewrap(comm):
             # elastic rebuilt torch's default group on the survivors first; torch's DDP
@@ -203,8 +223,8 @@ def main():
         ckpt.load_newest(state)
     if args.resume:
         saved = torch.load(args.resume, weights_only=False)
-        if args.tp:     # the commit of the rank at this rank's place in the mesh
-            mine = saved["mesh"][(emesh.mesh.coord("dp"), emesh.mesh.coord("tp"))]
+        if emesh:       # the commit of the rank at this rank's place in the mesh
+            mine = saved["mesh"][tuple(emesh.mesh.coord(n) for n in emesh.names)]
             state.load(elastic.Commit(saved["next_step"], mine[0], mine[1], None, {}))
         elif args.zero:
             model.load_full_state_dict(saved["model"])
@@ -227,14 +247,19 @@ def main():
         for state.step in range(state.step, args.steps):
             inject(state.step)
             t0 = time.perf_counter()
-            if emesh:
-                xb, yb = tokens(state.step)
-                loss = tp.vocab_parallel_cross_entropy(model(xb), yb, emesh.mesh.comm("tp"))
-            else:
-                idx = torch.from_numpy(batches.indices(state.step, rank, size))
-                loss = nn.functional.mse_loss(model(x[idx]), y[idx])
             opt.zero_grad()
-            loss.backward()
+            if job:         # the pipeline's step runs forward and backward
+                xb, yb = tokens(state.step)
+                loss = job.step(xb if job.first else None, yb if job.last else None)
+            else:
+                if emesh:
+                    xb, yb = tokens(state.step)
+                    loss = tp.vocab_parallel_cross_entropy(model(xb), yb,
+                                                           emesh.mesh.comm("tp"))
+                else:
+                    idx = torch.from_numpy(batches.indices(state.step, rank, size))
+                    loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+                loss.backward()
             opt.step()
             mean = coll.allreduce(loss.detach().reshape(1), op="avg", comm=comm,
                                   algorithm="ring")
@@ -253,11 +278,11 @@ def main():
 
     def save_restored(c):
         # The first restore only: the state that a reference run starts from.
-        if restored or (not args.tp and os.path.exists(args.save_restored)):
+        if restored or (not emesh and os.path.exists(args.save_restored)):
             return
         restored.append(c.next_step)
-        if args.tp:     # every rank's commit by its place in the new mesh (collective)
-            where = (emesh.mesh.coord("dp"), emesh.mesh.coord("tp"))
+        if emesh:       # every rank's commit by its place in the new mesh (collective)
+            where = tuple(emesh.mesh.coord(n) for n in emesh.names)
             commits = state.comm.gather((where, c.model, c.optimizer), root=0)
             saved = {"next_step": c.next_step,
                      "mesh": {w: (m, o) for w, m, o in commits or ()}}
@@ -274,12 +299,15 @@ def main():
         state.on_restore(save_restored)
 
     comm = train()
-    if comm is None:    # left: its tensor-parallel group lost a rank (--tp)
+    if comm is None:    # left: its replica (tp group, pipeline) lost a rank
         print(f"rank {world.Get_rank()} left at step {state.step}", flush=True)
         return
     if ckpt is not None:
         ckpt.close()
-    if args.tp:
+    if args.pp:     # every stage's state, from the ranks of this pipeline
+        parts = emesh.mesh.comm("pp").allgather(module.state_dict())
+        full = {f"stage{k}.{name}": v for k, sd in enumerate(parts) for name, v in sd.items()}
+    elif args.tp:
         full = tp.full_state_dict(module, emesh.mesh.comm("tp"))
     else:
         full = model.full_state_dict() if args.zero else module.state_dict()

@@ -438,11 +438,11 @@ def test_torch_ddp_on_the_backend_goes_on_over_the_rebuilt_group(tmp_path):
 
 # -- a dp x tp mesh, and replacements ---------------------------------------------------------
 def _mesh_drops_a_group(tmp_path, n, dp, *more):
-    """Rank 2 of an (n / 2) x 2 mesh (dp x tp) killed at step 5: its tp group [2, 3] is
-    dropped, the other groups go on as a ``dp`` x 2 mesh, equal bitwise to such a job started
-    from their commit."""
+    """Rank 2 of an (n / 2) x 2 mesh (dp x tp, or dp x pp: ``more``) killed at step 5: its
+    replica [2, 3] is dropped, the others go on as a ``dp`` x 2 mesh, equal bitwise to such a
+    job started from their commit."""
     steps, restored = 10, tmp_path / "restored.pt"
-    rc, out, err = _finish(_ompi_job(n, EXAMPLE, "--tp", 2, "--steps", steps, "--kill", "2:5",
+    rc, out, err = _finish(_ompi_job(n, EXAMPLE, "--steps", steps, "--kill", "2:5",
                                      "--save-restored", restored, *more))
     assert rc == 0, err[-3000:]
     s = _summary(out)
@@ -452,7 +452,7 @@ def _mesh_drops_a_group(tmp_path, n, dp, *more):
     assert "rank 3 left at step" in out
     assert set(range(steps)) <= {st for st, _ in _steps(out)}
     assert [size for st, size in _steps(out) if st in (4, 9)] == [n, 2 * dp]
-    rc, out, err = _finish(_ompi_job(2 * dp, EXAMPLE, "--tp", 2, "--steps", steps, "--quiet",
+    rc, out, err = _finish(_ompi_job(2 * dp, EXAMPLE, "--steps", steps, "--quiet",
                                      "--resume", restored, *more))
     assert rc == 0, err[-3000:]
     ref = _summary(out)
@@ -461,19 +461,21 @@ def _mesh_drops_a_group(tmp_path, n, dp, *more):
 
 
 @pytest.mark.timeout(3 * LIMIT)
-@pytest.mark.parametrize("dp", [[], ["--zero", "2"], ["--sequence-parallel"]],
-                         ids=["ddp", "zero2", "sp"])
-def test_mesh_drops_the_tp_group_of_the_dead_rank(tmp_path, dp):
-    """With ZeRO-2 over dp as well (the survivor's dp axis pools its part and the dropped
-    rank's, its copy, and cuts them for one rank), and with sequence parallelism (the hooks
-    that sum the norms' gradients follow the new tp group)."""
-    _mesh_drops_a_group(tmp_path, 4, 1, *dp)
+@pytest.mark.parametrize("job", [["--tp", "2"], ["--tp", "2", "--zero", "2"],
+                                 ["--tp", "2", "--sequence-parallel"], ["--pp", "2"]],
+                         ids=["tp", "tp_zero2", "tp_sp", "pp"])
+def test_mesh_drops_the_replica_of_the_dead_rank(tmp_path, job):
+    """A tp group dropped; with ZeRO-2 over dp as well (the survivor's dp axis pools its part
+    and the dropped rank's, its copy, and cuts them for one rank); with sequence parallelism
+    (the hooks that sum the norms' gradients follow the new tp group); and a pipeline of two
+    stages dropped (the runner, DDP per stage and the tied pair rebuilt on the survivors)."""
+    _mesh_drops_a_group(tmp_path, 4, 1, *job)
 
 
 @pytest.mark.timeout(3 * LIMIT)
 def test_a_3_by_2_mesh_goes_on_as_2_by_2(tmp_path):
     """Two complete groups survive: DDP goes on over the new dp axis of 2 ranks."""
-    _mesh_drops_a_group(tmp_path, 6, 2)
+    _mesh_drops_a_group(tmp_path, 6, 2, "--tp", "2")
 
 
 def _uninterrupted(steps, *more):

@@ -122,6 +122,31 @@ def test_shapes_are_learned_once_and_again_when_they_change():
     assert_all(ok, msg)
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_rebind_goes_on_over_another_group_of_the_same_ranks():
+    """``Pipeline.rebind`` (a survivors' pipeline after a failure): the step over the new
+    communicator gives the loss it gave before, its shapes announced again; a group of
+    another size is refused."""
+    from mpi4py import MPI
+    comm = _sub(2)
+    ok, msg = True, ""
+    if comm is not None:
+        r = comm.Get_rank()
+        runner = pp.Pipeline(pp.split(_model(2), ["2"])[r], comm=comm,
+                             schedule=pp.schedule("1f1b", 2, 2), loss_fn=nn.functional.mse_loss)
+        x, y = _data(0)
+        before = runner.step(x, y).item()
+        runner.rebind(comm.Dup())
+        after = runner.step(x, y).item()
+        ok = before == after and runner.headers_sent == 4 and runner.communicators()[0] != comm
+        msg = f"loss {before} then {after}, {runner.headers_sent} headers"
+        with pytest.raises(ValueError, match="the stages would not match"):
+            runner.rebind(MPI.COMM_SELF)
+        comm.Free()
+    assert_all(ok, msg)
+
+
 # -- in-process tier -------------------------------------------------------------------------
 
 def test_split_by_names():

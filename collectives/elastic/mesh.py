@@ -1,5 +1,5 @@
-"""A data x tensor-parallel ``Mesh`` that survives a dead rank: the dead rank's tensor-parallel
-group is dropped whole.
+"""A ``Mesh`` with a data-parallel axis that survives a dead rank: the dead rank's replica (its
+tensor-parallel group, or its pipeline) is dropped whole.
 
     emesh = elastic.ElasticMesh((2, 2), ("dp", "tp"))     # collective over COMM_WORLD
     tp.parallelize(module, emesh.mesh.comm("tp"), plan)
@@ -38,12 +38,17 @@ coordinate, whose part its dp successor holds (``attach``).
 Sequence parallelism goes on too: ``rebind`` repoints its layers and the gradient hooks of its
 replicated parameters (``collectives.torch.tensor_parallel.rebind``).
 
-Not covered: pipeline axes, and replacements (``select`` and
-``replace`` exclude each other). torch's default group on the toolkit's backend is made again
-over the ranks that go on, as without a mesh (``State.rebuild``), and destroyed on those that
-leave.
+A pipeline axis works alike: on a ("dp", "pp") mesh a replica is a whole pipeline, and a job
+attached as ``pipeline=`` (``PipelinedGPT``) is rebuilt on the new mesh and its communicators
+revoked with the mesh's.
+
+Not covered: replacements (``select`` and ``replace`` exclude each other). torch's default
+group on the toolkit's backend is made again over the ranks that go on, as without a mesh
+(``State.rebuild``), and destroyed on those that leave.
 """
 from __future__ import annotations
+
+import math
 
 from ..mesh import Mesh
 from .loop import RanksLost
@@ -60,33 +65,42 @@ def rebind(module, comm) -> None:
 
 
 class ElasticMesh:
-    """A mesh with a data-parallel axis ``dp`` and a tensor-parallel axis ``tp`` whose
-    incomplete tp groups are dropped after a failure (see the module doc); collective."""
+    """A mesh with a data-parallel axis ``dp`` whose incomplete replicas are dropped after a
+    failure (see the module doc); collective. A replica is the ranks that share a dp
+    coordinate: one tensor-parallel group of a ("dp", "tp") mesh, one pipeline (of tp groups)
+    of a ("dp", "pp"[, "tp"]) one."""
 
     def __init__(self, shape, names=("dp", "tp"), comm=None, dp: str = "dp", tp: str = "tp"):
         from .replace import name
         names = tuple(names)
-        if len(names) != 2 or set(names) != {dp, tp}:
-            raise ValueError(f"ElasticMesh: names {names} must be the two axes {dp!r} and "
-                             f"{tp!r}")
+        if names.count(dp) != 1 or len(set(names)) != len(names) or len(names) < 2:
+            raise ValueError(f"ElasticMesh: names {names} must be distinct and hold the "
+                             f"data-parallel axis {dp!r} and at least one other")
         self.names, self.dp, self.tp = names, dp, tp
         self.mesh = Mesh(shape, names, comm)
+        self.inner = tuple(n for n in names if n != dp)        # a replica's axes
+        self._inner_shape = tuple(self.mesh.size(n) for n in self.inner)
         self._made: list = []      # every communicator made for a mesh so far
-        # The tp groups by process name, in dp order: dropping the incomplete ones is the
-        # same whether a rank applies it once or again on a retry with fewer survivors.
+        self._jobs: list = []      # what attach was given that made communicators of its own
+        # The replicas by process name, in dp order, each in the order of its own axes:
+        # dropping the incomplete ones is the same whether a rank applies it once or again on a
+        # retry with fewer survivors.
         where = self.mesh.comm(names).allgather(
-            (self.mesh.coord(dp), self.mesh.coord(tp), name()))
-        self.groups = [[n for _, t, n in sorted(g for g in where if g[0] == d)]
+            (self.mesh.coord(dp), tuple(self.mesh.coord(n) for n in self.inner), name()))
+        self.groups = [[n for _, _, n in sorted(g for g in where if g[0] == d)]
                        for d in range(self.mesh.size(dp))]
 
-    def attach(self, state, module, model=None) -> None:
+    def attach(self, state, module=None, model=None, pipeline=None) -> None:
         """Rebuild on the communicator that goes on after a failure: this mesh, ``module``'s
-        tensor-parallel layers (``rebind``) and ``model`` (a data-parallel wrapper over the dp
-        axis: its ``rebuild``). DDP: the State's model is ``module`` (each rank commits its
-        own shards, the committed state of its copy). ZeRO (``ShardedDataParallel`` over dp,
-        stage 1 or 2): the State's model is ``model``; its parts are kept around the dp ring
-        (``collectives.elastic.zero``), and after a failure each tp coordinate's dp ranks pool
-        theirs, the dropped group's from their copies, and cut them for the new dp size."""
+        tensor-parallel layers (``rebind``), ``model`` (a data-parallel wrapper over the dp
+        axis: its ``rebuild``) and ``pipeline`` (a job over a "pp" axis with
+        ``rebuild(mesh)`` and ``communicators()``: ``collectives.torch.pipeline.gpt.
+        PipelinedGPT``). DDP: the State's model is ``module`` (each rank commits its own
+        shards or stages, the committed state of its replica). ZeRO (``ShardedDataParallel``
+        over dp, stage 1 or 2): the State's model is ``model``; its parts are kept around the
+        dp ring (``collectives.elastic.zero``), and after a failure each replica position's
+        dp ranks pool theirs, the dropped replica's from their copies, and cut them for the
+        new dp size."""
         sharded = hasattr(state.model, "load_shards")
         if hasattr(state.model, "rebuild") and not sharded:
             raise ValueError("ElasticMesh.attach: give the State the inner module, not the "
@@ -94,10 +108,15 @@ class ElasticMesh:
         if sharded and state.model is not model:
             raise ValueError("ElasticMesh.attach: a sharded model (ZeRO over dp) is the "
                              "State's model and the one given here")
+        if pipeline is not None:
+            self._jobs.append(pipeline)
 
         def dp_axis(comm):
             self.rebuild(comm)
-            rebind(module, self.mesh.comm(self.tp))
+            if module is not None and self.tp in self.names:
+                rebind(module, self.mesh.comm(self.tp))
+            if pipeline is not None:
+                pipeline.rebuild(self.mesh)
             return self.mesh.comm(self.dp)
 
         if sharded:     # the State rebuilds it on the new dp axis, then pools its shards there
@@ -111,39 +130,44 @@ class ElasticMesh:
         state.on_rebuild(rebuild)
 
     def revoke(self) -> list:
-        """Every communicator this mesh has made (to revoke on a failure)."""
-        return [*self._made, *self.mesh.communicators()]
+        """Every communicator this mesh, and the jobs attached, have made (to revoke on a
+        failure)."""
+        return [*self._made, *self.mesh.communicators(),
+                *(c for job in self._jobs for c in job.communicators())]
 
     def select(self, comm):
-        """The survivors of complete tp groups, as one communicator ordered by the new mesh
+        """The survivors of complete replicas, as one communicator ordered by the new mesh
         (``None`` on a rank that leaves); collective over ``comm``, the shrunk communicator."""
         from mpi4py import MPI
+
+        from ..mesh import coordinates
         from .replace import name
         alive = set(comm.allgather(name()))
         self.groups = [g for g in self.groups if alive.issuperset(g)]
         if not self.groups:
-            raise RanksLost(f"no tensor-parallel group of {self.mesh.size(self.tp)} ranks is "
-                            f"complete among the {comm.Get_size()} survivors")
+            raise RanksLost(f"no replica (a {' x '.join(self.inner)} group of "
+                            f"{math.prod(self._inner_shape)} ranks) is complete among the "
+                            f"{comm.Get_size()} survivors")
         me = name()
         at = next(((d, g.index(me)) for d, g in enumerate(self.groups) if me in g), None)
         if at is None:
             comm.Split(MPI.UNDEFINED, 0)
             return None
-        coord = {self.dp: at[0], self.tp: at[1]}
-        sizes = self._shape(len(self.groups))
+        coord = {self.dp: at[0], **dict(zip(self.inner, coordinates(at[1],
+                                                                     self._inner_shape)))}
         key = 0
-        for n, size in zip(self.names, sizes):
+        for n, size in zip(self.names, self._shape(len(self.groups))):
             key = key * size + coord[n]
         kept = comm.Split(0, key)
         self._made.append(kept)
         return kept
 
-    def _shape(self, groups: int) -> tuple[int, int]:
-        tp = len(self.groups[0]) if self.groups else self.mesh.size(self.tp)
-        sizes = {self.dp: groups, self.tp: tp}
+    def _shape(self, groups: int) -> tuple:
+        sizes = {self.dp: groups, **dict(zip(self.inner, self._inner_shape))}
         return tuple(sizes[n] for n in self.names)
 
     def rebuild(self, comm) -> None:
-        """A new mesh over ``comm`` (``select``'s): the complete groups along dp, tp kept."""
+        """A new mesh over ``comm`` (``select``'s): the complete replicas along dp, the other
+        axes kept."""
         self._made.extend(self.mesh.communicators())
         self.mesh = Mesh(self._shape(len(self.groups)), self.names, comm)

@@ -125,6 +125,23 @@ class PipelinedGPT:
         if self.tied_group is not None:
             self._tied = (ends[0].embed.weight if self.first else ends[-1].head.weight)
 
+    def communicators(self) -> list:
+        """The communicators this job made for itself (the runner's, the tied pair's): what
+        to revoke with the mesh's on a failure."""
+        return [*self.runner.communicators(),
+                *([self.tied_group] if self.tied_group is not None else [])]
+
+    def rebuild(self, mesh) -> None:
+        """Go on over ``mesh``, the survivors' after a failure (``collectives.elastic.mesh``:
+        the same pipeline positions, fewer data-parallel replicas): the runner over its pp
+        axis, each stage's data-parallel wrapper over its dp axis, the tied pair's group made
+        again. Collective over ``mesh``."""
+        self.runner.rebind(mesh.comm("pp"))
+        for m in self.stages:
+            if hasattr(m, "rebuild"):
+                m.rebuild(mesh.comm("dp"))
+        self.tied_group = _tied_group(mesh)
+
     def parameters(self):
         """What this rank's optimizer steps: its stages' parameters (its shards with ZeRO)."""
         seen = set()

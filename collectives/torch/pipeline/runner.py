@@ -169,6 +169,25 @@ class Pipeline:
         return True
 
     # -- the step -------------------------------------------------------------------------
+    def communicators(self) -> list:
+        """The communicator the runner's messages go over (to revoke on a failure)."""
+        return [self.comm]
+
+    def rebind(self, comm) -> None:
+        """Send over ``comm`` from now on: a group of the same size with this rank at the same
+        position (the survivors' pipeline after a failure: ``collectives.elastic.mesh``);
+        the old duplicate is left as it is, and what was sent or filed over it (shapes
+        announced, messages received early) is forgotten. Collective over ``comm`` (one
+        ``Dup``)."""
+        if (comm.Get_size(), comm.Get_rank()) != (self.comm.Get_size(), self.rank):
+            raise ValueError(f"rebind: the pipeline has {self.comm.Get_size()} ranks and this "
+                             f"one at {self.rank}, the new group {comm.Get_size()} and "
+                             f"{comm.Get_rank()}: the stages would not match")
+        self.comm = comm.Dup()
+        self._sent_shape.clear()
+        self._known_shape.clear()
+        self._mailbox.clear()
+
     def step(self, x=None, target=None) -> torch.Tensor:
         """One training step's forward and backward over every micro-batch; gradients are
         accumulated into this rank's stages' parameters (zero them between steps). Returns
