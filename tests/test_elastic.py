@@ -133,6 +133,7 @@ def test_an_averager_kept_as_an_extra_goes_back_with_the_commit_and_is_rebuilt()
     state.rebuild(new)
     state.restore()
     assert state.averager is avg and avg.step_count == 3 and avg.comm is new
+    assert avg.communicators() == [new]     # what a failure revokes with the communicator
     assert state.committed_steps() == (2, 3)
     new.Free()
 

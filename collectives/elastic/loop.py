@@ -181,6 +181,9 @@ class _Loop:
             backend = torch_backend()
             if backend is not None:     # torch's groups on the toolkit's backend
                 others += backend.communicators()
+            for value in state.extra.values():      # an averager's levels
+                if callable(getattr(value, "communicators", None)):
+                    others += value.communicators()
             new, gone = shrink(comm, others + made)
             _settle()
             lost += [names[r] for r in gone]

@@ -248,6 +248,11 @@ class _Averager:
                         f"that average")
         return error
 
+    def communicators(self) -> list:
+        """The communicators it averages over, innermost first (what a failure revokes:
+        ``collectives.elastic``)."""
+        return list(self.comms)
+
     def rebuild(self, comm) -> None:
         """Go on over ``comm``, the survivors of a failure (``collectives.elastic``; collective
         over it): the outermost level becomes ``comm``, and each inner level is made again
