@@ -70,6 +70,7 @@ SHRINK = {
     "bench memory": {"--calls": "20", "--warmup": "5", "--bytes": "4K"},
     "bench ddp": {"--rounds": "1", "--steps": "1", "--warmup": "1"},
     "bench zero": {"--rounds": "1", "--steps": "1"},
+    "bench elastic": {"--params-m": "0.5", "--rounds": "1", "--steps": "2", "--every": "1,2"},
     "bench pipeline": {"--microbatches": "2", "--steps": "1", "--warmup": "1"},
     "bench model --validate": {"-b": "8", "-e": "8", "--rounds": "1"},
     "bench -h": {}, "bench calibrate": {},  # help; a few seconds of ping-pongs

@@ -141,9 +141,6 @@ def test_only_every_kth_commit_is_written_and_old_ones_go(tmp_path):
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith("step-"))
     assert names == ["step-00000004", "step-00000006"]
     assert ck.written == 3
-    # the writer runs below the training thread (Linux: its own nice value)
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    assert os.getpriority(os.PRIO_PROCESS, ck._thread.native_id) >= min(19, mine + 1)
 
 
 def test_a_partial_checkpoint_is_dropped_when_a_job_starts(tmp_path):

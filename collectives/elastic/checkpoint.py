@@ -184,7 +184,6 @@ def _torch():
     return torch
 
 
-_NICE = 10
 _MAGIC = b"collectives.elastic shard 1\n"
 _CHUNK = 1 << 22
 
@@ -274,14 +273,6 @@ class Checkpointer:
             raise RuntimeError(f"writing a checkpoint failed: {self.error}") from self.error
 
     def _write_loop(self) -> None:
-        # Below the training threads: where the ranks have the cores to themselves, the writer
-        # takes what they leave (Linux: a thread's own nice value).
-        try:
-            me = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, me,
-                           min(19, os.getpriority(os.PRIO_PROCESS, me) + _NICE))
-        except (AttributeError, OSError):
-            pass
         while True:
             commit = self._queue.get()
             try:
