@@ -20,8 +20,11 @@ unit), which is all an optimizer sees.
    non-blocking collectives match); the end-of-backward callback waits for every launch in that
    order. Stage 1 averages the unit's flat gradient buffer (``param.grad`` are views into it, as
    DDP's ``gradient_as_bucket_view``) with an all-reduce; stages 2 and 3 pack the gradients into
-   one transient flat buffer, reduce-scatter it into the shard's gradient and drop the full
-   ones.
+   a flat buffer, reduce-scatter it into the shard's gradient and drop the full ones. The
+   packing buffers are ``PACKED`` slots of the largest unit's size, allocated with the flat
+   buffers and taken in turn (launch k packs into slot k mod ``PACKED``; at most ``PACKED - 1``
+   launches are in flight while the next one packs), so no backward allocates one: a registered
+   allocation is a collective that would stop every rank's backward at each launch.
    Stage 3 re-gathers a layer before its backward (a hook on the layer's outputs) and frees it
    once its gradients are launched. A layer run again by activation checkpointing
    (``collectives.torch.checkpoint``) is gathered for its recompute and kept until then. At the end of backward, units with unused parameters are
@@ -67,6 +70,9 @@ def flat_buffer(numel: int, dtype, device, comm=None) -> torch.Tensor:
     """A new zeroed 1-D tensor for a unit's flat parameters or gradients; registered on
     ``comm``'s node when ``comm`` is given and the tensor is on the host (collective then)."""
     return flat_zeros(numel, dtype, device, comm)
+
+
+PACKED = 3   # stages 2 and 3: packing buffers, one more than the launches kept in flight
 
 
 class _Unit:
@@ -136,6 +142,7 @@ class ShardedDataParallel(torch.nn.Module):
         self._sync = True
         self._synced_backward = False
         self._scratch = None
+        self._packed: list = []    # stages 2 and 3: the packing slots
         self._forward_seen: list = []
         self._next_in_forward: dict = {}
         self._shards = torch.nn.ParameterList()
@@ -203,6 +210,11 @@ class ShardedDataParallel(torch.nn.Module):
             if self.stage != 3 and self.nranks > 1 and self._units:
                 full = self._units[0].full
                 self._scratch = flat_buffer(biggest, full.dtype, full.device, self._reg)
+            if self.stage != 1 and self._units:
+                full = self._units[0].full
+                widest = max(u.full.padded for u in self._units)
+                self._packed = [flat_buffer(widest, full.dtype, full.device, self._reg)
+                                for _ in range(min(PACKED, len(self._units)))]
 
     # -- the optimizer's view -------------------------------------------------------------------
     def parameters(self, recurse: bool = True):
@@ -334,21 +346,25 @@ class ShardedDataParallel(torch.nn.Module):
                                          algorithm=self.algorithm)
             self._launcher.started(k, (work, None, None))
             return
+        # slot k mod PACKED held the launch PACKED before this one: it must have finished
+        self._launcher.drain(self._complete, keep=len(self._packed) - 1)
         full = unit.full
         packed = FlatBuffer(full.shapes, full.dtype, full.device, pad_to=self.nranks,
-                            alloc=functools.partial(flat_buffer, comm=self._reg))
+                            allocate=False)
+        packed.bind(self._packed[k % len(self._packed)][:full.padded])
         for p, view in zip(unit.params, packed.views):
             if p.grad is not None:
                 view.copy_(p.grad)
+            else:
+                view.zero_()
             p.grad = None
+        packed.flat[full.numel:].zero_()   # the padding (another unit's gradients before)
         if self.stage == 3:
             self._free(unit)
         out = torch.empty(unit.shard_numel, dtype=full.dtype, device=full.device)
         work = functional.reduce_scatter_tensor(out, packed.flat, "avg", comm=self.comm,
                                                 async_op=True, algorithm=self.algorithm)
         self._launcher.started(k, (work, out, packed))
-        # Bound the transient packed buffers: at most two units in flight.
-        self._launcher.drain(self._complete, keep=2)
 
     @staticmethod
     def _rebind_grad(p, view) -> None:
