@@ -11,11 +11,12 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
    on every rank at once, so that the cores are shared as in training (``_probe``): one block
    of the example's model at each micro-batch size, parallelized over its tensor-parallel
    group as training does it (the collectives, whose cost on cores shared by more ranks than
-   they have is the scheduler's more than the cost model's, and the recompute included),
-   and the tensor-parallel collectives alone; then what else the time model asks of the
-   network for the plans, on the plan's own axes, every rank at once: the data-parallel and
-   tied-pair collectives, and a pipeline's messages as its runner sends them while the ranks
-   around compute; the head and the optimizer by ``train_gpt.measured_compute``. The probe
+   they have is the scheduler's more than the cost model's, and the recompute included; a
+   width's recompute policies timed in turn within each repeat, a recomputed block priced no
+   cheaper than the plain one, ``layer_time``), and the tensor-parallel collectives alone;
+   then what else the time model asks of the network for the plans, on the plan's own axes,
+   every rank at once: the data-parallel and tied-pair collectives, and a pipeline's messages
+   as its runner sends them while the ranks around compute; the head and the optimizer by ``train_gpt.measured_compute``. The probe
    runs ``--probe-rounds`` times, one round after the other, and the plans are priced with
    each figure's median over the rounds (load from other jobs that comes and goes while it
    runs then falls on every plan alike, not on the blocks that happened to be measured then).
@@ -229,20 +230,24 @@ class _InSitu:
         (``measure`` first where the callers' order may differ between ranks)."""
         key = (b, tp, sp, recompute)
         if key not in self._cache:
-            self.measure(model, key)
+            self.measure(model, [key])
         return self._cache[key]
 
-    def measure(self, model, key) -> None:
-        """Time the block of ``key`` (micro-batch, tp, sp, recompute): collective over the
-        world."""
+    def measure(self, model, keys) -> None:
+        """Time the blocks of ``keys`` (micro-batch, tp, sp, recompute), which share one
+        micro-batch, tp and sp: each repeat runs every one of them once, so that load from
+        other jobs that comes and goes falls on them alike. Collective over the world."""
         import torch
 
         from collectives.plan import Plan
         from collectives.plan.timing import layer_comm
         from collectives.torch import checkpoint
         from collectives.torch import tensor_parallel as tpar
-        b, tp, sp, recompute = key
-        if key not in self._cache:
+        keys = [key for key in keys if key not in self._cache]
+        if not keys:
+            return
+        blocks = []
+        for b, tp, sp, recompute in keys:
             torch.manual_seed(0)
             gpt = self._ex.GPT(model.vocab, model.dim, model.heads, 1, model.attention)
             if tp > 1:
@@ -250,22 +255,24 @@ class _InSitu:
                                  self._ex.plan(gpt, sp, recompute))
             elif recompute != "none":
                 checkpoint.recompute(gpt, checkpoint.GPT_POLICIES[recompute])
-            block = gpt.blocks[0]
-            x = torch.randn(b, model.seq // tp if sp else model.seq, model.dim,
-                            requires_grad=True)
-            fw, bw = [], []
-            for _ in range(self.repeats + 1):
+            blocks.append(gpt.blocks[0])
+        b, tp, sp, _ = keys[0]
+        x = torch.randn(b, model.seq // tp if sp else model.seq, model.dim, requires_grad=True)
+        fw, bw = [[] for _ in keys], [[] for _ in keys]
+        for _ in range(self.repeats + 1):
+            for j, block in enumerate(blocks):
                 self._world.Barrier()
                 t0 = time.perf_counter()
                 out = block(x)
                 t1 = time.perf_counter()
                 out.float().pow(2).mean().backward()
-                fw.append(t1 - t0)
-                bw.append(time.perf_counter() - t1)
+                fw[j].append(t1 - t0)
+                bw[j].append(time.perf_counter() - t1)
+        for j, key in enumerate(keys):
             cf, cb, _ = layer_comm(self._net, model, Plan(1, tp, 1, sp, "1f1b", 1, 1, 0,
-                                                           recompute, b))
-            self._cache[key] = (max(statistics.median(fw[1:]) - cf, 0.0),
-                                max(statistics.median(bw[1:]) - cb, 0.0))
+                                                           key[3], b))
+            self._cache[key] = (max(statistics.median(fw[j][1:]) - cf, 0.0),
+                                max(statistics.median(bw[j][1:]) - cb, 0.0))
 
     def head(self, model, b: int, tp: int, sp: bool):
         """(forward, backward) seconds of the norm, head and loss, measured now."""
@@ -300,11 +307,10 @@ def _probe(ex, world, groups: dict, net, shape, plans, rounds: int = 1) -> tuple
     compute = _InSitu(ex, world, groups, probe)
     keys = set()
     for q in plans:
-        keys.add((q.micro_batch, q.tp, q.sequence_parallel, q.recompute))
-        if q.schedule == "zero_bubble" and q.pp > 1:   # its split backward asks for "none"
-            keys.add((q.micro_batch, q.tp, q.sequence_parallel, "none"))
-    for key in sorted(keys):
-        compute.measure(shape, key)
+        # a recomputed block is priced against the plain one (``layer_time``): both are timed
+        keys |= {(q.micro_batch, q.tp, q.sequence_parallel, r) for r in {q.recompute, "none"}}
+    for group in sorted({key[:3] for key in keys}):
+        compute.measure(shape, sorted(key for key in keys if key[:3] == group))
     from collectives import plan as planner
     asked = _Asked(probe)
     for q in plans:

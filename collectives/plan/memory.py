@@ -42,8 +42,8 @@ priced (``rank_memory`` prices any).
 Model states per rank (``P`` the rank's parameters: its stages' blocks, its tensor-parallel
 shards, the norms whole): parameters ``P wp`` (ZeRO-3: ``P wp / dp`` plus the layers gathered
 at once: two, or a whole block while it is recomputed), gradients ``P wg`` (ZeRO-2 and 3:
-``/ dp`` plus the packing slots: one per unit, at most three, each of the largest
-unit's size), optimizer state ``P wo`` (ZeRO 1-3: ``/ dp``);
+``/ dp`` plus the packing slots: every unit while there are at most three, else three of
+the largest), optimizer state ``P wo`` (ZeRO 1-3: ``/ dp``);
 ZeRO 1-2 also keep a scratch shard.
 
 Transients. End of forward on the last stage: the logits, their shifted copy and the softmax
@@ -76,6 +76,7 @@ __all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "rank_mem
            "scratch", "window_bytes", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 << 20  # DistributedDataParallel's and ZeRO's bucket_cap_mb
+FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's (``collectives.torch.buckets``)
 PACKED = 3               # ZeRO-2 and -3's packing slots (``collectives.torch.sharded``)
 
 
@@ -190,11 +191,17 @@ def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -
     # stage 3's units are layers, the largest a linear of the MLP or the embedding
     biggest = max(h * model.ffn // t, model.vocab * h // t if first or last else 0)
     if plan.zero >= 2:
-        # the shard's gradients and the packing slots (``sharded.PACKED``, one a unit at
-        # most), each of the largest unit's size: a bucket, or a layer under stage 3
-        units = -(-params * wg // BUCKET_BYTES) if plan.zero == 2 else blocks * 6 + 2
-        widest = min(BUCKET_BYTES, params * wg) if plan.zero == 2 else biggest * wg
-        out["grads"] = -(-params * wg // dp) + min(PACKED, units) * widest
+        # the shard's gradients and the packing slots (``sharded.PACKED``, one a unit at most;
+        # a slot is the largest of the units it packs in turn): every bucket while there are
+        # at most PACKED of them (the first holds FIRST_BUCKET_BYTES), else a bucket a slot;
+        # under stage 3 a unit is a layer
+        g = params * wg
+        if plan.zero == 2:
+            units = 1 + -(-max(g - FIRST_BUCKET_BYTES, 0) // BUCKET_BYTES)
+            packed = g if units <= PACKED else PACKED * BUCKET_BYTES
+        else:
+            packed = PACKED * biggest * wg
+        out["grads"] = -(-g // dp) + packed
     if plan.zero == 3:
         # the layer being used and the one prefetched (a whole block while it is recomputed)
         gathered = max(2 * biggest, per_layer if plan.recompute == "full" else 0) * wp

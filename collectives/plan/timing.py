@@ -36,7 +36,8 @@ from .memory import stage_layers
 from .model import GPTShape
 from .record import Plan
 
-__all__ = ["Network", "FlopRate", "Measured", "step_time", "lower_bound", "layer_comm"]
+__all__ = ["Network", "FlopRate", "Measured", "step_time", "lower_bound", "layer_comm",
+           "layer_time"]
 
 
 class Network:
@@ -200,6 +201,18 @@ class Measured:
         return self._cache[key]
 
 
+def layer_time(compute, model: GPTShape, b: int, tp: int, sp: bool,
+               recompute: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one block on one micro-batch from ``compute``, a
+    recomputed block's backward at least the plain block's: it runs the plain backward and part
+    of the forward again, so a measurement that finds it faster measured noise (plans that
+    differ only in their recompute would otherwise be ranked by it)."""
+    fwd, bwd = compute.layer(model, b, tp, sp, recompute)
+    if recompute == "none":
+        return fwd, bwd
+    return fwd, max(bwd, compute.layer(model, b, tp, sp, "none")[1])
+
+
 def layer_comm(net: Network, model: GPTShape, plan: Plan) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, bytes sent) of one block's tensor-parallel
     collectives on one micro-batch."""
@@ -262,7 +275,7 @@ def _stages(model: GPTShape, plan: Plan, net: Network, compute):
     S = p * v
     counts = stage_layers(model.layers, S)
     k = net.share
-    lf, lb = (k * x for x in compute.layer(model, b, t, sp, plan.recompute))
+    lf, lb = (k * x for x in layer_time(compute, model, b, t, sp, plan.recompute))
     cf, cb, _ = layer_comm(net, model, plan)
     hf, hb = (k * x for x in compute.head(model, b, t, sp))
     x = model.bytes[3] * b * model.seq * model.dim
@@ -303,7 +316,7 @@ def lower_bound(model: GPTShape, plan: Plan, net: Network, compute) -> float:
     S = p * v
     per, extra = divmod(model.layers, S)
     k = net.share
-    lf, lb = (k * x for x in compute.layer(model, b, t, sp, plan.recompute))
+    lf, lb = (k * x for x in layer_time(compute, model, b, t, sp, plan.recompute))
     cf, cb, _ = layer_comm(net, model, plan)
     hf, hb = (k * x for x in compute.head(model, b, t, sp))
     layer = lf + cf + lb + cb

@@ -21,8 +21,9 @@ unit), which is all an optimizer sees.
    order. Stage 1 averages the unit's flat gradient buffer (``param.grad`` are views into it, as
    DDP's ``gradient_as_bucket_view``) with an all-reduce; stages 2 and 3 pack the gradients into
    a flat buffer, reduce-scatter it into the shard's gradient and drop the full ones. The
-   packing buffers are ``PACKED`` slots of the largest unit's size, allocated with the flat
-   buffers and taken in turn (launch k packs into slot k mod ``PACKED``; at most ``PACKED - 1``
+   packing buffers are ``PACKED`` slots (one a unit at most), allocated with the flat buffers
+   and taken in turn (launch k packs into slot k mod ``PACKED``, whose size is the largest of
+   the units it packs; at most ``PACKED - 1``
    launches are in flight while the next one packs), so no backward allocates one: a registered
    allocation is a collective that would stop every rank's backward at each launch.
    Stage 3 re-gathers a layer before its backward (a hook on the layer's outputs) and frees it
@@ -211,10 +212,11 @@ class ShardedDataParallel(torch.nn.Module):
                 full = self._units[0].full
                 self._scratch = flat_buffer(biggest, full.dtype, full.device, self._reg)
             if self.stage != 1 and self._units:
-                full = self._units[0].full
-                widest = max(u.full.padded for u in self._units)
-                self._packed = [flat_buffer(widest, full.dtype, full.device, self._reg)
-                                for _ in range(min(PACKED, len(self._units)))]
+                # slot j packs the launches j, j + PACKED, ...: the largest of those units
+                full, count = self._units[0].full, min(PACKED, len(self._units))
+                self._packed = [
+                    flat_buffer(max(u.full.padded for u in self._launch_order[j::count]),
+                                full.dtype, full.device, self._reg) for j in range(count)]
 
     # -- the optimizer's view -------------------------------------------------------------------
     def parameters(self, recurse: bool = True):
