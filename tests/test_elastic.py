@@ -204,17 +204,16 @@ def test_run_refuses_what_it_cannot_do():
 
 def test_rebind_keeps_the_shards_or_refuses():
     from mpi4py import MPI
-    from collectives.elastic.mesh import rebind
     from collectives.torch import tensor_parallel as tp
     module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     tp.parallelize(module, MPI.COMM_SELF, {"0": "colwise", "1": "rowwise"})
     other = MPI.COMM_SELF.Dup()
-    rebind(module, other)
+    tp.rebind(module, other)
     assert all(m.comm is other for m in module if getattr(m, "tp_split", None))
     two = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
     if two is not None:
         with pytest.raises(ValueError, match="the shards would not match"):
-            rebind(module, two)
+            tp.rebind(module, two)
     other.Free()
 
 

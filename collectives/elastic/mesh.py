@@ -35,8 +35,8 @@ complete group: ``RanksLost``, by name. At (dp=3, tp=2) a failure leaves (dp=2, 
 ZeRO over dp (stages 1 and 2) is rebuilt too: the dropped group takes one dp rank from every tp
 coordinate, whose part its dp successor holds (``attach``).
 
-Sequence parallelism goes on too: ``rebind`` repoints its layers and the gradient hooks of its
-replicated parameters (``collectives.torch.tensor_parallel.rebind``).
+Sequence parallelism goes on too: ``collectives.torch.tensor_parallel.rebind`` repoints its
+layers and the gradient hooks of its replicated parameters.
 
 A pipeline axis works alike: on a ("dp", "pp") mesh a replica is a whole pipeline, and a job
 attached as ``pipeline=`` (``PipelinedGPT``) is rebuilt on the new mesh and its communicators
@@ -53,15 +53,7 @@ import math
 from ..mesh import Mesh
 from .loop import RanksLost
 
-__all__ = ["ElasticMesh", "rebind"]
-
-
-def rebind(module, comm) -> None:
-    """Point ``module``'s tensor-parallel layers and its sequence-parallel gradient hooks at
-    ``comm`` (same size and this rank's same index in it: the shards stay as they are); no
-    communication (``collectives.torch.tensor_parallel.rebind``)."""
-    from ..torch.tensor_parallel import rebind as tp_rebind
-    tp_rebind(module, comm)
+__all__ = ["ElasticMesh"]
 
 
 class ElasticMesh:
@@ -92,8 +84,8 @@ class ElasticMesh:
 
     def attach(self, state, module=None, model=None, pipeline=None) -> None:
         """Rebuild on the communicator that goes on after a failure: this mesh, ``module``'s
-        tensor-parallel layers (``rebind``), ``model`` (a data-parallel wrapper over the dp
-        axis: its ``rebuild``) and ``pipeline`` (a job over a "pp" axis with
+        tensor-parallel layers (``tensor_parallel.rebind``), ``model`` (a data-parallel
+        wrapper over the dp axis: its ``rebuild``) and ``pipeline`` (a job over a "pp" axis with
         ``rebuild(mesh)`` and ``communicators()``: ``collectives.torch.pipeline.gpt.
         PipelinedGPT``). DDP: the State's model is ``module`` (each rank commits its own
         shards or stages, the committed state of its replica). ZeRO (``ShardedDataParallel``
@@ -114,6 +106,7 @@ class ElasticMesh:
         def dp_axis(comm):
             self.rebuild(comm)
             if module is not None and self.tp in self.names:
+                from ..torch.tensor_parallel import rebind
                 rebind(module, self.mesh.comm(self.tp))
             if pipeline is not None:
                 pipeline.rebuild(self.mesh)

@@ -363,12 +363,18 @@ class _P2PWait:
         p2p.wait_all([self.request], self.what, self.comm)
 
 
+def _default_group():
+    """torch's default group where it is this backend's, else None."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return group if isinstance(group, ProcessGroupCollectives) else None
+
+
 def _default_comm():
     """The communicator whose ranks torch's ranks are: the default group's where it is this
     backend's (``init_process_group(comm=...)`` binds it), else ``COMM_WORLD``."""
     from mpi4py import MPI
-    group = dist.group.WORLD if dist.is_initialized() else None
-    return group._comm if isinstance(group, ProcessGroupCollectives) else MPI.COMM_WORLD
+    group = _default_group()
+    return MPI.COMM_WORLD if group is None else group._comm
 
 
 def _create(dist_opts, backend_options=None):
@@ -529,8 +535,8 @@ def rebuild(old, new) -> bool:
     store of ``new``'s ranks (the old one's server may have been a rank that is gone) and the
     old timeout. Collective over ``new``; whether it did. ``collectives.elastic`` calls it on
     the survivors of a failure, and on a replacement with the communicator it joins."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    if not isinstance(group, ProcessGroupCollectives) or group._comm != old:
+    group = _default_group()
+    if group is None or group._comm != old:
         return False
     timeout = group._timeout
     dist.destroy_process_group()
