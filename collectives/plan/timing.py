@@ -203,14 +203,19 @@ class Measured:
 
 def layer_time(compute, model: GPTShape, b: int, tp: int, sp: bool,
                recompute: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one block on one micro-batch from ``compute``, a
-    recomputed block's backward at least the plain block's: it runs the plain backward and part
-    of the forward again, so a measurement that finds it faster measured noise (plans that
-    differ only in their recompute would otherwise be ranked by it)."""
+    """(forward, backward) seconds of one block on one micro-batch from ``compute``. A
+    recomputed block's backward is the plain block's and the part of the forward it runs
+    again: at least the plain backward plus that part's share of the plain forward's
+    floating-point operations (all of it under full recompute, the attention core's
+    ``4 b s^2 h`` under selective). A measurement that finds it cheaper measured noise, and
+    would rank plans that differ only in their recompute by it."""
     fwd, bwd = compute.layer(model, b, tp, sp, recompute)
     if recompute == "none":
         return fwd, bwd
-    return fwd, max(bwd, compute.layer(model, b, tp, sp, "none")[1])
+    fwd0, bwd0 = compute.layer(model, b, tp, sp, "none")
+    share = 1.0 if recompute == "full" else \
+        4 * b * model.seq ** 2 * model.dim / model.layer_flops(b)
+    return fwd, max(bwd, bwd0 + share * fwd0)
 
 
 def layer_comm(net: Network, model: GPTShape, plan: Plan) -> tuple[float, float, float]:
