@@ -25,6 +25,9 @@ train (torch's ``Join``), and every rank leaves the context with the model of th
 trained to the end. ``static_graph=True`` fixes the buckets and how many times each
 parameter's gradient accumulates after the first iteration, so activation checkpointing
 (reentrant or not) and parameters used twice train correctly.
+``optimizer_in_backward(optimizer)`` steps the optimizer inside backward, bucket by bucket as
+each bucket's average arrives, so that the step overlaps the buckets still on the wire (torch's
+optimizer-in-backward); the training loop then calls no ``optimizer.step()``.
 ``find_unused_parameters=True`` lets parameters that got no gradient take part with zeros
 (a parameter unused on every rank keeps ``grad=None``, as in one process). Hooks hold weak
 references to the reducer, never strong ones. ``state_dict()`` is the module's
@@ -170,7 +173,7 @@ class DistributedDataParallel(nn.Module):
         its own is kept (its state must not hold the old communicator); the default one
         follows ``comm``."""
         old = self.reducer
-        hook, state = old.hook, old.state
+        hook, state, optimizer = old.hook, old.state, old.optimizer
         # Now, not when the old reducer is collected: the failed step's traceback keeps it.
         for handle in old.handles:
             handle.remove()
@@ -181,6 +184,7 @@ class DistributedDataParallel(nn.Module):
         self._attach(comm)
         if hook is not self.reducer.hook or not isinstance(state, DefaultState):
             self.reducer.set_hook(hook, None if isinstance(state, DefaultState) else state)
+        self.reducer.set_optimizer(optimizer)
 
     # -- what tests and tools look at -----------------------------------------------------------
     @property
@@ -269,6 +273,20 @@ class DistributedDataParallel(nn.Module):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         self.reducer.set_hook(hook, state)
+
+    def optimizer_in_backward(self, optimizer) -> None:
+        """Step ``optimizer`` at the end of every synchronized backward, one bucket at a time
+        as soon as that bucket's average has arrived (None: stop).
+
+        The step of the buckets reduced first then overlaps the communication of the rest.
+        The training loop calls ``optimizer.zero_grad()`` but no ``optimizer.step()``;
+        backward inside ``no_sync()`` steps nothing. Each param group holds only the bucket's
+        share of its parameters during a step, so the optimizer must update each parameter
+        from its own gradient and state (SGD, Adam, AdamW, ...: not L-BFGS, nor a gradient
+        clipped by the norm over all parameters). Every parameter the optimizer holds must be
+        one of this model's.
+        """
+        self.reducer.set_optimizer(optimizer)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The wrapped module's state dict: the same keys as without DDP."""

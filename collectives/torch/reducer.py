@@ -21,7 +21,9 @@ Reducer does, over the toolkit's collectives:
 4. *End of backward.* A callback queued on the autograd engine waits for every bucket in
    order, copies each hook's result into its bucket, and rescales where ``join()`` says so.
 5. *Write-back.* Gradients that are not bucket views are copied out; a parameter unused on
-   every rank gets ``grad=None`` back, as in one process.
+   every rank gets ``grad=None`` back, as in one process. With an optimizer in backward
+   (``DistributedDataParallel.optimizer_in_backward``) each bucket's parameters are stepped
+   right after its write-back, while the buckets after it are still on the wire.
 6. *Rebuild.* After the first synchronized backward the buckets are rebuilt once, in the
    order gradients actually became ready (rank 0's order, broadcast, so the same on every rank).
 
@@ -58,7 +60,7 @@ class CommStats:
     """
 
     __slots__ = ("steps", "wire_bytes", "span_s", "exposed_s", "last_span_s",
-                 "last_exposed_s")
+                 "last_exposed_s", "last_start")
 
     def __init__(self):
         self.reset()
@@ -69,6 +71,7 @@ class CommStats:
         self.wire_bytes = 0
         self.span_s = self.exposed_s = 0.0
         self.last_span_s = self.last_exposed_s = 0.0
+        self.last_start = 0.0   # time.perf_counter() at the last span's first launch
 
     def hidden_fraction(self) -> float:
         """The fraction of the communication span that overlapped backward (1.0 if none)."""
@@ -155,6 +158,7 @@ class Reducer:
         self.expected = None
         self.static_order: list[int] = []
         self.t_backward = 0.0
+        self.optimizer = None   # stepped bucket by bucket at the end of backward, if set
         self.build_buckets(None)
         self.ref = weakref.ref(self)
         self.handles = hook_parameters(params, self.ref, "grad_ready")
@@ -232,6 +236,7 @@ class Reducer:
         self.calls = [0] * len(self.params)
         self.static_order = []
         self.t_first = None
+        self.t_reduced = None
 
     def start_backward(self) -> None:
         """Queue the end-of-backward callback on the backward that runs now."""
@@ -365,19 +370,28 @@ class Reducer:
                 # Every rank takes part: which parameters were used anywhere since the last sync.
                 used = torch.frombuffer(self.used, dtype=torch.uint8).to(torch.int32)
                 functional.all_reduce(used, "max", comm=self.comm)
-            self.launcher.drain(self.into_place)
-            t_done = time.perf_counter()
-            if self.rescale != 1.0:  # join(): the hook averaged over ranks sending zeros
-                for b in self.buckets:
-                    b.flat.mul_(self.rescale)
-            self.write_back(used)
-            self.account(t_end, t_done)
+            shares = self.optimizer_shares() if self.optimizer is not None else None
+            self.launcher.drain(functools.partial(self.finish_bucket, used, shares))
+            self.account(t_end, self.t_reduced)
             if self.rebuild_pending:
                 self.rebuild()
         finally:
             self.used = bytearray(len(self.params))
             self.none_before = []
             self.reset_iteration()
+
+    def finish_bucket(self, used, shares, k: int, fut) -> None:
+        """Bucket ``k``'s hook is done: its average into place, rescaled (``join()``: the hook
+        averaged over ranks sending zeros), written back, and its share of the optimizer
+        stepped (``shares``: ``optimizer_shares()``, or None)."""
+        b = self.buckets[k]
+        self.into_place(k, fut)
+        self.t_reduced = time.perf_counter()
+        if self.rescale != 1.0:
+            b.flat.mul_(self.rescale)
+        self.write_back(b, used)
+        if shares is not None and any(shares[k]):
+            self.step_share(shares[k])
 
     def into_place(self, k: int, fut) -> None:
         """Wait for bucket ``k``'s hook and copy its result into the bucket if elsewhere."""
@@ -391,18 +405,20 @@ class Reducer:
             if value.data_ptr() != b.flat.data_ptr():
                 b.flat.copy_(value.view(-1))
 
-    def write_back(self, used) -> None:
-        """Gradients out of the buckets where they are not views; ``None`` back where a
+    def write_back(self, b: Bucket, used) -> None:
+        """Bucket ``b``'s gradients out where they are not views; ``None`` back where a
         parameter was unused on every rank (``used``: the agreed flags, or None)."""
         with torch.no_grad():
             if not self.gradient_as_bucket_view:
-                for i, p in enumerate(self.params):
-                    b, pos = self.slots[i]
+                for pos, i in enumerate(b.members):
+                    p = self.params[i]
                     if p.grad is None:
                         p.grad = b.views[pos].clone()
                     else:
                         p.grad.copy_(b.views[pos])
             for i in self.none_before:
+                if self.slots[i][0] is not b:
+                    continue
                 p = self.params[i]
                 if used is not None and not used[i]:
                     p.grad = None  # unused on every rank: as in one process
@@ -411,12 +427,55 @@ class Reducer:
                     p.grad = b.views[pos] if self.gradient_as_bucket_view \
                         else b.views[pos].clone()
 
+    # -- optimizer in backward -----------------------------------------------------------------
+    def set_optimizer(self, optimizer) -> None:
+        """Step ``optimizer`` bucket by bucket at the end of each synchronized backward (None:
+        never); every parameter it holds must be one of this reducer's."""
+        if optimizer is not None:
+            mine = {id(p) for p in self.params}
+            foreign = [p for g in optimizer.param_groups for p in g["params"]
+                       if id(p) not in mine]
+            if foreign:
+                raise ValueError(f"{len(foreign)} of the optimizer's parameters are not "
+                                 f"parameters of this DistributedDataParallel (that require "
+                                 f"gradients); it steps only its own, bucket by bucket")
+        self.optimizer = optimizer
+
+    def optimizer_shares(self) -> list:
+        """For each bucket, its parameters in each of the optimizer's param groups (read at
+        every backward: groups may be added between steps)."""
+        where = {id(p): self.slots[i][0].index for i, p in enumerate(self.params)}
+        groups = self.optimizer.param_groups
+        shares = [[[] for _ in groups] for _ in self.buckets]
+        for j, g in enumerate(groups):
+            for p in g["params"]:
+                k = where.get(id(p))
+                if k is None:
+                    raise RuntimeError("the optimizer in backward holds a parameter that is "
+                                       "not one of this DistributedDataParallel's")
+                shares[k][j].append(p)
+        return shares
+
+    def step_share(self, share) -> None:
+        """``optimizer.step()`` over one bucket's parameters: each param group holds only its
+        share during the call (hyperparameters, state and schedulers stay the group's own)."""
+        groups = self.optimizer.param_groups
+        full = [g["params"] for g in groups]
+        try:
+            for g, part in zip(groups, share):
+                g["params"] = part
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, full):
+                g["params"] = params
+
     # -- statistics ---------------------------------------------------------------------------
-    def account(self, t_end: float, t_done: float) -> None:
+    def account(self, t_end: float, t_done) -> None:
         s = self.stats
         s.steps += 1
         s.wire_bytes = getattr(self.state, "wire_bytes", 0)
-        if self.t_first is not None:
+        if self.t_first is not None and t_done is not None:
+            s.last_start = self.t_first
             s.last_span_s = t_done - self.t_first
             s.last_exposed_s = t_done - t_end
             s.span_s += s.last_span_s
