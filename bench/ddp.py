@@ -15,6 +15,9 @@ spread over many tensors, on random token windows of ``--seq`` tokens):
 - ``ours_nothread``: the same with ``COLLECTIVES_PROGRESS_THREAD=0`` during its steps: no
   progress thread, the bytes move when DDP's gradient hooks poll and in the end-of-backward
   wait (for machines without a spare core per rank);
+- ``ours_step``: ``ours`` with the optimizer stepped inside backward, bucket by bucket as
+  each bucket's average arrives (``DistributedDataParallel.optimizer_in_backward``), so the
+  step overlaps the buckets still on the wire;
 - ``gloo``: ``torch.nn.parallel.DistributedDataParallel`` over torch's gloo backend (file
   store, ranks from MPI);
 - ``no_overlap``: the same model with its gradients in one flat buffer, averaged by one
@@ -28,12 +31,13 @@ spread over many tensors, on random token windows of ``--seq`` tokens):
   (``collectives.torch.backend``): torch's C++ Reducer, our allreduce.
 
 ``--link`` (on the one-machine cluster of ``python -m bench cluster``, whose hosts share one
-clock): where ``ours``'s steps go. The first rank of each host samples its link's byte
-counters (``bench.cluster.link_bytes``) every 2 ms while ``ours`` is timed, and the table
-gives, in ms from the step's start (medians over the timed steps): the end of the forward
-(the slowest rank), the first bucket's launch (the first rank), the first and last 10 ms in
-which a host's link carried at least half its busiest 10 ms in either direction, the idle
-10 ms slices between them, the end of the last bucket's reduction and the step's end.
+clock): where the steps of ``ours`` and ``ours_step`` go. The first rank of each host samples
+its link's byte counters (``bench.cluster.link_bytes``) every 2 ms while they are timed, and
+the table gives, in ms from the step's start (medians over the timed steps): the end of the
+forward (the slowest rank), the first bucket's launch (the first rank), the first and last 10
+ms in which a host's link carried at least half its busiest 10 ms in either direction, the
+idle 10 ms slices between them, the end of backward (every bucket reduced; for
+``ours_step`` also stepped) and the step's end.
 
 Variants run interleaved in rounds within the same job, so load on the machine hits all of
 them alike; a step's time is the slowest rank's, and the table shows medians, each variant's
@@ -55,10 +59,11 @@ import time
 
 __all__ = ["main", "mlp", "VARIANTS"]
 
-VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "gloo", "no_overlap", "single",
-            "torch_ours", "ours_timeline")
+VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "ours_step", "gloo", "no_overlap",
+            "single", "torch_ours", "ours_timeline")
 DEFAULT_VARIANTS = ("ours", "ours_ordinary", "ours_nothread", "gloo", "no_overlap", "single")
-_OURS = ("ours", "ours_ordinary", "ours_nothread", "ours_timeline")
+_OURS = ("ours", "ours_ordinary", "ours_nothread", "ours_step", "ours_timeline")
+_LINKED = ("ours", "ours_step")   # --link samples their steps
 
 
 def mlp(params_m: float = 25.0, width: int = 2048, io: int = 1024):
@@ -99,7 +104,7 @@ def _parser():
                    help="optimizer.zero_grad(set_to_none=...): 'none' (torch's default) frees "
                         "the gradients each step, 'zeros' zeroes them in place")
     p.add_argument("--link", action="store_true",
-                   help="ours: where each step goes by the hosts' link counters (on "
+                   help="ours, ours_step: where each step goes by the hosts' link counters (on "
                         "python -m bench cluster; see the module doc)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
@@ -261,6 +266,8 @@ def main(argv=None) -> int:
     flat = _Flat(models["no_overlap"], comm, args.algorithm) if "no_overlap" in models \
         else None
     opts = {v: torch.optim.SGD(m.parameters(), lr=1e-4) for v, m in models.items()}
+    if "ours_step" in models:
+        models["ours_step"].optimizer_in_backward(opts["ours_step"])
     phases = {"backward": [], "allreduce": []}   # no_overlap's, while timing
     n_params = sum(p.numel() for p in build().parameters())
     gen = torch.Generator().manual_seed(rank)
@@ -284,11 +291,11 @@ def main(argv=None) -> int:
         loss = loss_fn(models[v](x), y)
         t0 = time.perf_counter()
         loss.backward()
-        if timing and args.link and v == "ours":
+        if timing and args.link and v in _LINKED:
             done = time.perf_counter()
-            first = done - models[v].stats.last_span_s
-            opts[v].step()
-            marks.append((start, t0, first, done, time.perf_counter()))
+            if v == "ours":
+                opts[v].step()
+            marks[v].append((start, t0, models[v].stats.last_start, done, time.perf_counter()))
             return
         if v == "no_overlap":
             t1 = time.perf_counter()
@@ -296,7 +303,8 @@ def main(argv=None) -> int:
             if timing:
                 phases["backward"].append(t1 - t0)
                 phases["allreduce"].append(time.perf_counter() - t1)
-        opts[v].step()
+        if v != "ours_step":  # stepped inside backward
+            opts[v].step()
 
     # ``ours`` runs with the thread unless the setting says otherwise (auto: on).
     before = config.get("COLLECTIVES_PROGRESS_THREAD")
@@ -306,9 +314,11 @@ def main(argv=None) -> int:
 
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}  # process CPU time (all threads), the work behind a step
-    marks = []   # --link: ours's steps, (start, forward done, first launch, reduced, end)
+    # --link: the steps of each variant in _LINKED, (start, forward done, first launch,
+    # reduced, end)
+    marks = {v: [] for v in _LINKED if v in models}
     sampler = None
-    if args.link and "ours" in models:
+    if args.link and marks:
         host = comm.Split_type(MPI.COMM_TYPE_SHARED)
         if host.Get_rank() == 0:
             sampler = _LinkSampler()
@@ -326,7 +336,7 @@ def main(argv=None) -> int:
             for _ in range(args.steps):
                 comm.Barrier()
                 if sampler is not None:
-                    sampler.on = v == "ours"
+                    sampler.on = v in marks
                 c0, t0 = time.process_time(), time.perf_counter()
                 step(v)
                 dt = time.perf_counter() - t0
@@ -335,16 +345,18 @@ def main(argv=None) -> int:
                 cpu[v].append(comm.allreduce(dc, op=MPI.MAX))
     timing = False
     link = {}
-    if args.link and "ours" in models:
+    if args.link and marks:
         rows = sampler.close() if sampler is not None else None
         every = comm.gather(marks, root=0)
         hosts = [r for r in comm.gather(rows, root=0) or () if r]
         if rank == 0 and sampler_on and hosts:
-            # per step: the earliest start, the slowest forward, the first launch, the last
-            # reduction and end over the ranks
-            steps = [(min(m[0] for m in ms), max(m[1] for m in ms), min(m[2] for m in ms),
-                      max(m[3] for m in ms), max(m[4] for m in ms)) for ms in zip(*every)]
-            link = link_breakdown(steps, hosts)
+            for v in marks:
+                # per step: the earliest start, the slowest forward, the first launch, the last
+                # reduction and end over the ranks
+                steps = [(min(m[0] for m in ms), max(m[1] for m in ms), min(m[2] for m in ms),
+                          max(m[3] for m in ms), max(m[4] for m in ms))
+                         for ms in zip(*(e[v] for e in every))]
+                link[v] = link_breakdown(steps, hosts)
     hidden = {v: comm.allreduce(models[v].stats.hidden_fraction(), op=MPI.MIN)
               for v in _OURS if v in models}
     # Every variant ran the same steps on the same data from the same start: the DDP ones
@@ -416,9 +428,9 @@ def _print(r) -> None:
         print(f"# no_overlap: backward {ph['backward']:.1f} ms, allreduce of every gradient "
               f"after it {ph['allreduce']:.1f} ms (communication / backward = "
               f"{ph['allreduce'] / ph['backward']:.2f})")
-    if r.get("link_ms"):
-        print("# ours, where a step goes (ms from its start, medians): " + ", ".join(
-            f"{k} {v:.0f}" for k, v in r["link_ms"].items()))
+    for v, link in r.get("link_ms", {}).items():
+        print(f"# {v}, where a step goes (ms from its start, medians): " + ", ".join(
+            f"{k} {ms:.0f}" for k, ms in link.items()))
     if "ours_timeline" in med and "ours" in med:
         print(f"# timeline overhead: ours_timeline / ours = "
               f"{med['ours_timeline'] / med['ours']:.3f} (wall), "
