@@ -338,7 +338,11 @@ def warm_up(args, world, text) -> None:
     sequence and micro-batches, with one block a stage: the code and the first-use
     allocations of the libraries, which depend on the sizes of the matrices and messages
     (the math library's and the MPI library's buffers for large operands), are then held
-    before ``run`` takes its baseline, and what it measures is the model's."""
+    before ``run`` takes its baseline, and what it measures is the model's. The C heap's free
+    pages go back to the system first (``measure.trim``): the heap the plan finds free is then
+    its warm-up's, the same whichever plans ran before it in the process."""
+    from collectives.plan import measure
+    measure.trim()
     warm = argparse.Namespace(**vars(args))
     warm.layers, warm.steps = args.pp * args.virtual, 2
     run(warm, world, text)
