@@ -234,6 +234,106 @@ def test_held_is_what_the_pipeline_runner_keeps(name, v, monkeypatch):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
+                                     ("interleaved", 2)])
+def test_graded_is_when_a_plain_stage_holds_gradients(name, v):
+    """A stage without data parallelism runs plain: after the optimizer's ``zero_grad`` its
+    gradients are gone, and they come back at its first backward that accumulates them;
+    after each compute action of the second step, the stages of this rank that hold any
+    gradient are ``plan.memory.graded``'s."""
+    from mpi4py import MPI
+
+    from collectives.plan.memory import graded
+    from collectives.torch import pipeline as pp
+    from collectives.torch.pipeline import runner as runner_module
+    from mpiutil import assert_all
+    world = MPI.COMM_WORLD
+    p, m, width, rows = world.Get_size(), 4, 16, 8
+    if p < 2:
+        pytest.skip("needs 2 ranks or more")
+    try:
+        sched = pp.schedule(name, p, m, v)
+    except ValueError:
+        pytest.skip("schedule not defined for these sizes")
+    r, S = world.Get_rank(), p * v
+    torch.manual_seed(0)
+    every = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+             for _ in range(S)]
+    mine = sched.local_stages(r)
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    runner = pp.Pipeline([every[s] for s in mine], comm=world, schedule=sched,
+                         loss_fn=lambda z, t: (z - t).square().mean())
+    opt = torch.optim.SGD([q for s in mine for q in every[s].parameters()], lr=0.1)
+    seen = []
+    compute = (runner_module.F, runner_module.B, runner_module.W)
+
+    class Watched(list):
+        def __iter__(self):
+            for action in list.__iter__(self):
+                yield action
+                if action[0] in compute:
+                    seen.append(tuple(s for s in mine
+                                      if any(q.grad is not None
+                                             for q in every[s].parameters())))
+
+    runner._actions = Watched(runner._actions)
+    runner.step(x, y)
+    opt.step()
+    opt.zero_grad()
+    seen.clear()
+    runner.step(x, y)
+    want = list(graded(name, p, m, v, r))
+    assert_all(seen == want, f"rank {r}: stages with gradients {seen}, graded {want}")
+
+
+def test_a_plain_pipeline_stage_holds_its_gradients_from_its_first_backward():
+    """GPipe's fullest moment, the end of the forwards, precedes every backward: a plain
+    stage (no data parallelism) holds no gradient then, a data-parallel one (whose buckets
+    keep them) all of its; 1F1B's first rank is fullest after a backward, with all of them."""
+    from collectives.plan.memory import rank_memory
+    shape = plan.gpt(4, 128, 4, 64, 264, attention="math")
+
+    def grads(dp, schedule, r):
+        q = Plan(dp, 4 // dp // 2, 2, False, schedule, 1, 4, 0, "none", 16 // dp // 4)
+        return rank_memory(shape, q, r)[1]["grads"]
+
+    assert grads(1, "gpipe", 1) == 0
+    assert grads(1, "1f1b", 0) > 0
+    assert grads(2, "gpipe", 1) > 0
+    for schedule in ("gpipe", "1f1b"):
+        total, terms = rank_memory(shape, Plan(1, 2, 2, False, schedule, 1, 4, 0, "none", 4),
+                                   1)
+        assert total == sum(v for k, v in terms.items() if k != "rank")
+
+
+def test_host_slack_is_what_the_allocator_maps():
+    """A tensor too large for the heap's free space is mapped on its own, in whole pages
+    behind its headers: the mapped bytes (glibc's ``mallinfo2``) are its size plus
+    ``host_slack``, on both sides of a page boundary."""
+    import ctypes
+    import ctypes.util
+
+    from collectives.plan import measure
+    from collectives.plan.memory import PAGE, host_slack
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallinfo2") or not measure.steady_allocator():
+        pytest.skip("needs glibc's mallinfo2 and mallopt")
+    libc.mallinfo2.restype = Info
+    keep, found = [], []
+    for x in (8 << 20, (8 << 20) + 4, (8 << 20) + PAGE - 136, (8 << 20) + PAGE - 132):
+        before = libc.mallinfo2().hblkhd
+        keep.append(torch.empty(x, dtype=torch.uint8))
+        found.append((x, libc.mallinfo2().hblkhd - before - x, host_slack([x])))
+    assert all(got == want for _, got, want in found), found
+    assert host_slack([measure.MMAP_THRESHOLD - 4]) == 0
+
+
+@pytest.mark.mpi
 def test_node_windows_priced_are_the_ones_the_calls_map():
     """``scratch`` asks the selection table whether a call maps the node's shared window: for
     the calls the plans make (the tensor-parallel activations out of place, the loss's sums

@@ -35,9 +35,13 @@ interleaved and zero bubble as they are built: ``in_flight``), and the hidden st
 (``e n' h`` each) the runner keeps: every stage output (kept for its backward, then by its
 send) and every input gradient it sent, until the step's sends complete at its end. The peak
 is the moment that holds the most bytes of both, graphs times their stages' saved bytes plus
-hidden states times one's. The fullest rank is the pipeline's first (the most blocks,
-in-flight micro-batches and the embedding) or its last (the head and the loss): those two are
-priced (``rank_memory`` prices any).
+hidden states times one's, plus, on a stage without data parallelism, the gradients it holds
+then: such a stage runs plain (``pipeline.gpt``), no bucket keeps its gradients, the
+optimizer's ``zero_grad`` drops them after each step and the stage's first backward of the next
+makes them again (``graded``), so a GPipe rank's fullest moment, the end of its forwards, holds
+none of them; the optimizer's step holds all of them. The fullest rank is the pipeline's
+first (the most blocks, in-flight micro-batches and the embedding) or its last (the head and
+the loss): those two are priced (``rank_memory`` prices any).
 
 Model states per rank (``P`` the rank's parameters: its stages' blocks, its tensor-parallel
 shards, the norms whole): parameters ``P wp`` (ZeRO-3: ``P wp / dp`` plus the layers gathered
@@ -53,6 +57,13 @@ optimizer step: one float32 temporary of its parameters (AdamW's ``foreach`` squ
 The peak is the larger of (states + activations + backward transient) and (states + optimizer
 temporary).
 
+Pages. On host memory a tensor of ``MMAP_THRESHOLD`` bytes or more is mapped on its own
+(``plan.measure``'s allocator setting), in whole pages behind its headers: ``host_slack``, a
+page more for a power-of-two size (3% of a 128 KiB tensor, 6% of a 64 KiB one). Each tensor a
+block saves, the ends' tensors, each message, the transients, and the parameters, gradients
+and AdamW's state where they are tensors of their own (not ZeRO's flat buffers nor the
+data-parallel buckets) are priced so.
+
 Scratch. On host memory (the toolkit's CPU path) a communicator whose collectives take the
 node's shared-memory path maps one window of ``SLOTS`` slots of ``COLLECTIVES_SHM_CHUNK_BYTES``
 per rank, and every rank faults in all of them: ``k (header + 4 chunk)`` resident bytes for a
@@ -66,44 +77,73 @@ one-pass collectives also touch slices of the peers' registered buffers (``scrat
 from __future__ import annotations
 
 import functools
+import mmap
 
 import numpy as np
 
+from .measure import MMAP_THRESHOLD
 from .model import GPTShape
 from .record import Plan
 
 __all__ = ["layer_activations", "stage_layers", "in_flight", "memory", "rank_memory", "held",
-           "scratch", "window_bytes", "BUCKET_BYTES"]
+           "graded", "host_slack", "scratch", "window_bytes", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 << 20  # DistributedDataParallel's and ZeRO's bucket_cap_mb
 FIRST_BUCKET_BYTES = 1 << 20  # the first bucket's (``collectives.torch.buckets``)
 PACKED = 3               # ZeRO-2 and -3's packing slots (``collectives.torch.sharded``)
+PAGE = mmap.PAGESIZE
+# what glibc maps for torch's posix_memalign(64, x) beyond x: the alignment plus a minimum
+# chunk (64 + 32), each request rounded to 16 bytes with its 8-byte header (16 + 16), and the
+# mapped chunk's own header (8)
+ALIGN_SLACK = 136
 
 
-def layer_activations(model: GPTShape, b: int, tp: int, sp: bool, recompute: str) -> int:
-    """Bytes one block saves for backward on one micro-batch of ``b`` sequences, per rank."""
+def _block_tensors(model: GPTShape, b: int, tp: int, sp: bool, recompute: str) -> list[int]:
+    """The tensors one block saves for backward on one micro-batch, per rank, in bytes."""
     e = model.bytes[3]
     s, h, f, a = model.seq, model.dim, model.ffn, model.heads
     n = b * s
     nl = n // tp if sp else n
     if recompute == "full":
-        return e * nl * h
-    kept = e * (2 * nl * h + 2 * n * h + 4 * n * h // tp + 2 * n * f // tp) + 16 * nl
+        return [e * nl * h]
+    # the norms' inputs and statistics, q/k/v's and fc1's inputs, q/k/v, the core's output,
+    # GELU's input and output
+    kept = [e * nl * h, 4 * nl, 4 * nl, e * n * h, e * 3 * n * h // tp, e * n * h // tp,
+            e * nl * h, 4 * nl, 4 * nl, e * n * h, e * n * f // tp, e * n * f // tp]
     if recompute == "selective":
         return kept
     if model.attention == "math":
-        return kept + e * b * (a // tp) * s * s + s * s
-    return kept + 4 * b * (a // tp) * s
+        return kept + [e * b * (a // tp) * s * s, s * s]
+    return kept + [4 * b * (a // tp) * s]
+
+
+def layer_activations(model: GPTShape, b: int, tp: int, sp: bool, recompute: str) -> int:
+    """Bytes one block saves for backward on one micro-batch of ``b`` sequences, per rank."""
+    return sum(_block_tensors(model, b, tp, sp, recompute))
+
+
+def _edge_tensors(model: GPTShape, b: int, tp: int, sp: bool, first: bool,
+                  last: bool) -> list[int]:
+    e, n, h = model.bytes[3], b * model.seq, model.dim
+    nl = n // tp if sp else n
+    out = [8 * n, n] if first else []
+    if last:
+        out += [e * nl * h, 4 * nl, 4 * nl, e * n * h, e * n * model.vocab // tp, 8 * n, n]
+    return out
 
 
 def _edge_activations(model: GPTShape, b: int, tp: int, sp: bool, first: bool,
                       last: bool) -> int:
-    e, n, h = model.bytes[3], b * model.seq, model.dim
-    nl = n // tp if sp else n
-    out = 9 * n if first else 0
-    if last:
-        out += e * nl * h + 8 * nl + e * n * h + e * n * model.vocab // tp + 9 * n
-    return out
+    return sum(_edge_tensors(model, b, tp, sp, first, last))
+
+
+def host_slack(tensors) -> int:
+    """What host memory holds beyond the bytes of ``tensors`` (each a size in bytes): a block
+    of ``MMAP_THRESHOLD`` bytes or more that the heap's free space does not hold is mapped on
+    its own (``plan.measure``'s allocator setting), in whole pages, behind torch's 64-byte
+    alignment and the C library's chunk headers, so that a tensor of a power-of-two size
+    takes one page more."""
+    return sum(-(-(x + ALIGN_SLACK) // PAGE) * PAGE - x for x in tensors if x >= MMAP_THRESHOLD)
 
 
 def stage_layers(layers: int, stages: int) -> list[int]:
@@ -164,14 +204,65 @@ def held(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=16384)
-def _held_matrix(schedule: str, p: int, m: int, v: int, rank: int):
+def graded(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
+    """The stages of pipeline rank ``rank`` whose gradients exist after each of its actions
+    (``held``'s moments) in a step that starts without them, as a plain stage's does (the
+    optimizer's ``zero_grad`` drops them): a stage's from the end of its first backward that
+    accumulates them (B, or W where the backward is split)."""
+    from collectives.torch.pipeline.schedules import B, SCHEDULES, W
+    order, split, _ = SCHEDULES[schedule]
+    accumulating = W if split else B
+    have: set = set()
+    moments = []
+    for kind, _mb, s in order(rank, p, m, v):
+        if kind == accumulating:
+            have.add(s)
+        moments.append(tuple(sorted(have)))
+    return tuple(moments)
+
+
+@functools.lru_cache(maxsize=16384)
+def _held_matrix(schedule: str, p: int, m: int, v: int, rank: int, plain: bool = False):
     """``held`` as a matrix, a row a moment: the graphs of each of the rank's stages (in
-    order r, r + p, ...), then the hidden states; priced by one product (the search prices
-    thousands of plans)."""
+    order r, r + p, ...), then the hidden states, then (``plain``) whether each stage's
+    gradients exist (``graded``); priced by one product (the search prices thousands of
+    plans)."""
     stages = list(range(rank, p * v, p))
     rows = [[dict(graphs).get(s, 0) for s in stages] + [sent]
-            for graphs, sent in held(schedule, p, m, v, rank)]
+            + ([int(s in have) for s in stages] if plain else [])
+            for (graphs, sent), have in zip(held(schedule, p, m, v, rank),
+                                            graded(schedule, p, m, v, rank))]
     return np.unique(np.array(rows, dtype=np.float64), axis=0)
+
+
+def _param_tensors(model: GPTShape, plan: Plan, blocks: int, first: bool,
+                   last: bool) -> list[int]:
+    """The rank's parameter tensors, in elements: a block's q/k/v, projection, fc1 and fc2
+    shards and its norms' weights and biases, the embedding's and the head's shards and the
+    final norm on the end stages (``_states`` counts the same)."""
+    t, h, f, V = plan.tp, model.dim, model.ffn, model.vocab
+    out = blocks * [3 * h * h // t, h * h // t, f * h // t, h * f // t, h, h, h, h]
+    if first:
+        out.append(V * h // t)
+    if last:
+        out += [h, h] + ([V * h // t] if (plan.pp > 1 or not model.tied) else [])
+    return out
+
+
+def _state_slack(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool,
+                 plain: bool) -> tuple[int, int, int]:
+    """``host_slack`` of the parameters, the gradients and the optimizer's state, tensor by
+    tensor where they are the model's own tensors: not where ZeRO packs them into flat
+    buffers (parameters and state), nor where data-parallel buckets hold the gradients (a
+    plain pipeline stage keeps them per parameter); AdamW keeps its state per parameter, in
+    float32 tensors of the parameter's shape."""
+    wp, wg, wo, _ = model.bytes
+    sizes = _param_tensors(model, plan, blocks, first, last)
+    flat = plan.zero >= 1 and plan.dp > 1
+    if flat:
+        return 0, 0, 0
+    return (host_slack(wp * x for x in sizes), host_slack(wg * x for x in sizes) if plain else 0,
+            (wo // 4) * host_slack(4 * x for x in sizes))
 
 
 def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -> dict:
@@ -284,29 +375,62 @@ def rank_memory(model: GPTShape, plan: Plan, r: int, ranks_per_node: int = 0) ->
     stages = list(range(r, S, p))
     first, last = 0 in stages, S - 1 in stages
     states = _states(model, plan, sum(counts[s] for s in stages), first, last)
-    graph = {s: counts[s] * per_layer + _edge_activations(model, b, t, sp, s == 0, s == S - 1)
+    # on the host, the pages each tensor rounds up to (``host_slack``)
+    host = ranks_per_node > 0
+    block_slack = host_slack(_block_tensors(model, b, t, sp, plan.recompute)) if host else 0
+    graph = {s: counts[s] * (per_layer + block_slack)
+             + _edge_activations(model, b, t, sp, s == 0, s == S - 1)
+             + (host_slack(_edge_tensors(model, b, t, sp, s == 0, s == S - 1)) if host else 0)
              for s in stages}
+    # a stage without data parallelism runs plain (``pipeline.gpt``): no bucket keeps its
+    # gradients, the optimizer's zero_grad drops them, and its backward makes them again
+    plain = p > 1 and plan.dp == 1
+    slack = [_state_slack(model, plan, counts[s], s == 0, s == S - 1, plain) if host
+             else (0, 0, 0) for s in stages]
+    grads = states["grads"] + sum(g for _, g, _ in slack) if plain else 0
     if p > 1:
         # the graphs in flight, and the hidden states the runner keeps (the stages' outputs,
-        # for their backward and then in their sends, and the input gradients it sent), at
-        # the moment of the step that holds the most of both (``held``)
+        # for their backward and then in their sends, and the input gradients it sent), and
+        # a plain stage's gradients from its first backward, at the moment of the step that
+        # holds the most of them (``held``)
         message = e * (n // t if sp else n) * h
-        moments = _held_matrix(plan.schedule, p, plan.microbatches, v, r)
-        acts = int((moments @ np.array([graph[s] for s in stages] + [message],
-                                       dtype=np.float64)).max())
+        price = [graph[s] for s in stages] + [message + (host_slack([message]) if host else 0)]
+        if plain:
+            price += [_states(model, plan, counts[s], s == 0, s == S - 1)["grads"] + g
+                      for s, (_, g, _) in zip(stages, slack)]
+        moments = _held_matrix(plan.schedule, p, plan.microbatches, v, r, plain)
+        held_bytes = moments @ np.array(price, dtype=np.float64)
+        at = int(held_bytes.argmax())
+        acts = int(held_bytes[at])
+        graded = int(moments[at, len(stages) + 1:] @ np.array(price[len(stages) + 1:],
+                                                               dtype=np.float64))
+        acts -= graded
     else:
         acts = graph[0]
-    backward = e * (n * model.vocab // t + 2 * n * h) if last else 3 * e * n * h
+    backward = [e * n * model.vocab // t, e * n * h, e * n * h] if last else 3 * [e * n * h]
+    transient = sum(backward)
     if last:
-        backward = max(backward, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
-    transient = backward + recompute_live
+        transient = max(transient, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
+    live = (_block_tensors(model, b, t, sp, "none") if plan.recompute != "none" else [])
+    transient += recompute_live
+    if host:
+        transient += host_slack(backward) + host_slack(live) - block_slack * bool(live)
     optimizer = 4 * (states["optimizer"] // max(model.bytes[2], 1))
+    if host:
+        states["params"] += sum(x for x, _, _ in slack)
+        states["optimizer"] += sum(o for _, _, o in slack)
+        if not plain:
+            states["grads"] += sum(g for _, g, _ in slack)
     if ranks_per_node:
         full = _states(model, Plan(1, t, p, sp, plan.schedule, v, plan.microbatches, 0,
                                    plan.recompute, b), sum(counts[s] for s in stages),
                        first, last)
         states["scratch"] = states.get("scratch", 0) + scratch(model, plan, ranks_per_node,
                                                                full, r in (0, p - 1))
+    if plain:
+        # a plain stage's peak holds the gradients of its fullest moment, or all of them
+        # through the optimizer's step
+        states["grads"] = grads if grads + optimizer > graded + acts + transient else graded
     total = sum(states.values()) + max(acts + transient, optimizer)
     return total, dict(states, activations=acts, transient=max(transient, optimizer - acts),
                        rank=r)
