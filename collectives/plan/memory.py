@@ -52,8 +52,13 @@ ZeRO 1-2 also keep a scratch shard.
 
 Transients. End of forward on the last stage: the logits, their shifted copy and the softmax
 (``3 e n V / t``); in backward: a gradient of the logits' size and two of the hidden state's
-(``e (n V / t + 2 n h)``) on the last stage, three hidden-state gradients elsewhere; the
-optimizer step: one float32 temporary of its parameters (AdamW's ``foreach`` square root).
+(``e (n V / t + 2 n h)``) on the last stage, three hidden-state gradients elsewhere; with
+selective recompute the core's saved tensors on top (recomputed in the middle of its block's
+backward); with full recompute the larger of that and a block recomputed at the start of its
+backward: its "none" beyond its input, the gradient coming into it (``e n' h``) and, under
+sequence parallelism, two gathered hidden states (``2 e n h``: the incoming gradient's and the
+projection's output before its scatter); the optimizer step: one float32 temporary of its
+parameters (AdamW's ``foreach`` square root).
 The peak is the larger of (states + activations + backward transient) and (states + optimizer
 temporary).
 
@@ -411,10 +416,20 @@ def rank_memory(model: GPTShape, plan: Plan, r: int, ranks_per_node: int = 0) ->
     transient = sum(backward)
     if last:
         transient = max(transient, 3 * e * n * model.vocab // t - e * n * model.vocab // t)
-    live = (_block_tensors(model, b, t, sp, "none") if plan.recompute != "none" else [])
-    transient += recompute_live
     if host:
-        transient += host_slack(backward) + host_slack(live) - block_slack * bool(live)
+        transient += host_slack(backward)
+    live = (_block_tensors(model, b, t, sp, "none") if plan.recompute != "none" else [])
+    recomputed = recompute_live + (host_slack(live) - block_slack if host and live else 0)
+    if plan.recompute == "full":
+        # a block is recomputed at the start of its backward, when the one gradient alive is
+        # the one coming into it (a hidden state's), and sequence parallelism's gathered
+        # copies (the incoming gradient's, the projection's output before its scatter); its
+        # saved tensors then go as its backward makes gradients
+        gathered = 2 * e * n * h if sp else 0
+        transient = max(transient, recomputed + e * (n // t if sp else n) * h + gathered)
+    else:
+        # the attention core is recomputed in the middle of its block's backward
+        transient += recomputed
     optimizer = 4 * (states["optimizer"] // max(model.bytes[2], 1))
     if host:
         states["params"] += sum(x for x, _, _ in slack)
