@@ -240,18 +240,17 @@ def _held_matrix(schedule: str, p: int, m: int, v: int, rank: int, plain: bool =
     return np.unique(np.array(rows, dtype=np.float64), axis=0)
 
 
-def _param_tensors(model: GPTShape, plan: Plan, blocks: int, first: bool,
-                   last: bool) -> list[int]:
-    """The rank's parameter tensors, in elements: a block's q/k/v, projection, fc1 and fc2
-    shards and its norms' weights and biases, the embedding's and the head's shards and the
-    final norm on the end stages (``_states`` counts the same)."""
+def _param_tensors(model: GPTShape, plan: Plan, first: bool, last: bool) -> tuple[list, list]:
+    """The parameter tensors of one block, and of a stage's ends, in elements: a block's q/k/v,
+    projection, fc1 and fc2 shards and its norms' weights and biases; the embedding's shard on
+    the first stage, the final norm and the head's shard on the last (``_states`` counts the
+    same)."""
     t, h, f, V = plan.tp, model.dim, model.ffn, model.vocab
-    out = blocks * [3 * h * h // t, h * h // t, f * h // t, h * f // t, h, h, h, h]
-    if first:
-        out.append(V * h // t)
+    block = [3 * h * h // t, h * h // t, f * h // t, h * f // t, h, h, h, h]
+    ends = [V * h // t] if first else []
     if last:
-        out += [h, h] + ([V * h // t] if (plan.pp > 1 or not model.tied) else [])
-    return out
+        ends += [h, h] + ([V * h // t] if (plan.pp > 1 or not model.tied) else [])
+    return block, ends
 
 
 def _state_slack(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool,
@@ -261,13 +260,15 @@ def _state_slack(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bo
     buffers (parameters and state), nor where data-parallel buckets hold the gradients (a
     plain pipeline stage keeps them per parameter); AdamW keeps its state per parameter, in
     float32 tensors of the parameter's shape."""
-    wp, wg, wo, _ = model.bytes
-    sizes = _param_tensors(model, plan, blocks, first, last)
-    flat = plan.zero >= 1 and plan.dp > 1
-    if flat:
+    if plan.zero >= 1 and plan.dp > 1:
         return 0, 0, 0
-    return (host_slack(wp * x for x in sizes), host_slack(wg * x for x in sizes) if plain else 0,
-            (wo // 4) * host_slack(4 * x for x in sizes))
+    wp, wg, wo, _ = model.bytes
+    block, ends = _param_tensors(model, plan, first, last)
+
+    def slack(width):
+        return blocks * host_slack(width * x for x in block) + host_slack(width * x for x in ends)
+
+    return slack(wp), slack(wg) if plain else 0, (wo // 4) * slack(4)
 
 
 def _states(model: GPTShape, plan: Plan, blocks: int, first: bool, last: bool) -> dict:
