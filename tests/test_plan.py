@@ -118,6 +118,19 @@ def test_in_flight_is_the_simulators_peak(name, v, p, m):
         assert peak == [min(p - r, m) for r in range(p)]
 
 
+def _world_schedule(world, name: str, m: int, v: int):
+    """(schedule ``name`` over ``world``'s ranks, this rank, the stage count), or a skip."""
+    from collectives.torch import pipeline as pp
+    p = world.Get_size()
+    if p < 2:
+        pytest.skip("needs 2 ranks or more")
+    try:
+        sched = pp.schedule(name, p, m, v)
+    except ValueError:
+        pytest.skip("schedule not defined for these sizes")
+    return sched, world.Get_rank(), p * v
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
                                      ("interleaved", 2)])
@@ -137,13 +150,7 @@ def test_held_is_what_the_pipeline_runner_keeps(name, v, monkeypatch):
     from mpiutil import assert_all
     world = MPI.COMM_WORLD
     p, m, width, rows = world.Get_size(), 4, 16, 8
-    if p < 2:
-        pytest.skip("needs 2 ranks or more")
-    try:
-        sched = pp.schedule(name, p, m, v)
-    except ValueError:
-        pytest.skip("schedule not defined for these sizes")
-    r, S = world.Get_rank(), p * v
+    sched, r, S = _world_schedule(world, name, m, v)
     torch.manual_seed(0)
     every = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
                                  torch.nn.Linear(width, width)) for _ in range(S)]
@@ -249,13 +256,7 @@ def test_graded_is_when_a_plain_stage_holds_gradients(name, v):
     from mpiutil import assert_all
     world = MPI.COMM_WORLD
     p, m, width, rows = world.Get_size(), 4, 16, 8
-    if p < 2:
-        pytest.skip("needs 2 ranks or more")
-    try:
-        sched = pp.schedule(name, p, m, v)
-    except ValueError:
-        pytest.skip("schedule not defined for these sizes")
-    r, S = world.Get_rank(), p * v
+    sched, r, S = _world_schedule(world, name, m, v)
     torch.manual_seed(0)
     every = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
              for _ in range(S)]
