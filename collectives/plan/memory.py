@@ -408,9 +408,9 @@ def rank_memory(model: GPTShape, plan: Plan, r: int, ranks_per_node: int = 0) ->
         held_bytes = moments @ np.array(price, dtype=np.float64)
         at = int(held_bytes.argmax())
         acts = int(held_bytes[at])
-        graded = int(moments[at, len(stages) + 1:] @ np.array(price[len(stages) + 1:],
-                                                               dtype=np.float64))
-        acts -= graded
+        grads_then = int(moments[at, len(stages) + 1:] @ np.array(price[len(stages) + 1:],
+                                                                   dtype=np.float64))
+        acts -= grads_then
     else:
         acts = graph[0]
     backward = [e * n * model.vocab // t, e * n * h, e * n * h] if last else 3 * [e * n * h]
@@ -446,7 +446,8 @@ def rank_memory(model: GPTShape, plan: Plan, r: int, ranks_per_node: int = 0) ->
     if plain:
         # a plain stage's peak holds the gradients of its fullest moment, or all of them
         # through the optimizer's step
-        states["grads"] = grads if grads + optimizer > graded + acts + transient else graded
+        states["grads"] = grads if grads + optimizer > grads_then + acts + transient \
+            else grads_then
     total = sum(states.values()) + max(acts + transient, optimizer)
     return total, dict(states, activations=acts, transient=max(transient, optimizer - acts),
                        rank=r)
