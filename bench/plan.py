@@ -16,10 +16,11 @@ It launches its own jobs (``mpiexec -n N``, ``--mpiexec`` to name one), each in 
    cheaper than the plain one, ``layer_time``), and the tensor-parallel collectives alone;
    then what else the time model asks of the network for the plans, on the plan's own axes,
    every rank at once: the data-parallel and tied-pair collectives, and a pipeline's messages
-   as its runner sends them while the ranks around compute; the head and the optimizer by ``train_gpt.measured_compute``. The probe
-   runs ``--probe-rounds`` times, one round after the other, and the plans are priced with
-   each figure's median over the rounds (load from other jobs that comes and goes while it
-   runs then falls on every plan alike, not on the blocks that happened to be measured then).
+   as its runner sends them while the ranks around compute; the head and the optimizer by
+   ``train_gpt.measured_compute``. The probe runs ``--probe-rounds`` times, one round after
+   the other, and the plans are priced with each figure's median over the rounds (load from
+   other jobs that comes and goes while it runs then falls on every plan alike, not on the
+   blocks that happened to be measured then).
 2. *Measure.* The plans run in batches of ``--batch-plans``, one job a batch (a job builds a
    mesh and its communicators per plan, and MPI holds a few thousand at most), each plan for
    ``--steps`` steps after two steps of the same plan at the same widths with one block a

@@ -23,9 +23,9 @@ unit), which is all an optimizer sees.
    a flat buffer, reduce-scatter it into the shard's gradient and drop the full ones. The
    packing buffers are ``PACKED`` slots (one a unit at most), allocated with the flat buffers
    and taken in turn (launch k packs into slot k mod ``PACKED``, whose size is the largest of
-   the units it packs; at most ``PACKED - 1``
-   launches are in flight while the next one packs), so no backward allocates one: a registered
-   allocation is a collective that would stop every rank's backward at each launch.
+   the units it packs; at most ``PACKED - 1`` launches are in flight while the next one
+   packs), so no backward allocates one: a registered allocation is a collective that would
+   stop every rank's backward at each launch.
    Stage 3 re-gathers a layer before its backward (a hook on the layer's outputs) and frees it
    once its gradients are launched. A layer run again by activation checkpointing
    (``collectives.torch.checkpoint``) is gathered for its recompute and kept until then. At the end of backward, units with unused parameters are
@@ -143,7 +143,7 @@ class ShardedDataParallel(torch.nn.Module):
         self._sync = True
         self._synced_backward = False
         self._scratch = None
-        self._packed: list = []    # stages 2 and 3: the packing slots
+        self._packing: list = []   # stages 2 and 3: launch k's layout in its packing slot
         self._forward_seen: list = []
         self._next_in_forward: dict = {}
         self._shards = torch.nn.ParameterList()
@@ -214,9 +214,13 @@ class ShardedDataParallel(torch.nn.Module):
             if self.stage != 1 and self._units:
                 # slot j packs the launches j, j + PACKED, ...: the largest of those units
                 full, count = self._units[0].full, min(PACKED, len(self._units))
-                self._packed = [
-                    flat_buffer(max(u.full.padded for u in self._launch_order[j::count]),
-                                full.dtype, full.device, self._reg) for j in range(count)]
+                slots = [flat_buffer(max(u.full.padded for u in self._launch_order[j::count]),
+                                     full.dtype, full.device, self._reg) for j in range(count)]
+                for k, unit in enumerate(self._launch_order):
+                    layout = FlatBuffer(unit.full.shapes, full.dtype, full.device,
+                                        pad_to=self.nranks, allocate=False)
+                    layout.bind(slots[k % count][:unit.full.padded])
+                    self._packing.append(layout)
 
     # -- the optimizer's view -------------------------------------------------------------------
     def parameters(self, recurse: bool = True):
@@ -349,11 +353,8 @@ class ShardedDataParallel(torch.nn.Module):
             self._launcher.started(k, (work, None, None))
             return
         # slot k mod PACKED held the launch PACKED before this one: it must have finished
-        self._launcher.drain(self._complete, keep=len(self._packed) - 1)
-        full = unit.full
-        packed = FlatBuffer(full.shapes, full.dtype, full.device, pad_to=self.nranks,
-                            allocate=False)
-        packed.bind(self._packed[k % len(self._packed)][:full.padded])
+        self._launcher.drain(self._complete, keep=min(PACKED, len(self._packing)) - 1)
+        full, packed = unit.full, self._packing[k]
         for p, view in zip(unit.params, packed.views):
             if p.grad is not None:
                 view.copy_(p.grad)
